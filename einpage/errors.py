@@ -1,0 +1,43 @@
+"""The error hierarchy. Every error a user can cause is an `EinpageError`; the CLI turns one into a
+single line on stderr and exit status 2."""
+
+
+class EinpageError(Exception):
+    """Base of every error einpage raises on bad input or an impossible request."""
+
+
+class SpecError(EinpageError):
+    """A malformed einsum spec, or operands that do not match it."""
+
+
+class ShapeError(EinpageError):
+    """Shapes that disagree: sizes of one index, a reshape, a concat, a slice."""
+
+
+class GraphError(EinpageError):
+    """A graph that breaks an invariant of `Graph.verify()`, or a bad binding of symbolic sizes."""
+
+
+class CheckpointError(EinpageError):
+    """A missing, malformed or mis-shaped checkpoint, config or weight tensor."""
+
+
+class ModelError(EinpageError):
+    """An unknown model name or an unsupported model type."""
+
+
+class InputError(EinpageError):
+    """Bad run-time input: a token file, token ids out of range, a missing input tensor."""
+
+
+class BudgetError(EinpageError):
+    """A device budget too small for the plan; carries the bytes needed and available."""
+
+    def __init__(self, message: str, needed: int, available: int):
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+
+class PlanError(EinpageError):
+    """A memgraph (or plan file) that breaks a rule of the format."""

@@ -1,0 +1,179 @@
+"""The DSL: build a `Graph` by calling methods that return `Tensor` handles.
+
+    g = GraphBuilder()
+    x = g.input("x", ("B", "S", "M"), "f16")                 # sizes: ints or symbol names
+    w = g.input("w", ("N", "M"), "f16", role="weight")
+    y = g.einsum("bsm,nm->bsn", x, w)                         # product join, sum aggregation
+    z = g.einsum("bsn->bsn", y, join=lambda a: silu(a))       # elementwise
+    g.output("y", z)
+    graph = g.build()
+
+Einsums of three or more operands with the default (product) join are split into pairwise
+steps along the path opt_einsum finds (minimising the largest intermediate).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
+
+import opt_einsum
+import sympy
+
+from einpage.errors import GraphError, SpecError
+from einpage.ir import scalar
+from einpage.ir.dtypes import DType, as_dtype
+from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
+                              Role, Slice, Size, verify_node)
+from einpage.ir.spec import EinsumSpec
+
+#: Size a symbol is assumed to have when only a path choice depends on it.
+PATH_HINT_SIZE = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """A handle to a node of the graph being built."""
+    builder: "GraphBuilder"
+    id: int
+
+    @property
+    def node(self) -> Node:
+        return self.builder._nodes[self.id]
+
+    @property
+    def shape(self) -> tuple[Size, ...]:
+        return self.node.shape
+
+    @property
+    def dtype(self) -> DType:
+        return self.node.dtype
+
+
+JoinLike = Union[sympy.Expr, Callable[..., sympy.Expr], None]
+
+
+def _size(s: Union[int, str, sympy.Expr]) -> Size:
+    if isinstance(s, str):
+        return scalar.size_symbol(s)
+    if isinstance(s, sympy.Basic):
+        return int(s) if s.is_Integer else s
+    if isinstance(s, int) and not isinstance(s, bool) and s >= 0:
+        return s
+    raise GraphError(f"size {s!r} is not a non-negative int, a symbol name or an expression")
+
+
+class GraphBuilder:
+    def __init__(self) -> None:
+        self._nodes: list[Node] = []
+        self._stage = 0
+
+    @contextlib.contextmanager
+    def stage(self, number: int):
+        """Nodes made inside belong to scheduling stage `number` (e.g. a layer)."""
+        old, self._stage = self._stage, number
+        try:
+            yield
+        finally:
+            self._stage = old
+
+    def _add(self, op, inputs: Sequence[Tensor], shape, dtype) -> Tensor:
+        for t in inputs:
+            if not isinstance(t, Tensor) or t.builder is not self:
+                raise GraphError(f"{type(op).__name__.lower()}: operand {t!r} is not a tensor of "
+                                 "this graph")
+        node = Node(len(self._nodes), op, tuple(t.id for t in inputs),
+                    tuple(_size(s) for s in shape), as_dtype(dtype), self._stage)
+        verify_node(self._nodes, node, set(), set())  # the new node only: O(1) per add
+        self._nodes.append(node)
+        return Tensor(self, node.id)
+
+    # ------------------------------------------------------------------ nodes
+    def input(self, name: str, shape, dtype="f32", role: Union[Role, str] = "activation") -> Tensor:
+        if any(isinstance(n.op, Input) and n.op.name == name for n in self._nodes):
+            raise GraphError(f"input {name!r} defined twice")
+        return self._add(Input(name, Role(role)), (), shape, dtype)
+
+    def einsum(self, spec: str, *operands: Tensor, join: JoinLike = None,
+               agg: str | None = None, dtype=None) -> Tensor:
+        """`out = agg over contracted indices of join(operands)`; `join` defaults to the product
+        and `agg` to `sum` when something is contracted. `dtype` defaults to operand 0's."""
+        parsed = EinsumSpec.parse(spec)
+        n = len(operands)
+        expr = _join_expr(join, n)
+        if parsed.contracted and agg is None:
+            agg = "sum"
+        out_dtype = as_dtype(dtype) if dtype is not None else operands[0].dtype
+        if n > 2 and expr == scalar.product(n) and agg in (None, "sum"):
+            return self._pairwise(parsed, operands, out_dtype)
+        shape = parsed.output_shape([t.shape for t in operands], where="")
+        return self._add(Einsum(parsed, expr, agg), operands, shape, out_dtype)
+
+    def _pairwise(self, spec: EinsumSpec, operands: Sequence[Tensor], dtype: DType) -> Tensor:
+        sizes = spec.sizes([t.shape for t in operands])
+        hint = {c: (int(s) if not isinstance(s, sympy.Basic) or s.is_Integer else PATH_HINT_SIZE)
+                for c, s in sizes.items()}
+        shapes = [tuple(hint[c] for c in term) for term in spec.inputs]
+        _, info = opt_einsum.contract_path(str(spec), *shapes, shapes=True,
+                                           optimize=opt_einsum.DynamicProgramming(minimize="size"))
+        live: list[tuple[str, Tensor]] = list(zip(spec.inputs, operands))
+        for step in info.contraction_list:
+            positions, step_spec = step[0], step[2]
+            picked = [live[p] for p in positions]  # positions are sorted descending
+            for p in positions:
+                live.pop(p)
+            out_term = step_spec.split("->")[1]
+            ins = ",".join(term for term, _ in picked)
+            result = self.einsum(f"{ins}->{out_term}", *[t for _, t in picked], dtype=dtype)
+            live.append((out_term, result))
+        (term, result), = live
+        if term != spec.output:  # the last step already names the output order in practice
+            result = self.einsum(f"{term}->{spec.output}", result, dtype=dtype)
+        return result
+
+    def fill(self, shape, expr: Union[sympy.Expr, Callable[..., sympy.Expr], float],
+             dtype="f32") -> Tensor:
+        """A constant tensor; `expr` is a SymPy expression of `index(k)` symbols, a callable of
+        the index symbols, or a number."""
+        rank = len(shape)
+        if callable(expr) and not isinstance(expr, sympy.Basic):
+            expr = expr(*[scalar.index(k) for k in range(rank)])
+        return self._add(Fill(sympy.sympify(expr)), (), shape, dtype)
+
+    def gather(self, table: Tensor, ids: Tensor) -> Tensor:
+        return self._add(Gather(), (table, ids), tuple(ids.shape) + tuple(table.shape[1:]),
+                         table.dtype)
+
+    def reshape(self, t: Tensor, shape) -> Tensor:
+        return self._add(Reshape(), (t,), shape, t.dtype)
+
+    def concat(self, tensors: Sequence[Tensor], axis: int) -> Tensor:
+        shape = list(tensors[0].shape)
+        if 0 <= axis < len(shape):
+            shape[axis] = sum((t.shape[axis] for t in tensors[1:]), tensors[0].shape[axis])
+        return self._add(Concat(axis), tensors, shape, tensors[0].dtype)
+
+    def slice(self, t: Tensor, axis: int, start, stop) -> Tensor:
+        shape = list(t.shape)
+        start, stop = _size(start), _size(stop)
+        if 0 <= axis < len(shape):
+            shape[axis] = stop - start
+        return self._add(Slice(axis, start, stop), (t,), shape, t.dtype)
+
+    def output(self, name: str, t: Tensor) -> Tensor:
+        return self._add(Output(name), (t,), t.shape, t.dtype)
+
+    def build(self) -> Graph:
+        g = Graph(tuple(self._nodes))
+        g.verify()
+        return g
+
+
+def _join_expr(join: JoinLike, n: int) -> sympy.Expr:
+    if join is None:
+        return scalar.product(n)
+    if isinstance(join, sympy.Basic):
+        return join
+    if callable(join):
+        return sympy.sympify(join(*[scalar.x(i) for i in range(n)]))
+    raise SpecError(f"join must be a SymPy expression or a callable, not {join!r}")

@@ -1,0 +1,118 @@
+"""Scalar expressions: the elementwise part of an einsum (its *join*, over placeholders `x0, x1,
+...`) and the body of a fill (over index symbols `i0, i1, ...` and size symbols such as `P`).
+
+Expressions are SymPy; each distinct expression is translated to NumPy code once and cached, so no
+SymPy runs inside a kernel loop.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from typing import Callable, Sequence
+
+import numpy as np
+import sympy
+
+#: A size symbol: positive integer, e.g. `B`, `S`, `P`.
+def size_symbol(name: str) -> sympy.Symbol:
+    return sympy.Symbol(name, integer=True, nonnegative=True)
+
+
+def x(i: int) -> sympy.Symbol:
+    """Placeholder for operand `i` of a join."""
+    return sympy.Symbol(f"x{i}")
+
+
+def index(i: int) -> sympy.Symbol:
+    """Symbol for dimension `i` of a fill's output."""
+    return sympy.Symbol(f"i{i}", integer=True, nonnegative=True)
+
+
+# Built-ins a model needs, as plain SymPy so they print, compare and translate like anything else.
+exp = sympy.exp
+sqrt = sympy.sqrt
+cos = sympy.cos
+sin = sympy.sin
+
+
+def silu(e: sympy.Expr) -> sympy.Expr:
+    return e / (1 + sympy.exp(-e))
+
+
+def rsqrt(e: sympy.Expr) -> sympy.Expr:
+    return 1 / sympy.sqrt(e)
+
+
+def product(n: int) -> sympy.Expr:
+    """The default join: the product of all `n` operands."""
+    return sympy.Mul(*[x(i) for i in range(n)])
+
+
+AGGREGATIONS = ("sum", "max", "min")
+
+
+def scaled_product_factor(join: sympy.Expr, n: int) -> float | None:
+    """If `join` is `c * x0 * ... * x{n-1}` (each operand once), return `c`, else None.
+    Such joins run as BLAS contractions; anything else is evaluated elementwise."""
+    coeff, rest = join.as_coeff_Mul()
+    if rest == product(n) and coeff.is_number:
+        return float(coeff)
+    return None
+
+
+def free_operands(join: sympy.Expr) -> set[int]:
+    """Operand numbers a join mentions."""
+    out = set()
+    for s in join.free_symbols:
+        if s.name.startswith("x") and s.name[1:].isdigit():
+            out.add(int(s.name[1:]))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def numpy_function(expr: sympy.Expr, arg_names: tuple[str, ...]) -> Callable[..., np.ndarray]:
+    """NumPy function of the named symbols, translated once per distinct expression."""
+    args = [sympy.Symbol(n) for n in arg_names]
+    # Symbols carry assumptions; rebuild the expression over plain symbols of the same names.
+    plain = expr.xreplace({s: sympy.Symbol(s.name) for s in expr.free_symbols})
+    return sympy.lambdify(args, plain, modules="numpy")
+
+
+def join_function(join: sympy.Expr, n: int) -> Callable[..., np.ndarray]:
+    return numpy_function(join, tuple(f"x{i}" for i in range(n)))
+
+
+def evaluate_fill(expr: sympy.Expr, origin: Sequence[int], shape: Sequence[int],
+                  dtype: np.dtype) -> np.ndarray:
+    """The block of a fill at `origin` with `shape`: `expr` evaluated at every index, in float64
+    (or int64), then cast to `dtype`."""
+    names = tuple(f"i{k}" for k in range(len(shape)))
+    grids = np.ogrid[tuple(slice(o, o + s) for o, s in zip(origin, shape))] if shape else []
+    with np.errstate(all="ignore"):
+        value = numpy_function(expr, names)(*[g.astype(np.float64) for g in grids])
+    return np.broadcast_to(np.asarray(value), tuple(shape)).astype(dtype)
+
+
+def to_text(expr: sympy.Expr) -> str:
+    """Readable, canonical text of an expression (printers, plan files, cache keys)."""
+    return sympy.sstr(expr, order="lex")
+
+
+_NAMES = {"Piecewise", "exp", "log", "cos", "sin", "sqrt", "Max", "Min", "Abs", "oo", "pi", "E",
+          "True", "False", "And", "Or", "Not"}
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+_SYMBOL = re.compile(r"[xi][0-9]+|[A-Z]")
+
+
+def from_text(text: str) -> sympy.Expr:
+    """Inverse of `to_text`. Only the functions joins and fills use, placeholders `x<k>`, indices
+    `i<k>` and one-letter size symbols are accepted, so a plan file cannot smuggle in code."""
+    for name in _IDENT.findall(text):
+        if name not in _NAMES and not _SYMBOL.fullmatch(name):
+            raise ValueError(f"expression {text!r}: unknown name {name!r}")
+    return _parse(text)
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(text: str) -> sympy.Expr:
+    return sympy.parse_expr(text, evaluate=True)

@@ -1,0 +1,42 @@
+"""Models written in the einsum DSL, and how to load them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from einpage.ir.dtypes import DType
+from einpage.models.config import PRESETS, LlamaConfig, preset
+
+
+def resolve(model: str, *, random_weights: bool = False, seed: int = 0, dtype: DType | None = None):
+    """`(config, weight source)` for a preset name (with `random_weights`) or a checkpoint
+    directory. `weights` is None for a preset without `random_weights` (compile needs none).
+    The computation dtype defaults to the checkpoint's, except that bf16 is computed in float32:
+    NumPy has no bf16 arithmetic."""
+    from einpage.errors import ModelError
+    from einpage.models.checkpoint import Checkpoint, CheckpointWeights, RandomWeights
+
+    path = Path(model)
+    if model in PRESETS and not path.is_dir():
+        cfg = preset(model)
+        weights = RandomWeights(cfg, seed) if random_weights else None
+    elif path.is_dir():
+        if random_weights:
+            raise ModelError("--random-weights takes a preset name, not a checkpoint directory")
+        ckpt = Checkpoint(path)
+        weights = CheckpointWeights(ckpt)
+        weights.check()
+        cfg = ckpt.config
+    elif path.suffix or "/" in model:
+        from einpage.errors import CheckpointError
+        raise CheckpointError(f"{model}: no such checkpoint directory")
+    else:
+        cfg = preset(model)  # raises with the list of presets
+        weights = None
+    if dtype is not None:
+        cfg = cfg.with_dtype(dtype)
+    elif cfg.dtype is DType.bf16:
+        cfg = cfg.with_dtype(DType.f32)
+    return cfg, weights
+
+
+__all__ = ["LlamaConfig", "PRESETS", "preset", "resolve"]

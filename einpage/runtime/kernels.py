@@ -1,0 +1,70 @@
+"""NumPy kernels shared by the dense reference and the NumPy executor.
+
+Every kernel computes in the compute dtype (float32 for f16/bf16, float64 when asked) and returns
+an array the caller casts or stores."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import sympy
+
+from einpage.errors import InputError
+from einpage.ir import scalar
+from einpage.ir.spec import EinsumSpec
+
+_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
+_COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+
+def einsum(spec: EinsumSpec, join: sympy.Expr, agg: str | None, arrays: Sequence[np.ndarray],
+           compute: np.dtype) -> np.ndarray:
+    """`agg over contracted of join(arrays)`, computed in `compute`."""
+    arrays = [np.asarray(a, dtype=compute) for a in arrays]
+    factor = scalar.scaled_product_factor(join, len(arrays))
+    if factor is not None and agg in (None, "sum"):
+        out = np.einsum(str(spec), *arrays, optimize=len(arrays) > 1)
+        if factor != 1.0:
+            out = out * compute.type(factor)
+        return np.asarray(out, dtype=compute)
+    return _einsum_elementwise(spec, join, agg, arrays, compute)
+
+
+def _einsum_elementwise(spec, join, agg, arrays, compute) -> np.ndarray:
+    """General path: broadcast every operand over the join space, apply, reduce."""
+    order = spec.join_indices
+    sizes = spec.sizes([a.shape for a in arrays])
+    views = []
+    for term, a in zip(spec.inputs, arrays):
+        perm = sorted(range(len(term)), key=lambda k: order.index(term[k]))
+        a = a.transpose(perm)
+        present = sorted(term, key=order.index)
+        shape = [sizes[c] if c in present else 1 for c in order]
+        views.append(a.reshape(shape))
+    with np.errstate(all="ignore"):
+        value = scalar.join_function(join, len(arrays))(*views)
+    value = np.broadcast_to(np.asarray(value, dtype=compute), tuple(sizes[c] for c in order))
+    if spec.contracted:
+        axes = tuple(range(len(spec.output), len(order)))
+        value = _REDUCE[agg](value, axis=axes)
+    return np.ascontiguousarray(value, dtype=compute)
+
+
+def combine(agg: str, acc: np.ndarray, part: np.ndarray) -> np.ndarray:
+    """Fold a partial result into an accumulator (a contracted index cut into blocks)."""
+    return _COMBINE[agg or "sum"](acc, part)
+
+
+def gather(table: np.ndarray, ids: np.ndarray, row_offset: int = 0) -> np.ndarray:
+    """Rows of `table` for `ids`; with `row_offset`, `table` holds rows [offset, offset+len) of a
+    bigger table and ids outside that range give zeros (a partial gather, summed over blocks)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    local = ids - row_offset
+    if row_offset == 0 and local.size and (local.min() < 0 or local.max() >= table.shape[0]):
+        bad = int(local.min() if local.min() < 0 else local.max())
+        raise InputError(f"gather: index {bad} out of range for a table of {table.shape[0]} rows")
+    inside = (local >= 0) & (local < table.shape[0])
+    out = np.take(table, np.where(inside, local, 0), axis=0)
+    if not inside.all():
+        out = np.where(inside.reshape(inside.shape + (1,) * (table.ndim - 1)), out, 0)
+    return out
