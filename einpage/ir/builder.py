@@ -20,7 +20,7 @@ from typing import Callable, Sequence, Union
 import opt_einsum
 import sympy
 
-from einpage.errors import GraphError, SpecError
+from einpage.errors import GraphError, ShapeError, SpecError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
@@ -100,6 +100,9 @@ class GraphBuilder:
         and `agg` to `sum` when something is contracted. `dtype` defaults to operand 0's."""
         parsed = EinsumSpec.parse(spec)
         n = len(operands)
+        if n != len(parsed.inputs):
+            raise SpecError(f"einsum {parsed}: {len(parsed.inputs)} operand(s) in the spec, "
+                            f"{n} given")
         expr = _join_expr(join, n)
         if parsed.contracted and agg is None:
             agg = "sum"
@@ -148,6 +151,8 @@ class GraphBuilder:
         return self._add(Reshape(), (t,), shape, t.dtype)
 
     def concat(self, tensors: Sequence[Tensor], axis: int) -> Tensor:
+        if not tensors:
+            raise GraphError("concat of nothing")
         shape = list(tensors[0].shape)
         if 0 <= axis < len(shape):
             shape[axis] = sum((t.shape[axis] for t in tensors[1:]), tensors[0].shape[axis])
@@ -155,6 +160,10 @@ class GraphBuilder:
 
     def slice(self, t: Tensor, axis: int, start, stop) -> Tensor:
         shape = list(t.shape)
+        if 0 <= axis < len(shape) and all(isinstance(v, int) for v in (start, stop, shape[axis])) \
+                and not 0 <= start <= stop <= shape[axis]:  # else the shape is negative: say why
+            raise ShapeError(f"node %{len(self._nodes)} (slice): slice [{start}:{stop}] outside "
+                             f"axis {axis} of size {shape[axis]}")
         start, stop = _size(start), _size(stop)
         if 0 <= axis < len(shape):
             shape[axis] = stop - start

@@ -193,7 +193,8 @@ class Graph:
            sum/max/min exactly when an index is contracted; its join mentions only `x0..x{n-1}`.
         5. A gather's ids are i64, its shape is `ids.shape + table.shape[1:]`.
         6. A reshape keeps the element count; a concat's operands agree off its axis and its axis
-           size is their sum; a slice has `0 <= start <= stop <= size` on its axis.
+           size is their sum; a slice has `0 <= start <= stop <= size` on its axis. Reshape, slice
+           and concat keep their operands' dtype; a gather keeps its table's.
         7. An output has its input's shape and dtype.
         8. Fills mention only index symbols `i<k>` with k < rank, and size symbols.
         """
@@ -278,7 +279,11 @@ def verify_node(nodes, n: Node, names: set, outs: set) -> None:
                 0 <= op.start <= op.stop <= size):
             raise ShapeError(f"{where}: slice [{op.start}:{op.stop}] outside axis {op.axis} "
                              f"of size {size}")
-    elif isinstance(op, Output):
+    if isinstance(op, (Reshape, Slice, Concat, Gather)):
+        for i in n.inputs[:1] if isinstance(op, Gather) else n.inputs:
+            if nodes[i].dtype is not n.dtype:
+                raise GraphError(f"{where}: operand %{i} is {nodes[i].dtype}, the node {n.dtype}")
+    if isinstance(op, Output):
         _arity(n, 1)
         src = nodes[n.inputs[0]]
         if op.name in outs:
@@ -320,10 +325,10 @@ def _op_text(n: Node) -> str:
     if isinstance(op, Einsum):
         extra = ""
         if op.join != scalar.product(len(n.inputs)):
-            extra += f" join={scalar.to_text(op.join)}"
+            extra += f", join={scalar.to_text(op.join)}"
         if op.agg is not None:
-            extra += f" agg={op.agg}"
-        return f"einsum[{op.spec}]{extra}"
+            extra += f", agg={op.agg}"
+        return f"einsum[{op.spec}{extra}]"  # inside the brackets: `agg=sum(%0)` reads as a call
     if isinstance(op, Fill):
         return f"fill[{scalar.to_text(op.expr)}]"
     if isinstance(op, Concat):
@@ -336,7 +341,7 @@ def _op_text(n: Node) -> str:
 
 
 def format_node(n: Node) -> str:
-    """`%5 = einsum[bsm,nm->bsn](%3, %4) f16[B,S,N]`: one deterministic line per node."""
+    """`%5 = einsum[bsm,nm->bsn, agg=sum](%3, %4) f16[B,S,N]`: one deterministic line per node."""
     args = ", ".join(f"%{i}" for i in n.inputs)
     call = f"({args})" if n.inputs else ""
     return f"%{n.id} = {_op_text(n)}{call} {n.dtype}[{_shape_text(n.shape)}]"

@@ -100,19 +100,27 @@ def to_text(expr: sympy.Expr) -> str:
 
 _NAMES = {"Piecewise", "exp", "log", "cos", "sin", "sqrt", "Max", "Min", "Abs", "oo", "pi", "E",
           "True", "False", "And", "Or", "Not"}
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+# Numbers first, so the exponent of `1.0e-6` is not read as a name `e`.
+_TOKEN = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[A-Za-z_][A-Za-z_0-9]*")
 _SYMBOL = re.compile(r"[xi][0-9]+|[A-Z]")
 
 
 def from_text(text: str) -> sympy.Expr:
     """Inverse of `to_text`. Only the functions joins and fills use, placeholders `x<k>`, indices
     `i<k>` and one-letter size symbols are accepted, so a plan file cannot smuggle in code."""
-    for name in _IDENT.findall(text):
+    for name in _names(text):
         if name not in _NAMES and not _SYMBOL.fullmatch(name):
             raise ValueError(f"expression {text!r}: unknown name {name!r}")
     return _parse(text)
 
 
+def _names(text: str) -> list[str]:
+    return [t for t in _TOKEN.findall(text) if t[0].isalpha() or t[0] == "_"]
+
+
 @functools.lru_cache(maxsize=None)
 def _parse(text: str) -> sympy.Expr:
-    return sympy.parse_expr(text, evaluate=True)
+    # Bind every symbol name explicitly: otherwise SymPy's namespace turns `S`, `N`, `I`, `O`,
+    # `Q` into its own objects (`I` silently into the imaginary unit).
+    local = {n: sympy.Symbol(n) for n in _names(text) if n not in _NAMES and _SYMBOL.fullmatch(n)}
+    return sympy.parse_expr(text, local_dict=local, evaluate=True)

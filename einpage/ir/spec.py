@@ -1,5 +1,6 @@
 """Einsum specs: `"bhqd,bhkd->bhqk"`. One letter per index; an index repeated inside one operand
-(a diagonal) is not supported; every output index appears in some input."""
+(a diagonal) is not supported; every output index appears in some input. An empty term is a
+scalar operand (`"->"`, `",a->a"`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,9 +19,7 @@ class EinsumSpec:
         if text.count("->") != 1:
             raise SpecError(f"einsum spec {text!r}: expected exactly one '->'")
         lhs, out = text.replace(" ", "").split("->")
-        ins = tuple(lhs.split(",")) if lhs else ()
-        if not ins:
-            raise SpecError(f"einsum spec {text!r}: no operands")
+        ins = tuple(lhs.split(","))  # "->" is one scalar operand, as in np.einsum
         for k, term in enumerate((*ins, out)):
             where = f"operand {k}" if k < len(ins) else "output"
             bad = [c for c in term if not c.isalpha()]

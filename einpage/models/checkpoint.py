@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from einpage.errors import CheckpointError, ModelError
+from einpage.errors import CheckpointError, ModelError, SpecError
 from einpage.ir.dtypes import DType
 from einpage.ir.graph import Node
 from einpage.models import llama
@@ -96,7 +96,7 @@ def load_config(directory: Path) -> LlamaConfig:
             tied=bool(raw.get("tie_word_embeddings", False)), dtype=as_dtype(dtype_name))
     except KeyError as exc:
         raise CheckpointError(f"{path}: missing key {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, SpecError) as exc:  # SpecError: an unknown torch_dtype
         raise CheckpointError(f"{path}: bad value: {exc}") from None
 
 

@@ -55,12 +55,14 @@ def combine(agg: str, acc: np.ndarray, part: np.ndarray) -> np.ndarray:
     return _COMBINE[agg or "sum"](acc, part)
 
 
-def gather(table: np.ndarray, ids: np.ndarray, row_offset: int = 0) -> np.ndarray:
-    """Rows of `table` for `ids`; with `row_offset`, `table` holds rows [offset, offset+len) of a
-    bigger table and ids outside that range give zeros (a partial gather, summed over blocks)."""
+def gather(table: np.ndarray, ids: np.ndarray, row_offset: int = 0,
+           partial: bool = False) -> np.ndarray:
+    """Rows of `table` for `ids`. With `partial`, `table` holds rows [row_offset, row_offset+len)
+    of a bigger table and ids outside that range give zeros (a block of a gather whose table is
+    cut by rows; the blocks' results are summed). Otherwise an id outside the table is an error."""
     ids = np.asarray(ids, dtype=np.int64)
     local = ids - row_offset
-    if row_offset == 0 and local.size and (local.min() < 0 or local.max() >= table.shape[0]):
+    if not partial and local.size and (local.min() < 0 or local.max() >= table.shape[0]):
         bad = int(local.min() if local.min() < 0 else local.max())
         raise InputError(f"gather: index {bad} out of range for a table of {table.shape[0]} rows")
     inside = (local >= 0) & (local < table.shape[0])

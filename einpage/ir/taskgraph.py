@@ -1,0 +1,122 @@
+"""The taskgraph: every logical tensor cut into a grid of blocks, every op into block tasks.
+
+A `Block` is a sub-box of one logical tensor (a graph node) in one layout; a `Task` computes one
+block op (`einpage.ir.ops`) reading blocks and writing one block, accumulating into it when a
+contracted index is cut. Task ids are a topological order; `deps` derives the edges from blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from einpage.errors import GraphError
+from einpage.ir.dtypes import DType
+from einpage.ir.memgraph import LogicalTensor, Source
+from einpage.ir.ops import BlockOp, op_text
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    id: int
+    node: int                    # the graph node whose tensor this block is part of
+    origin: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: DType
+    role: str                    # weight | activation | cache | temp
+    name: str
+    source: Source | None = None  # set for blocks of graph inputs
+
+    @property
+    def bytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    id: int
+    reads: tuple[int, ...]
+    write: int
+    accumulate: bool
+    op: BlockOp
+    node: int
+    stage: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutputBlock:
+    block: int
+    name: str
+    origin: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TaskGraph:
+    blocks: tuple[Block, ...]
+    tasks: tuple[Task, ...]
+    outputs: tuple[OutputBlock, ...]
+    inputs: tuple[LogicalTensor, ...]
+    results: tuple[LogicalTensor, ...]
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @cached_property
+    def writers(self) -> tuple[tuple[int, ...], ...]:
+        """Tasks writing each block, in id order (the first creates it, the rest accumulate)."""
+        out: list[list[int]] = [[] for _ in self.blocks]
+        for t in self.tasks:
+            out[t.write].append(t.id)
+        return tuple(tuple(w) for w in out)
+
+    @cached_property
+    def deps(self) -> tuple[tuple[int, ...], ...]:
+        """Task edges: every writer of each read block, and the previous writer of an
+        accumulated block."""
+        writers = self.writers
+        out = []
+        for t in self.tasks:
+            d: set[int] = set()
+            for b in t.reads:
+                d.update(writers[b])
+            if t.accumulate:
+                d.update(w for w in writers[t.write] if w < t.id)
+            out.append(tuple(sorted(d)))
+        return tuple(out)
+
+    @property
+    def input_blocks(self) -> list[Block]:
+        return [b for b in self.blocks if b.source is not None]
+
+    def verify(self) -> None:
+        """Invariants: ids are positions; a task reads only input blocks or blocks written by
+        earlier tasks; each non-input block's first writer does not accumulate and later ones do;
+        input blocks are never written; every output block exists."""
+        writers = self.writers
+        for k, b in enumerate(self.blocks):
+            if b.id != k:
+                raise GraphError(f"block at position {k} has id {b.id}")
+            if b.source is not None and writers[k]:
+                raise GraphError(f"input block %b{k} ({b.name}) is written by task {writers[k][0]}")
+            for n, w in enumerate(writers[k]):
+                if self.tasks[w].accumulate != (n > 0):
+                    raise GraphError(f"task {w}: accumulate flag wrong for writer {n} of %b{k}")
+        for k, t in enumerate(self.tasks):
+            if t.id != k:
+                raise GraphError(f"task at position {k} has id {t.id}")
+            for b in t.reads:
+                if self.blocks[b].source is None and (not writers[b] or writers[b][0] >= k):
+                    raise GraphError(f"task {k} ({op_text(t.op)}) reads %b{b} before it is written")
+        for o in self.outputs:
+            if self.blocks[o.block].source is None and not writers[o.block]:
+                raise GraphError(f"output {o.name} block %b{o.block} is never written")
+
+    def __str__(self) -> str:
+        lines = []
+        for t in self.tasks:
+            args = ", ".join(f"%b{b}" for b in t.reads)
+            w = self.blocks[t.write]
+            acc = " +=" if t.accumulate else ""
+            lines.append(f"task {t.id}: {op_text(t.op)}({args}) ->{acc} %b{w.id} "
+                         f"{w.dtype}[{','.join(map(str, w.shape))}] {w.name}")
+        return "\n".join(lines)

@@ -1,0 +1,353 @@
+"""Partition: `Graph` -> `TaskGraph`.
+
+Every einsum's index space is cut into a grid (parts per index letter); its output tensor takes the
+cuts of its output indices, each operand is read in the cuts of its indices. Cutting a contracted
+index gives partial results folded into the output block (accumulating tasks). Inputs and fills
+are materialised in whatever layout a consumer asks for (straight from host or computed on the
+device); a produced tensor read in another layout is regridded by `copy` tasks.
+
+Cuts are chosen so that each task's working set (its operand blocks plus its output block) is at
+most `block_bytes`: starting from the cuts the operands already have, the index whose halving
+shrinks the working set most is cut again, until it fits. `cuts` sets them by hand for experiments.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from einpage.errors import GraphError
+from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
+                              Slice)
+from einpage.ir.memgraph import LogicalTensor, Source
+from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, Piece
+from einpage.ir.spec import EinsumSpec
+from einpage.ir.taskgraph import Block, OutputBlock, Task, TaskGraph
+
+Bounds = tuple[tuple[int, ...], ...]  # per dim: cut points 0 = c0 < c1 < ... < ck = size
+
+
+@dataclass(frozen=True)
+class PartitionOptions:
+    block_bytes: int                    # target working set of one task
+    cuts: Mapping[int, Mapping[str, int]] = field(default_factory=dict)  # node id -> parts per index
+    sources: Mapping[str, str] = field(default_factory=dict)  # weight name -> checkpoint tensor
+
+
+def even_bounds(size: int, parts: int) -> tuple[int, ...]:
+    parts = max(1, min(parts, size)) if size else 1
+    return tuple((k * size) // parts for k in range(parts + 1))
+
+
+def _parts_of(bounds: tuple[int, ...]) -> int | None:
+    """Number of parts if `bounds` is an even split, else None."""
+    k = len(bounds) - 1
+    return k if bounds == even_bounds(bounds[-1], k) else None
+
+
+@dataclass
+class _Grid:
+    bounds: Bounds
+    blocks: dict[tuple[int, ...], int]  # block coordinates -> block id
+
+
+class _Partitioner:
+    def __init__(self, graph: Graph, options: PartitionOptions):
+        self.g, self.opt = graph, options
+        self.blocks: list[Block] = []
+        self.tasks: list[Task] = []
+        self.grids: dict[tuple[int, Bounds], _Grid] = {}
+        self.primary: dict[int, Bounds] = {}  # layout a produced node was written in
+
+    # ------------------------------------------------------------ blocks and tasks
+    def _new_grid(self, node: Node, bounds: Bounds) -> _Grid:
+        grid = _Grid(bounds, {})
+        role = node.op.role.value if isinstance(node.op, Input) else "activation"
+        base = node.op.name if isinstance(node.op, Input) else f"%{node.id}"
+        for coords in itertools.product(*[range(len(b) - 1) for b in bounds]):
+            origin = tuple(b[c] for b, c in zip(bounds, coords))
+            shape = tuple(b[c + 1] - b[c] for b, c in zip(bounds, coords))
+            source = None
+            if isinstance(node.op, Input):
+                source = Source(node.op.name, origin, tuple(node.shape),
+                                self.opt.sources.get(node.op.name))
+            bid = len(self.blocks)
+            suffix = f"[{','.join(map(str, coords))}]" if coords else ""
+            self.blocks.append(Block(bid, node.id, origin, shape, node.dtype, role, base + suffix,
+                                     source))
+            grid.blocks[coords] = bid
+        self.grids[(node.id, bounds)] = grid
+        return grid
+
+    def _task(self, reads, write, accumulate, op, node: Node) -> None:
+        self.tasks.append(Task(len(self.tasks), tuple(reads), write, accumulate, op, node.id,
+                               node.stage))
+
+    def layout(self, node_id: int, bounds: Bounds) -> _Grid:
+        """The blocks of `node_id` in `bounds`, made (from host, by fills or by copies) if new."""
+        key = (node_id, bounds)
+        if key in self.grids:
+            return self.grids[key]
+        node = self.g.nodes[node_id]
+        if isinstance(node.op, Input):
+            return self._new_grid(node, bounds)
+        if isinstance(node.op, Fill):
+            grid = self._new_grid(node, bounds)
+            for bid in grid.blocks.values():
+                self._task((), bid, False, FillOp(node.op.expr, self.blocks[bid].origin), node)
+            return grid
+        if node_id not in self.primary:
+            raise GraphError(f"partition: %{node_id} used before it is partitioned")
+        return self._regrid(node, self.grids[(node_id, self.primary[node_id])], bounds)
+
+    def _regrid(self, node: Node, src: _Grid, bounds: Bounds) -> _Grid:
+        grid = self._new_grid(node, bounds)
+        for bid in grid.blocks.values():
+            dst = self.blocks[bid]
+            reads, pieces = [], []
+            for sid in src.blocks.values():
+                s = self.blocks[sid]
+                lo = [max(a, b) for a, b in zip(dst.origin, s.origin)]
+                hi = [min(a + n, b + m) for a, n, b, m in zip(dst.origin, dst.shape, s.origin,
+                                                               s.shape)]
+                if all(l < h for l, h in zip(lo, hi)) or not dst.shape:
+                    pieces.append(Piece(len(reads),
+                                        tuple((l - o, h - o) for l, h, o in zip(lo, hi, s.origin)),
+                                        tuple((l - o, h - o) for l, h, o in zip(lo, hi, dst.origin))))
+                    reads.append(sid)
+            self._task(reads, bid, False, CopyOp(tuple(pieces)), node)
+        return grid
+
+    def _produce(self, node: Node, bounds: Bounds) -> _Grid:
+        self.primary[node.id] = bounds
+        return self._new_grid(node, bounds)
+
+    # ------------------------------------------------------------ cut choice
+    def _inherited(self, node: Node, terms) -> dict[str, int]:
+        """Parts per index taken from operands already partitioned (largest operand wins)."""
+        parts: dict[str, int] = {}
+        ranked = sorted(zip(node.inputs, terms), key=lambda it: -_nbytes(self.g.nodes[it[0]]))
+        for nid, term in ranked:
+            if nid not in self.primary:
+                continue
+            for c, b in zip(term, self.primary[nid]):
+                k = _parts_of(b)
+                if c not in parts and k is not None:
+                    parts[c] = k
+        return parts
+
+    def _choose(self, node: Node, terms: list[str], out_term: str,
+                sizes: dict[str, int]) -> dict[str, int]:
+        if node.id in self.opt.cuts:
+            manual = dict(self.opt.cuts[node.id])
+            return {c: max(1, min(manual.get(c, 1), sizes[c] or 1)) for c in sizes}
+        parts = {c: 1 for c in sizes}
+        parts.update(self._inherited(node, terms))
+        shapes = [(term, self.g.nodes[i].dtype.itemsize) for term, i in zip(terms, node.inputs)]
+        shapes.append((out_term, node.dtype.itemsize))
+
+        def working_set(p):
+            total = 0
+            for term, item in shapes:
+                n = item
+                for c in term:
+                    n *= -(-sizes[c] // p[c])
+                total += n
+            return total
+
+        order = sorted(sizes)  # deterministic tie-break
+        while working_set(parts) > self.opt.block_bytes:
+            best = None
+            for c in order:
+                if parts[c] * 2 > sizes[c]:
+                    continue
+                trial = dict(parts, **{c: parts[c] * 2})
+                key = (working_set(trial), c not in out_term, c)
+                if best is None or key < best[0]:
+                    best = (key, c)
+            if best is None:
+                break  # cannot cut further; the lowering reports the budget needed
+            parts[best[1]] *= 2
+        return parts
+
+    # ------------------------------------------------------------ per node kind
+    def einsum(self, node: Node) -> None:
+        op: Einsum = node.op
+        spec: EinsumSpec = op.spec
+        sizes = spec.sizes([self.g.nodes[i].shape for i in node.inputs])
+        parts = self._choose(node, list(spec.inputs), spec.output, sizes)
+        bounds = {c: even_bounds(sizes[c], parts[c]) for c in sizes}
+        out = self._produce(node, tuple(bounds[c] for c in spec.output))
+        grids = [self.layout(i, tuple(bounds[c] for c in term))
+                 for i, term in zip(node.inputs, spec.inputs)]
+        block_op = EinsumOp(spec, op.join, op.agg, node.dtype)
+        letters = spec.join_indices
+        ranges = [range(len(bounds[c]) - 1) for c in letters]
+        for coords in itertools.product(*ranges):
+            at = dict(zip(letters, coords))
+            reads = [g.blocks[tuple(at[c] for c in term)] for g, term in zip(grids, spec.inputs)]
+            write = out.blocks[tuple(at[c] for c in spec.output)]
+            acc = any(at[c] for c in spec.contracted)
+            self._task(reads, write, acc, block_op, node)
+
+    def gather(self, node: Node) -> None:
+        table, ids = (self.g.nodes[i] for i in node.inputs)
+        rest = "".join(chr(ord("A") + k) for k in range(len(table.shape) - 1))
+        idx = "".join(chr(ord("a") + k) for k in range(len(ids.shape)))
+        sizes = dict(zip("V" + rest, table.shape)) | dict(zip(idx, ids.shape))
+        parts = self._choose(node, ["V" + rest, idx], idx + rest, sizes)
+        bounds = {c: even_bounds(sizes[c], parts[c]) for c in sizes}
+        out = self._produce(node, tuple(bounds[c] for c in idx + rest))
+        tgrid = self.layout(table.id, tuple(bounds[c] for c in "V" + rest))
+        igrid = self.layout(ids.id, tuple(bounds[c] for c in idx))
+        letters = idx + rest + "V"
+        for coords in itertools.product(*[range(len(bounds[c]) - 1) for c in letters]):
+            at = dict(zip(letters, coords))
+            t = tgrid.blocks[tuple(at[c] for c in "V" + rest)]
+            i = igrid.blocks[tuple(at[c] for c in idx)]
+            self._task((t, i), out.blocks[tuple(at[c] for c in idx + rest)], at["V"] > 0,
+                       GatherOp(bounds["V"][at["V"]]), node)
+
+    def _split_dims(self, node: Node, fixed_axis: int | None, axis_bounds=None) -> Bounds:
+        """Bounds for a copy-produced node: halve its largest dim until a block is at most half
+        the task budget (a copy reads about as much as it writes)."""
+        parts = [1] * len(node.shape)
+        def block_bytes():
+            n = node.dtype.itemsize
+            for d, s in enumerate(node.shape):
+                n *= -(-s // parts[d]) if d != fixed_axis else max(
+                    (b - a for a, b in zip(axis_bounds, axis_bounds[1:])), default=0)
+            return n
+        while block_bytes() > self.opt.block_bytes // 2:
+            cands = [d for d in range(len(node.shape)) if d != fixed_axis
+                     and parts[d] * 2 <= node.shape[d]]
+            if not cands:
+                break
+            d = max(cands, key=lambda d: (-(-node.shape[d] // parts[d]), -d))
+            parts[d] *= 2
+        return tuple(axis_bounds if d == fixed_axis else even_bounds(s, parts[d])
+                     for d, s in enumerate(node.shape))
+
+    def _axis_bounds(self, extent: int, item_bytes_per_row: int) -> tuple[int, ...]:
+        rows = max(1, (self.opt.block_bytes // 2) // max(1, item_bytes_per_row))
+        return even_bounds(extent, -(-extent // rows)) if extent else (0, 0)
+
+    def concat(self, node: Node) -> None:
+        axis = node.op.axis
+        row = node.dtype.itemsize * _prod(s for d, s in enumerate(node.shape) if d != axis)
+        axis_bounds, pieces_of, start = [0], [], 0
+        for i in node.inputs:
+            ext = self.g.nodes[i].shape[axis]
+            local = self._axis_bounds(ext, row)
+            pieces_of.append(local)
+            axis_bounds += [start + b for b in local[1:]]
+            start += ext
+        out_bounds = self._split_dims(node, axis, tuple(axis_bounds))
+        out = self._produce(node, out_bounds)
+        start = 0
+        for i, local in zip(node.inputs, pieces_of):
+            in_bounds = tuple(local if d == axis else b for d, b in enumerate(out_bounds))
+            ext = self.g.nodes[i].shape[axis]
+            self._copy_blocks(node, self.layout(i, in_bounds), out, axis, start, (start, start + ext))
+            start += ext
+
+    def slice(self, node: Node) -> None:
+        op: Slice = node.op
+        src = self.g.nodes[node.inputs[0]]
+        if src.id in self.primary:
+            src_bounds = self.primary[src.id]
+        else:
+            src_bounds = self._split_dims(src, None)
+        cuts = sorted({b for b in src_bounds[op.axis] if op.start < b < op.stop}
+                      | {op.start, op.stop} | {0, src.shape[op.axis]})
+        src_bounds = tuple(tuple(cuts) if d == op.axis else b for d, b in enumerate(src_bounds))
+        grid = self.layout(src.id, src_bounds)
+        out_axis = tuple(c - op.start for c in cuts if op.start <= c <= op.stop)
+        out = self._produce(node, tuple(out_axis if d == op.axis else b
+                                        for d, b in enumerate(src_bounds)))
+        self._copy_blocks(node, grid, out, op.axis, -op.start, (0, op.stop - op.start))
+
+    def _copy_blocks(self, node, src: _Grid, out: _Grid, axis: int, shift: int,
+                     covers: tuple[int, int]) -> None:
+        """One copy task per output block whose origin on `axis` is in `covers`; it lies inside
+        one source block shifted by `shift`."""
+        index = {}
+        for coords, sid in src.blocks.items():
+            b = self.blocks[sid]
+            key = tuple(o + (shift if d == axis else 0) for d, o in enumerate(b.origin))
+            index[key] = sid
+        for bid in out.blocks.values():
+            dst = self.blocks[bid]
+            if not covers[0] <= dst.origin[axis] < covers[1]:
+                continue
+            for key, sid in index.items():
+                s = self.blocks[sid]
+                if all(k <= o < k + n for k, o, n in zip(key, dst.origin, s.shape)):
+                    lo = [o - k for o, k in zip(dst.origin, key)]
+                    box_src = tuple((l, l + n) for l, n in zip(lo, dst.shape))
+                    box_dst = tuple((0, n) for n in dst.shape)
+                    self._task((sid,), bid, False, CopyOp((Piece(0, box_src, box_dst),)), node)
+                    break
+            else:
+                raise GraphError(f"partition: no source block for {dst.name}")
+
+    def reshape(self, node: Node) -> None:
+        src = self.g.nodes[node.inputs[0]]
+        whole_src = tuple((0, s) for s in src.shape)
+        grid = self.layout(src.id, self.primary.get(src.id, whole_src))
+        out = self._produce(node, tuple((0, s) for s in node.shape))
+        reads, pieces = [], []
+        for sid in grid.blocks.values():
+            b = self.blocks[sid]
+            pieces.append(Piece(len(reads), tuple((0, n) for n in b.shape),
+                                tuple((o, o + n) for o, n in zip(b.origin, b.shape))))
+            reads.append(sid)
+        (bid,) = out.blocks.values()
+        self._task(reads, bid, False, CopyOp(tuple(pieces), tuple(src.shape)), node)
+
+    # ------------------------------------------------------------ driver
+    def run(self) -> TaskGraph:
+        outputs: list[OutputBlock] = []
+        for node in self.g.nodes:
+            op = node.op
+            if isinstance(op, Einsum):
+                self.einsum(node)
+            elif isinstance(op, Gather):
+                self.gather(node)
+            elif isinstance(op, Concat):
+                self.concat(node)
+            elif isinstance(op, Slice):
+                self.slice(node)
+            elif isinstance(op, Reshape):
+                self.reshape(node)
+            elif isinstance(op, Output):
+                src = self.g.nodes[node.inputs[0]]
+                bounds = self.primary.get(src.id) or tuple((0, s) for s in src.shape)
+                for bid in self.layout(src.id, bounds).blocks.values():
+                    outputs.append(OutputBlock(bid, op.name, self.blocks[bid].origin))
+        inputs = tuple(LogicalTensor(n.op.name, n.op.role.value, tuple(n.shape), n.dtype)
+                       for n in self.g.inputs)
+        results = tuple(LogicalTensor(n.op.name, "output", tuple(n.shape), n.dtype)
+                        for n in self.g.outputs)
+        tg = TaskGraph(tuple(self.blocks), tuple(self.tasks), tuple(outputs), inputs, results)
+        return tg
+
+
+def _nbytes(node: Node) -> int:
+    return node.dtype.itemsize * _prod(node.shape)
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def partition(graph: Graph, options: PartitionOptions) -> TaskGraph:
+    """Cut a concrete graph into block tasks (see the module docstring)."""
+    if not graph.is_concrete:
+        raise GraphError("partition: bind the graph's size symbols first")
+    tg = _Partitioner(graph, options).run()
+    tg.verify()
+    return tg

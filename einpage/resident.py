@@ -1,0 +1,81 @@
+"""Which weights stay on the device for every pass.
+
+A plan is one pass run again and again, so a weight block kept resident is loaded once per model
+load and streams zero bytes per pass; every other weight block streams its bytes once per pass.
+The resident set is the largest set of weight bytes that fits beside the memory the pass itself
+needs (activations at their peak, the largest task's working set, and room to double-buffer the
+streamed weights), packed in order of first use so the pass can start computing at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from einpage.allocator import aligned
+from einpage.ir.taskgraph import TaskGraph
+from einpage.lower import working_set
+
+
+@dataclass(frozen=True)
+class PassNeeds:
+    weight_bytes: int          # all weight blocks, aligned
+    input_bytes: int           # activation and cache input blocks, aligned
+    activation_peak: int       # peak of live produced blocks over the order
+    max_working_set: int       # the largest task's blocks
+    max_task_weights: int      # the most weight bytes one task reads
+
+
+def pass_needs(tg: TaskGraph, order: list[int]) -> PassNeeds:
+    first, last = {}, {}
+    for p, tid in enumerate(order):
+        t = tg.tasks[tid]
+        for b in (*t.reads, t.write):
+            first.setdefault(b, p)
+            last[b] = p
+    outputs = {o.block for o in tg.outputs}
+    delta = [0] * (len(order) + 1)
+    for b, p in first.items():
+        blk = tg.blocks[b]
+        if blk.source is None:
+            delta[p] += aligned(blk.bytes)
+            if b not in outputs:
+                delta[last[b] + 1] -= aligned(blk.bytes)
+    peak = live = 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    weights = [b for b in tg.input_blocks if b.role == "weight"]
+    others = [b for b in tg.input_blocks if b.role != "weight"]
+    return PassNeeds(
+        weight_bytes=sum(aligned(b.bytes) for b in weights),
+        input_bytes=sum(aligned(b.bytes) for b in others),
+        activation_peak=peak,
+        max_working_set=max((working_set(tg, t) for t in range(len(tg.tasks))), default=0),
+        max_task_weights=max((sum(aligned(tg.blocks[b].bytes) for b in set(t.reads)
+                                  if tg.blocks[b].role == "weight") for t in tg.tasks), default=0))
+
+
+def everything_fits(needs: PassNeeds, device_bytes: int) -> bool:
+    return (needs.weight_bytes + needs.input_bytes + needs.activation_peak * 1.05
+            + needs.max_working_set) <= device_bytes
+
+
+def pass_reserve(needs: PassNeeds) -> int:
+    """Memory the streaming pass keeps for itself."""
+    return needs.activation_peak + needs.max_working_set + 2 * needs.max_task_weights
+
+
+def choose_resident(tg: TaskGraph, order: list[int], budget: int) -> frozenset[int]:
+    """Weight blocks to keep resident within `budget` bytes, earliest first use first."""
+    first = {}
+    for p, tid in enumerate(order):
+        for b in tg.tasks[tid].reads:
+            first.setdefault(b, p)
+    weights = sorted((b for b in tg.input_blocks if b.role == "weight"),
+                     key=lambda b: (first.get(b.id, len(order)), b.id))
+    chosen, used = [], 0
+    for b in weights:
+        size = aligned(b.bytes)
+        if used + size <= budget:
+            chosen.append(b.id)
+            used += size
+    return frozenset(chosen)

@@ -1,0 +1,487 @@
+"""The memgraph validator: checks that the dependency edges ALONE make every topological order of a
+`MemGraph` correct (DESIGN.md, "MemGraph file format", "Correct means").
+
+The node list is replayed once, in its order, to know which device instance of each tensor is live
+where; every ordering claim is then checked against the dep DAG ("u is an ancestor of v"), never
+against list positions. `validate` raises `PlanError` naming the node (`node %17 (apply): ...`) at
+the first broken rule, or returns a `ValidationReport`.
+
+Vocabulary. A device *instance* of a tensor starts at an `input` at device, a `reload`, or an
+`apply` whose write does not accumulate (its *creator*); it ends at a `free` of it, or at an
+`apply` that lists it in `frees` (its *ender*). Its *writers* are its creator and every
+accumulating `apply` into it; its *accesses* are its writers, its readers (`apply` reads,
+`offload`s) and its ender. A tensor's *version* counts the `apply` writes to it so far; an
+`input` at host holds the current version on the host, an `offload` copies the current version.
+"Ancestor" is reflexive where one node plays both parts (an `apply` that frees an instance and
+writes into its bytes).
+
+Invariants:
+
+1. Structure: `nodes[k].id == k`; every dep is an int id `< k` (duplicates allowed);
+   `tensors[k].id == k`; every tensor id a node or output names exists; a tensor's `bytes` is
+   `prod(shape) * dtype.itemsize`; `input.at` and `output.at` are `host` or `device`; an input
+   at device and an output at device carry an offset, an input at host carries none.
+2. Placement: every instance lies inside `[0, device_bytes)`, at an offset that is a multiple of
+   `ALIGNMENT` (256).
+3. Reads: every read (an `apply` read, the instance an accumulating `apply` writes, an `offload`)
+   names a tensor with a live instance at exactly that offset, and every writer of that instance
+   so far is an ancestor of the reader.
+4. Write-after-read and free-after-use: an accumulating `apply`, a `free`, and an `apply` that
+   lists an instance in `frees`, have every earlier access of that instance as an ancestor. An
+   `apply` may not free the instance it accumulates into.
+5. Memory reuse: two instances whose byte ranges overlap never coexist, and every access of the
+   older one (its ender included) is an ancestor of the newer one's creator.
+6. Host copies: every `reload` has a host copy of its tensor (an `input` at host or an `offload`)
+   among its ancestors, and that copy is current: it holds the tensor's latest version (a reload
+   of a copy made before a later `apply` write is stale).
+7. Outputs: at the end, an output at device has a live instance at its offset; an output at host
+   has a current host copy.
+8. One instance per tensor: a tensor is never created while it has a live instance; a `free`,
+   `offload` or `frees` entry names a live instance; and the ender of a tensor's previous instance
+   is an ancestor of its next creator (so "one live instance at a time" holds in every order).
+
+Host-side hazards need no rule of their own: by 3, 4 and 8 every write of a tensor, every reload
+and every offload of it are totally ordered by the edges, so its versions, and the host copy each
+reload reads, are the same in every topological order.
+
+Cost. Checks reduce to few ancestor queries by transitivity: the last writer of an instance has
+every earlier access of it as an ancestor (4), so 3 checks only the last writer and 4 only the last
+writer and the reads since; the ender has every access as an ancestor, so 5 checks only the ender
+of the most recent occupant of each byte (a sorted segment map, bisect). A query first looks at
+the direct deps, then runs one backward search pruned below the smallest id sought (an ancestor
+always has a smaller id), stopping when everything is found.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from dataclasses import dataclass
+
+from einpage.errors import PlanError
+from einpage.ir.memgraph import (ALIGNMENT, ApplyNode, FreeNode, InputNode, MemGraph, MemNode,
+                                 OffloadNode, ReloadNode)
+
+__all__ = ["ValidationReport", "validate"]
+
+_NODE_TYPES = (InputNode, ReloadNode, OffloadNode, FreeNode, ApplyNode)
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationReport:
+    """What a valid memgraph needs: `peak_bytes`, the highest byte any instance reaches;
+    `live_peak_bytes`, the most bytes live at once in the node order (the lower bound a perfect,
+    fragmentation-free placement of that order would need); and the traffic it moves."""
+    device_bytes: int
+    nodes: int
+    instances: int
+    peak_bytes: int
+    live_peak_bytes: int
+    reloads: int
+    reload_bytes: int
+    offloads: int
+    offload_bytes: int
+
+    def __str__(self) -> str:
+        return (f"valid memgraph: {self.nodes} nodes, {self.instances} instances, peak "
+                f"{self.peak_bytes} B (live {self.live_peak_bytes} B) of {self.device_bytes} B, "
+                f"reload {self.reloads}x {self.reload_bytes} B, offload {self.offloads}x "
+                f"{self.offload_bytes} B")
+
+
+def validate(mg: MemGraph) -> ValidationReport:
+    """Check every invariant of the module docstring; raise `PlanError` at the first broken one."""
+    return _Checker(mg).run()
+
+
+# ---------------------------------------------------------------------------------- helpers
+class _Instance:
+    """One device copy of a tensor while the checker replays the node order."""
+    __slots__ = ("serial", "tensor", "offset", "nbytes", "creator", "last_writer", "readers",
+                 "ender")
+
+    def __init__(self, serial: int, tensor: int, offset: int, nbytes: int, creator: int):
+        self.serial = serial
+        self.tensor = tensor
+        self.offset = offset
+        self.nbytes = nbytes
+        self.creator = creator
+        self.last_writer = creator
+        self.readers: list[int] = []  # reads and offloads since the last writer
+        self.ender: int | None = None
+
+
+class _Ancestry:
+    """Ancestor queries on the dep DAG; deps of node k must be checked before querying from k.
+
+    `reach[u]` keeps the nodes a search already proved to descend from `u`, so that a node read
+    again and again (a resident weight, a long-lived activation) is found at its previous reader
+    instead of by a search back to `u` each time."""
+
+    def __init__(self, nodes: tuple[MemNode, ...]):
+        self.deps = [n.deps for n in nodes]
+        self.mark = [0] * len(nodes)
+        self.stamp = 0
+        self.reach: dict[int, set[int]] = {}
+
+    def missing(self, targets: list[int], v: int) -> list[int]:
+        """The targets (other than `v` itself) that are not ancestors of `v`, sorted."""
+        need = {u for u in targets if u != v}
+        if need:
+            need.difference_update(self.deps[v])
+        if not need:
+            return []
+        late = sorted(u for u in need if u > v)
+        return late or self._search(need, v, find_all=True)
+
+    def any_of(self, targets: list[int], v: int) -> bool:
+        """Whether some target is `v` or an ancestor of `v`."""
+        need = set(targets)
+        if v in need or not need.isdisjoint(self.deps[v]):
+            return True
+        need = {u for u in need if u < v}
+        count = len(need)
+        return count > 0 and len(self._search(need, v, find_all=False)) < count
+
+    def _search(self, need: set[int], v: int, find_all: bool) -> list[int]:
+        """Backward search from `v` over ids >= min(need); returns what stayed unfound (stops at
+        the first find unless `find_all`)."""
+        deps, mark, reach = self.deps, self.mark, self.reach
+        self.stamp += 1
+        stamp = self.stamp
+        known = [(u, reach[u]) for u in need if u in reach]
+        found: list[int] = []
+        lo = min(need)
+        stack = [v]
+        while stack:
+            for d in deps[stack.pop()]:
+                if d < lo or mark[d] == stamp:
+                    continue
+                mark[d] = stamp
+                hits = [u for u, below in known if d in below and u in need]
+                if d in need:
+                    hits.append(d)
+                if hits:
+                    need.difference_update(hits)
+                    found += hits
+                    if not need or not find_all:
+                        stack = []
+                        break
+                    lo = min(need)
+                stack.append(d)
+        for u in found:
+            reach.setdefault(u, set()).add(v)
+        return sorted(need)
+
+
+class _Arena:
+    """The most recent occupant of every byte: sorted segment starts with their owners."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.starts = [0]
+        self.owners: list[_Instance | None] = [None]
+
+    def _split(self, x: int) -> int:
+        i = bisect_right(self.starts, x) - 1
+        if self.starts[i] != x:
+            i += 1
+            self.starts.insert(i, x)
+            self.owners.insert(i, self.owners[i - 1])
+        return i
+
+    def claim(self, lo: int, hi: int, inst: _Instance) -> list[_Instance]:
+        """Make `inst` the occupant of [lo, hi); return the distinct previous occupants."""
+        if lo >= hi:
+            return []
+        i = self._split(lo)
+        j = self._split(hi) if hi < self.size else len(self.starts)
+        previous = {o.serial: o for o in self.owners[i:j] if o is not None}
+        self.starts[i:j] = [lo]
+        self.owners[i:j] = [inst]
+        return list(previous.values())
+
+
+def _at(offset: int) -> str:
+    return f"@0x{offset:08x}"
+
+
+# ---------------------------------------------------------------------------------- checker
+class _Checker:
+    def __init__(self, mg: MemGraph):
+        self.mg = mg
+        self.nodes = mg.nodes
+        self.tensors = mg.tensors
+        self.ancestry = _Ancestry(mg.nodes)
+        self.arena = _Arena(mg.device_bytes)
+        self.live: dict[int, _Instance] = {}        # tensor -> its live instance
+        self.last_end: dict[int, int] = {}          # tensor -> ender of its last instance
+        self.version: dict[int, int] = {}           # tensor -> apply writes so far
+        self.last_write: dict[int, int] = {}        # tensor -> the apply that last wrote it
+        self.host_version: dict[int, int] = {}      # tensor -> version its host copy holds
+        self.host_nodes: dict[int, list[int]] = {}  # tensor -> nodes that made that host copy
+        self.instances = 0
+        self.peak = 0
+        self.live_bytes = 0
+        self.live_peak = 0
+        self.traffic = {"reload": [0, 0], "offload": [0, 0]}
+
+    # ------------------------------------------------------------ driver
+    def run(self) -> ValidationReport:
+        mg = self.mg
+        if not isinstance(mg.device_bytes, int) or mg.device_bytes <= 0:
+            raise PlanError(f"device_bytes is {mg.device_bytes!r}, expected a positive int")
+        self._check_tensors()
+        handlers = {"input": self._input, "reload": self._reload, "offload": self._offload,
+                    "free": self._free, "apply": self._apply}
+        for k, node in enumerate(self.nodes):
+            self._check_header(k, node)
+            handlers[node.kind](node)
+            self.live_peak = max(self.live_peak, self.live_bytes)
+        self._check_outputs()
+        return ValidationReport(
+            device_bytes=mg.device_bytes, nodes=len(self.nodes), instances=self.instances,
+            peak_bytes=self.peak, live_peak_bytes=self.live_peak,
+            reloads=self.traffic["reload"][0], reload_bytes=self.traffic["reload"][1],
+            offloads=self.traffic["offload"][0], offload_bytes=self.traffic["offload"][1])
+
+    def _check_tensors(self) -> None:
+        for k, t in enumerate(self.tensors):
+            if t.id != k:
+                raise PlanError(f"tensor %t{k}: id is {t.id}, expected its position {k}")
+            if any(not isinstance(s, int) or s < 0 for s in t.shape):
+                raise PlanError(f"tensor %t{k} ({t.name}): bad shape {t.shape}")
+            expected = math.prod(t.shape) * t.dtype.itemsize
+            if t.bytes != expected:
+                raise PlanError(f"tensor %t{k} ({t.name}): bytes is {t.bytes}, but "
+                                f"{t.dtype}{list(t.shape)} takes {expected}")
+
+    def _check_header(self, k: int, node: object) -> None:
+        if not isinstance(node, _NODE_TYPES):
+            raise PlanError(f"node {k}: {type(node).__name__} is not a memgraph node")
+        if node.id != k:
+            self._fail(node, f"id is {node.id}, expected its position {k}")
+        for d in node.deps:
+            if not isinstance(d, int) or not 0 <= d < k:
+                self._fail(node, f"dep {d!r} is not an earlier node id (deps name ids < {k})")
+
+    # ------------------------------------------------------------ messages
+    def _fail(self, node: MemNode, message: str):
+        raise PlanError(f"node %{node.id} ({node.kind}): {message}")
+
+    def _kind(self, k: int) -> str:
+        return f"node %{k} ({self.nodes[k].kind})"
+
+    def _name(self, t: int) -> str:
+        name = self.tensors[t].name
+        return f"%t{t} ({name})" if name else f"%t{t}"
+
+    # ------------------------------------------------------------ shared checks
+    def _tensor(self, node: MemNode, t: object) -> int:
+        if not isinstance(t, int) or not 0 <= t < len(self.tensors):
+            self._fail(node, f"names tensor {t!r}, but the plan has tensors %t0..%t"
+                             f"{len(self.tensors) - 1}")
+        return t
+
+    def _offset(self, node: MemNode, t: int, offset: object) -> int:
+        if not isinstance(offset, int):
+            self._fail(node, f"{self._name(t)} has offset {offset!r}, expected an int")
+        return offset
+
+    def _placed(self, node: MemNode, t: int, offset: object) -> int:
+        nbytes = self.tensors[t].bytes
+        self._offset(node, t, offset)
+        if offset % ALIGNMENT:
+            self._fail(node, f"{self._name(t)} {_at(offset)} is not aligned to {ALIGNMENT} bytes")
+        if offset < 0 or offset + nbytes > self.mg.device_bytes:
+            self._fail(node, f"{self._name(t)} at [{offset}, {offset + nbytes}) lies outside the "
+                             f"arena [0, {self.mg.device_bytes})")
+        return nbytes
+
+    def _live(self, node: MemNode, t: int, offset: int, verb: str) -> _Instance:
+        """The live instance of `t`, which must be at `offset` (rules 3 and 8)."""
+        self._offset(node, t, offset)
+        inst = self.live.get(t)
+        if inst is None:
+            ended = self.last_end.get(t)
+            why = (f"its last instance was freed by {self._kind(ended)}" if ended is not None
+                   else "it was never placed on the device")
+            self._fail(node, f"{verb} {self._name(t)} {_at(offset)}, which is not live ({why})")
+        if inst.offset != offset:
+            self._fail(node, f"{verb} {self._name(t)} {_at(offset)}, but its live instance is at "
+                             f"{_at(inst.offset)} (created by {self._kind(inst.creator)})")
+        return inst
+
+    def _check_written(self, node: MemNode, inst: _Instance, verb: str) -> None:
+        """Rule 3: the last writer (hence every writer, by rule 4) is an ancestor."""
+        if self.ancestry.missing([inst.last_writer], node.id):
+            self._fail(node, f"{verb} {self._name(inst.tensor)} {_at(inst.offset)}, but its writer "
+                             f"{self._kind(inst.last_writer)} is not an ancestor")
+
+    def _check_after_uses(self, node: MemNode, inst: _Instance, verb: str) -> None:
+        """Rule 4: every earlier access is an ancestor (the last writer and the reads since)."""
+        missing = self.ancestry.missing([inst.last_writer, *inst.readers], node.id)
+        if missing:
+            u = missing[0]
+            role = "writer" if u == inst.last_writer else "reader"
+            self._fail(node, f"{verb} {self._name(inst.tensor)} {_at(inst.offset)}, but its earlier "
+                             f"{role} {self._kind(u)} is not an ancestor")
+
+    def _end(self, node: MemNode, inst: _Instance) -> None:
+        inst.ender = node.id
+        del self.live[inst.tensor]
+        self.last_end[inst.tensor] = node.id
+        self.live_bytes -= inst.nbytes
+
+    def _create(self, node: MemNode, t: int, offset: object) -> _Instance:
+        """Rules 2, 5 and 8 for a new instance of `t` created by `node`."""
+        nbytes = self._placed(node, t, offset)
+        old = self.live.get(t)
+        if old is not None:
+            self._fail(node, f"creates {self._name(t)} {_at(offset)} while it already has a live "
+                             f"instance at {_at(old.offset)} (created by {self._kind(old.creator)})")
+        ended = self.last_end.get(t)
+        if ended is not None and self.ancestry.missing([ended], node.id):
+            self._fail(node, f"creates a new instance of {self._name(t)}, but the end of its "
+                             f"previous instance, {self._kind(ended)}, is not an ancestor")
+        inst = _Instance(self.instances, t, offset, nbytes, node.id)
+        previous = self.arena.claim(offset, offset + nbytes, inst)
+        for occ in previous:
+            if occ.ender is None:
+                self._fail(node, f"writes {self._name(t)} at [{offset}, {offset + nbytes}), which "
+                                 f"overlaps live {self._name(occ.tensor)} at [{occ.offset}, "
+                                 f"{occ.offset + occ.nbytes}) (created by "
+                                 f"{self._kind(occ.creator)})")
+        missing = self.ancestry.missing([occ.ender for occ in previous], node.id)
+        if missing:
+            occ = next(o for o in previous if o.ender == missing[0])
+            self._fail(node, f"writes {self._name(t)} at [{offset}, {offset + nbytes}), bytes last "
+                             f"held by {self._name(occ.tensor)} {_at(occ.offset)}, but its free "
+                             f"{self._kind(occ.ender)} is not an ancestor (memory-reuse edge)")
+        self.live[t] = inst
+        self.instances += 1
+        self.peak = max(self.peak, offset + nbytes)
+        self.live_bytes += nbytes
+        return inst
+
+    def _host_copy(self, node: MemNode, t: int) -> None:
+        """`node` leaves the tensor's current version on the host."""
+        v = self.version.get(t, 0)
+        if self.host_version.get(t) == v:
+            self.host_nodes[t].append(node.id)
+        else:
+            self.host_version[t] = v
+            self.host_nodes[t] = [node.id]
+
+    # ------------------------------------------------------------ one method per node kind
+    def _input(self, node: InputNode) -> None:
+        t = self._tensor(node, node.tensor)
+        if node.at == "host":
+            if node.offset is not None:
+                self._fail(node, f"input of {self._name(t)} at host has an offset ({node.offset})")
+            self._host_copy(node, t)
+        elif node.at == "device":
+            if node.offset is None:
+                self._fail(node, f"input of {self._name(t)} at device has no offset")
+            self._create(node, t, node.offset)
+        else:
+            self._fail(node, f"at is {node.at!r}, expected 'host' or 'device'")
+
+    def _reload(self, node: ReloadNode) -> None:
+        t = self._tensor(node, node.tensor)
+        self._create(node, t, node.offset)
+        host = self.host_nodes.get(t)
+        if host is None:
+            self._fail(node, f"reloads {self._name(t)}, which has no host copy (no input at host "
+                             f"or offload of it comes before)")
+        v = self.version.get(t, 0)
+        if self.host_version[t] != v:
+            self._fail(node, f"reloads a stale host copy of {self._name(t)}: made by "
+                             f"{self._kind(host[-1])}, but {self._kind(self.last_write[t])} wrote "
+                             f"the tensor since")
+        if not self.ancestry.any_of(host, node.id):
+            made = ", ".join(self._kind(h) for h in host)
+            self._fail(node, f"reloads {self._name(t)}, but no host copy of it ({made}) is an "
+                             f"ancestor")
+        self.traffic["reload"][0] += 1
+        self.traffic["reload"][1] += self.tensors[t].bytes
+
+    def _offload(self, node: OffloadNode) -> None:
+        t = self._tensor(node, node.tensor)
+        inst = self._live(node, t, node.offset, "offloads")
+        self._check_written(node, inst, "offloads")
+        inst.readers.append(node.id)
+        self._host_copy(node, t)
+        self.traffic["offload"][0] += 1
+        self.traffic["offload"][1] += inst.nbytes
+
+    def _free(self, node: FreeNode) -> None:
+        t = self._tensor(node, node.tensor)
+        inst = self._live(node, t, node.offset, "frees")
+        self._check_after_uses(node, inst, "frees")
+        self._end(node, inst)
+
+    def _apply(self, node: ApplyNode) -> None:
+        read = []
+        for a in node.reads:
+            inst = self._live(node, self._tensor(node, a.tensor), a.offset, "reads")
+            self._check_written(node, inst, "reads")
+            read.append(inst)
+        w = self._tensor(node, node.write.tensor)
+        lo = self._offset(node, w, node.write.offset)
+        hi = lo + self.tensors[w].bytes
+        target = None
+        if node.accumulate:
+            target = self._live(node, w, node.write.offset, "accumulates into")
+            self._check_after_uses(node, target, "accumulates into")
+        live_before = self.live_bytes
+        overlap = 0
+        for a in node.frees:
+            inst = self._live(node, self._tensor(node, a.tensor), a.offset, "frees")
+            if inst is target:
+                self._fail(node, f"frees {self._name(w)} {_at(a.offset)}, the instance it "
+                                 f"accumulates into")
+            self._check_after_uses(node, inst, "frees")
+            self._end(node, inst)
+            overlap += max(0, min(hi, inst.offset + inst.nbytes) - max(lo, inst.offset))
+        for inst in read:
+            inst.readers.append(node.id)
+        self.version[w] = self.version.get(w, 0) + 1
+        self.last_write[w] = node.id
+        if target is not None:
+            target.last_writer = node.id
+            target.readers = []
+        else:
+            self._create(node, w, node.write.offset)
+            # While it runs, the apply's output and the instances it frees coexist, except
+            # where the output takes their bytes (consumed in place).
+            self.live_peak = max(self.live_peak, live_before + (hi - lo) - overlap)
+
+    # ------------------------------------------------------------ the end
+    def _check_outputs(self) -> None:
+        for o in self.mg.outputs:
+            t = o.tensor
+            where = f"output {o.name!r}{list(o.origin)}"
+            if not isinstance(t, int) or not 0 <= t < len(self.tensors):
+                raise PlanError(f"{where}: names tensor {t!r}, which does not exist")
+            where = f"{where} {self._name(t)}"
+            if o.at == "device":
+                inst = self.live.get(t)
+                if inst is None:
+                    ended = self.last_end.get(t)
+                    why = (f"its instance was freed by {self._kind(ended)}" if ended is not None
+                           else "it was never placed on the device")
+                    raise PlanError(f"{where}: not on the device at the end ({why})")
+                if inst.offset != o.offset:
+                    raise PlanError(f"{where}: expected at {o.offset!r}, but its instance at the "
+                                    f"end is at {_at(inst.offset)} (created by "
+                                    f"{self._kind(inst.creator)})")
+            elif o.at == "host":
+                host = self.host_nodes.get(t)
+                if host is None:
+                    raise PlanError(f"{where}: no host copy at the end (no offload of it)")
+                if self.host_version[t] != self.version.get(t, 0):
+                    raise PlanError(f"{where}: the host copy made by {self._kind(host[-1])} is "
+                                    f"stale; {self._kind(self.last_write[t])} wrote the tensor "
+                                    f"after it")
+            else:
+                raise PlanError(f"{where}: at is {o.at!r}, expected 'host' or 'device'")

@@ -1,0 +1,54 @@
+"""Shared test set-up: hypothesis profiles, the tests directory on `sys.path` (for the helper
+modules `llama_oracle` and `checkpoints`), the Hugging Face fixtures, and a summary of the
+numerical errors the tests measured."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+settings.register_profile("default", deadline=None, max_examples=50)
+settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True,
+                          deadline=None, database=None)
+settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+#: Tiny checkpoints written by Hugging Face transformers, with its logits and greedy tokens.
+FIXTURES = TESTS.parent.parent / "shared" / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def hf_fixture():
+    """`hf_fixture(name)`: the fixture directory `shared/fixtures/<name>`, or skip the test."""
+    def locate(name: str) -> Path:
+        path = FIXTURES / name
+        if not (path / "model.safetensors").exists():
+            pytest.skip(f"Hugging Face fixture {path} not found (expected shared/fixtures/ next "
+                        "to the repository)")
+        return path
+    return locate
+
+
+_ERRORS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def record_error():
+    """`record_error(label, value)`: keep the largest measured error per label; printed at the
+    end of the run so accuracy is visible without reading assertion messages."""
+    def record(label: str, value: float) -> None:
+        _ERRORS[label] = max(float(value), _ERRORS.get(label, 0.0))
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _ERRORS:
+        terminalreporter.section("measured max abs errors")
+        for label in sorted(_ERRORS):
+            terminalreporter.write_line(f"{label:<60} {_ERRORS[label]:.3e}")
