@@ -34,8 +34,6 @@ def add_commands(sub) -> None:
 def _graph(args):
     from einpage.models import llama, resolve
     cfg, _ = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None)
-    if args.dtype is None and Path(args.model).is_dir():
-        pass  # the checkpoint's dtype (bf16 runs as f32 on NumPy; plans keep the file's dtype)
     for name, value in (("--batch", args.batch), ("--seq", args.seq)):
         if value < 1:
             raise InputError(f"{name} must be at least 1, got {value}")
@@ -48,8 +46,6 @@ def _graph(args):
         graph = llama.decode_graph(cfg).bind(B=args.batch, P=args.past)
         tokens = args.batch
     sources = {name: llama.hf_tensor(name) for name in llama.weight_shapes(cfg)}
-    if cfg.tied:
-        sources["lm_head"] = llama.hf_tensor("embed")
     return cfg, graph, sources, tokens
 
 

@@ -242,6 +242,15 @@ class _Lowering:
             got = self._try_all(need)
         if got is None:
             ws = sum(self.size[b] for b in own)
+            layer = [b for b in self.stage_pins.get(t.stage, ()) if b not in own]
+            if self.policy.whole_layer_weights and layer:
+                need_all = self.resident_bytes + ws + sum(self.size[b] for b in layer)
+                raise BudgetError(
+                    f"budget {format_size(self.opt.device_bytes)} is too small for layerwise "
+                    f"streaming: stage {t.stage}'s weights ({format_size(need_all - ws)}) must "
+                    f"stay on the device with task {t.id} ({op_text(t.op)}, "
+                    f"{format_size(ws)}); it needs at least {format_size(need_all)}",
+                    need_all, self.opt.device_bytes)
             raise BudgetError(
                 f"budget {format_size(self.opt.device_bytes)} is too small: task "
                 f"{t.id} ({op_text(t.op)}) needs {format_size(ws)} at once beside "

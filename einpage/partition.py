@@ -16,7 +16,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from einpage.errors import GraphError
+from einpage.errors import BudgetError, GraphError
+from einpage.sizes import format_size
 from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
                               Slice)
 from einpage.ir.memgraph import LogicalTensor, Source
@@ -32,6 +33,7 @@ class PartitionOptions:
     block_bytes: int                    # target working set of one task
     cuts: Mapping[int, Mapping[str, int]] = field(default_factory=dict)  # node id -> parts per index
     sources: Mapping[str, str] = field(default_factory=dict)  # weight name -> checkpoint tensor
+    max_tasks: int = 300_000  # past this, blocks are too small to run efficiently
 
 
 def even_bounds(size: int, parts: int) -> tuple[int, ...]:
@@ -80,6 +82,12 @@ class _Partitioner:
         return grid
 
     def _task(self, reads, write, accumulate, op, node: Node) -> None:
+        if len(self.tasks) >= self.opt.max_tasks:
+            raise BudgetError(
+                f"budget too small to plan efficiently: blocks of at most "
+                f"{format_size(self.opt.block_bytes)} per task need more than {self.opt.max_tasks} "
+                f"tasks (stopped at node %{node.id} of {len(self.g.nodes)}); use a bigger "
+                f"--gpu-mem", self.opt.block_bytes * 8, self.opt.block_bytes)
         self.tasks.append(Task(len(self.tasks), tuple(reads), write, accumulate, op, node.id,
                                node.stage))
 

@@ -11,7 +11,7 @@ Vocabulary. A device *instance* of a tensor starts at an `input` at device, a `r
 `apply` that lists it in `frees` (its *ender*). Its *writers* are its creator and every
 accumulating `apply` into it; its *accesses* are its writers, its readers (`apply` reads,
 `offload`s) and its ender. A tensor's *version* counts the `apply` writes to it so far; an
-`input` at host holds the current version on the host, an `offload` copies the current version.
+`input` (at host or device) holds version 0, an `offload` copies the current version to host.
 "Ancestor" is reflexive where one node plays both parts (an `apply` that frees an instance and
 writes into its bytes).
 
@@ -33,23 +33,26 @@ Invariants:
    older one (its ender included) is an ancestor of the newer one's creator.
 6. Host copies: every `reload` has a host copy of its tensor (an `input` at host or an `offload`)
    among its ancestors, and that copy is current: it holds the tensor's latest version (a reload
-   of a copy made before a later `apply` write is stale).
+   of a copy made before a later `apply` write is stale). An `input` holds the initial data, so
+   no `input` of a tensor follows an `apply` write of it, and an `apply` that writes a tensor
+   has the tensor's inputs at host as ancestors.
 7. Outputs: at the end, an output at device has a live instance at its offset; an output at host
    has a current host copy.
 8. One instance per tensor: a tensor is never created while it has a live instance; a `free`,
    `offload` or `frees` entry names a live instance; and the ender of a tensor's previous instance
    is an ancestor of its next creator (so "one live instance at a time" holds in every order).
 
-Host-side hazards need no rule of their own: by 3, 4 and 8 every write of a tensor, every reload
-and every offload of it are totally ordered by the edges, so its versions, and the host copy each
-reload reads, are the same in every topological order.
+Host-side hazards need no rule of their own: by 3, 4, 6 and 8 every write of a tensor, every
+reload and every offload of it are totally ordered by the edges, so its versions, and the host
+copy each reload reads, are the same in every topological order.
 
 Cost. Checks reduce to few ancestor queries by transitivity: the last writer of an instance has
 every earlier access of it as an ancestor (4), so 3 checks only the last writer and 4 only the last
 writer and the reads since; the ender has every access as an ancestor, so 5 checks only the ender
 of the most recent occupant of each byte (a sorted segment map, bisect). A query first looks at
-the direct deps, then runs one backward search pruned below the smallest id sought (an ancestor
-always has a smaller id), stopping when everything is found.
+the direct deps and a pre-numbered spanning forest of the DAG, then runs one backward search
+pruned below the smallest id sought (an ancestor always has a smaller id), stopping when
+everything is found (see `_Ancestry`).
 """
 from __future__ import annotations
 
@@ -89,8 +92,35 @@ class ValidationReport:
 
 
 def validate(mg: MemGraph) -> ValidationReport:
-    """Check every invariant of the module docstring; raise `PlanError` at the first broken one."""
+    """Check every invariant of the module docstring; raise `PlanError` at the first broken one
+    (rule 1 over the whole plan first, then the others node by node, then the outputs)."""
+    _check_structure(mg)
     return _Checker(mg).run()
+
+
+def _check_structure(mg: MemGraph) -> None:
+    """Rule 1, which the rest relies on."""
+    if not isinstance(mg.device_bytes, int) or mg.device_bytes <= 0:
+        raise PlanError(f"device_bytes is {mg.device_bytes!r}, expected a positive int")
+    for k, t in enumerate(mg.tensors):
+        if t.id != k:
+            raise PlanError(f"tensor %t{k}: id is {t.id}, expected its position {k}")
+        if any(not isinstance(s, int) or s < 0 for s in t.shape):
+            raise PlanError(f"tensor %t{k} ({t.name}): bad shape {t.shape}")
+        expected = math.prod(t.shape) * t.dtype.itemsize
+        if t.bytes != expected:
+            raise PlanError(f"tensor %t{k} ({t.name}): bytes is {t.bytes}, but "
+                            f"{t.dtype}{list(t.shape)} takes {expected}")
+    for k, node in enumerate(mg.nodes):
+        if not isinstance(node, _NODE_TYPES):
+            raise PlanError(f"node {k}: {type(node).__name__} is not a memgraph node")
+        if node.id != k:
+            raise PlanError(f"node %{node.id} ({node.kind}): id is {node.id}, expected its "
+                            f"position {k}")
+        for d in node.deps:
+            if not isinstance(d, int) or not 0 <= d < k:
+                raise PlanError(f"node %{k} ({node.kind}): dep {d!r} is not an earlier node id "
+                                f"(deps name ids < {k})")
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -111,45 +141,71 @@ class _Instance:
 
 
 class _Ancestry:
-    """Ancestor queries on the dep DAG; deps of node k must be checked before querying from k.
+    """Ancestor queries on the dep DAG (whose deps `_check_structure` has checked).
 
-    `reach[u]` keeps the nodes a search already proved to descend from `u`, so that a node read
-    again and again (a resident weight, a long-lived activation) is found at its previous reader
-    instead of by a search back to `u` each time."""
+    A spanning forest of the DAG, in which each node's parent is its latest dep, is numbered in
+    pre-order; a forest ancestor is a DAG ancestor, found in O(1). A query first tries the
+    direct deps and the forest, then searches backwards from `v` over ids >= the smallest one
+    sought (an ancestor always has a smaller id), checking each node it meets against the forest,
+    and stops once everything is found. On chain-like plans the forest answers almost every query;
+    only a "no" (an error) pays for a whole search."""
 
     def __init__(self, nodes: tuple[MemNode, ...]):
-        self.deps = [n.deps for n in nodes]
-        self.mark = [0] * len(nodes)
+        n = len(nodes)
+        self.deps = [node.deps for node in nodes]
+        children: list[list[int]] = [[] for _ in range(n)]
+        roots = []
+        for v, deps in enumerate(self.deps):
+            (children[max(deps)] if deps else roots).append(v)
+        self.first = [0] * n  # pre-order number
+        self.last = [0] * n   # the largest pre-order number in its subtree
+        count = 0
+        for root in roots:
+            stack = [root]
+            while stack:
+                v = stack.pop()
+                if v < 0:
+                    self.last[~v] = count - 1
+                    continue
+                self.first[v] = count
+                count += 1
+                stack.append(~v)
+                stack.extend(reversed(children[v]))
+        self.mark = [0] * n
         self.stamp = 0
-        self.reach: dict[int, set[int]] = {}
+
+    def _in_tree(self, u: int, d: int) -> bool:
+        """Whether `u` is `d` or its ancestor in the forest."""
+        return self.first[u] <= self.first[d] <= self.last[u]
 
     def missing(self, targets: list[int], v: int) -> list[int]:
         """The targets (other than `v` itself) that are not ancestors of `v`, sorted."""
         need = {u for u in targets if u != v}
         if need:
             need.difference_update(self.deps[v])
-        if not need:
-            return []
-        late = sorted(u for u in need if u > v)
-        return late or self._search(need, v, find_all=True)
+        if need:
+            late = sorted(u for u in need if u > v)
+            if late:
+                return late
+            need = {u for u in need if not self._in_tree(u, v)}
+        return self._search(need, v, find_all=True) if need else []
 
     def any_of(self, targets: list[int], v: int) -> bool:
         """Whether some target is `v` or an ancestor of `v`."""
-        need = set(targets)
-        if v in need or not need.isdisjoint(self.deps[v]):
+        need = {u for u in targets if u <= v}
+        if not need:
+            return False
+        if any(self._in_tree(u, v) for u in need) or not need.isdisjoint(self.deps[v]):
             return True
-        need = {u for u in need if u < v}
         count = len(need)
-        return count > 0 and len(self._search(need, v, find_all=False)) < count
+        return len(self._search(need, v, find_all=False)) < count
 
     def _search(self, need: set[int], v: int, find_all: bool) -> list[int]:
         """Backward search from `v` over ids >= min(need); returns what stayed unfound (stops at
-        the first find unless `find_all`)."""
-        deps, mark, reach = self.deps, self.mark, self.reach
+        the first find unless `find_all`). Mutates `need`."""
+        deps, mark, first, last = self.deps, self.mark, self.first, self.last
         self.stamp += 1
         stamp = self.stamp
-        known = [(u, reach[u]) for u in need if u in reach]
-        found: list[int] = []
         lo = min(need)
         stack = [v]
         while stack:
@@ -157,19 +213,14 @@ class _Ancestry:
                 if d < lo or mark[d] == stamp:
                     continue
                 mark[d] = stamp
-                hits = [u for u, below in known if d in below and u in need]
-                if d in need:
-                    hits.append(d)
+                here = first[d]
+                hits = [u for u in need if first[u] <= here <= last[u]]
                 if hits:
                     need.difference_update(hits)
-                    found += hits
                     if not need or not find_all:
-                        stack = []
-                        break
+                        return sorted(need)
                     lo = min(need)
                 stack.append(d)
-        for u in found:
-            reach.setdefault(u, set()).add(v)
         return sorted(need)
 
 
@@ -219,6 +270,7 @@ class _Checker:
         self.last_write: dict[int, int] = {}        # tensor -> the apply that last wrote it
         self.host_version: dict[int, int] = {}      # tensor -> version its host copy holds
         self.host_nodes: dict[int, list[int]] = {}  # tensor -> nodes that made that host copy
+        self.host_inputs: dict[int, list[int]] = {}  # tensor -> its inputs at host
         self.instances = 0
         self.peak = 0
         self.live_bytes = 0
@@ -227,42 +279,18 @@ class _Checker:
 
     # ------------------------------------------------------------ driver
     def run(self) -> ValidationReport:
-        mg = self.mg
-        if not isinstance(mg.device_bytes, int) or mg.device_bytes <= 0:
-            raise PlanError(f"device_bytes is {mg.device_bytes!r}, expected a positive int")
-        self._check_tensors()
         handlers = {"input": self._input, "reload": self._reload, "offload": self._offload,
                     "free": self._free, "apply": self._apply}
-        for k, node in enumerate(self.nodes):
-            self._check_header(k, node)
+        for node in self.nodes:
             handlers[node.kind](node)
             self.live_peak = max(self.live_peak, self.live_bytes)
         self._check_outputs()
+        traffic = self.traffic
         return ValidationReport(
-            device_bytes=mg.device_bytes, nodes=len(self.nodes), instances=self.instances,
+            device_bytes=self.mg.device_bytes, nodes=len(self.nodes), instances=self.instances,
             peak_bytes=self.peak, live_peak_bytes=self.live_peak,
-            reloads=self.traffic["reload"][0], reload_bytes=self.traffic["reload"][1],
-            offloads=self.traffic["offload"][0], offload_bytes=self.traffic["offload"][1])
-
-    def _check_tensors(self) -> None:
-        for k, t in enumerate(self.tensors):
-            if t.id != k:
-                raise PlanError(f"tensor %t{k}: id is {t.id}, expected its position {k}")
-            if any(not isinstance(s, int) or s < 0 for s in t.shape):
-                raise PlanError(f"tensor %t{k} ({t.name}): bad shape {t.shape}")
-            expected = math.prod(t.shape) * t.dtype.itemsize
-            if t.bytes != expected:
-                raise PlanError(f"tensor %t{k} ({t.name}): bytes is {t.bytes}, but "
-                                f"{t.dtype}{list(t.shape)} takes {expected}")
-
-    def _check_header(self, k: int, node: object) -> None:
-        if not isinstance(node, _NODE_TYPES):
-            raise PlanError(f"node {k}: {type(node).__name__} is not a memgraph node")
-        if node.id != k:
-            self._fail(node, f"id is {node.id}, expected its position {k}")
-        for d in node.deps:
-            if not isinstance(d, int) or not 0 <= d < k:
-                self._fail(node, f"dep {d!r} is not an earlier node id (deps name ids < {k})")
+            reloads=traffic["reload"][0], reload_bytes=traffic["reload"][1],
+            offloads=traffic["offload"][0], offload_bytes=traffic["offload"][1])
 
     # ------------------------------------------------------------ messages
     def _fail(self, node: MemNode, message: str):
@@ -323,8 +351,8 @@ class _Checker:
         if missing:
             u = missing[0]
             role = "writer" if u == inst.last_writer else "reader"
-            self._fail(node, f"{verb} {self._name(inst.tensor)} {_at(inst.offset)}, but its earlier "
-                             f"{role} {self._kind(u)} is not an ancestor")
+            self._fail(node, f"{verb} {self._name(inst.tensor)} {_at(inst.offset)}, but its "
+                             f"earlier {role} {self._kind(u)} is not an ancestor")
 
     def _end(self, node: MemNode, inst: _Instance) -> None:
         inst.ender = node.id
@@ -337,8 +365,9 @@ class _Checker:
         nbytes = self._placed(node, t, offset)
         old = self.live.get(t)
         if old is not None:
-            self._fail(node, f"creates {self._name(t)} {_at(offset)} while it already has a live "
-                             f"instance at {_at(old.offset)} (created by {self._kind(old.creator)})")
+            self._fail(node, f"creates {self._name(t)} {_at(offset)} while it already has a "
+                             f"live instance at {_at(old.offset)} (created by "
+                             f"{self._kind(old.creator)})")
         ended = self.last_end.get(t)
         if ended is not None and self.ancestry.missing([ended], node.id):
             self._fail(node, f"creates a new instance of {self._name(t)}, but the end of its "
@@ -355,8 +384,9 @@ class _Checker:
         if missing:
             occ = next(o for o in previous if o.ender == missing[0])
             self._fail(node, f"writes {self._name(t)} at [{offset}, {offset + nbytes}), bytes last "
-                             f"held by {self._name(occ.tensor)} {_at(occ.offset)}, but its free "
-                             f"{self._kind(occ.ender)} is not an ancestor (memory-reuse edge)")
+                             f"held by {self._name(occ.tensor)} {_at(occ.offset)}, but "
+                             f"{self._kind(occ.ender)}, which freed them, is not an ancestor "
+                             f"(a missing memory-reuse edge)")
         self.live[t] = inst
         self.instances += 1
         self.peak = max(self.peak, offset + nbytes)
@@ -375,10 +405,14 @@ class _Checker:
     # ------------------------------------------------------------ one method per node kind
     def _input(self, node: InputNode) -> None:
         t = self._tensor(node, node.tensor)
+        if t in self.last_write:
+            self._fail(node, f"input of {self._name(t)} comes after "
+                             f"{self._kind(self.last_write[t])} wrote it")
         if node.at == "host":
             if node.offset is not None:
                 self._fail(node, f"input of {self._name(t)} at host has an offset ({node.offset})")
             self._host_copy(node, t)
+            self.host_inputs.setdefault(t, []).append(node.id)
         elif node.at == "device":
             if node.offset is None:
                 self._fail(node, f"input of {self._name(t)} at device has no offset")
@@ -443,6 +477,10 @@ class _Checker:
             self._check_after_uses(node, inst, "frees")
             self._end(node, inst)
             overlap += max(0, min(hi, inst.offset + inst.nbytes) - max(lo, inst.offset))
+        missing = self.ancestry.missing(self.host_inputs.get(w, []), node.id)
+        if missing:
+            self._fail(node, f"writes {self._name(w)}, but its {self._kind(missing[0])} at host "
+                             f"is not an ancestor")
         for inst in read:
             inst.readers.append(node.id)
         self.version[w] = self.version.get(w, 0) + 1

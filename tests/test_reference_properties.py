@@ -86,10 +86,7 @@ def join_cases(draw):
     terms = ["".join(draw(st.lists(st.sampled_from(alphabet), min_size=lo, max_size=3,
                                    unique=True))) for lo in (1, 0)]
     join_name, agg = draw(st.sampled_from(sorted(JOINS))), draw(st.sampled_from(sorted(REDUCE)))
-    # A rank-0 result of the elementwise kernel is a known bug, pinned by
-    # test_elementwise_einsum_to_a_scalar (xfail): only the BLAS path may reduce to a scalar here.
-    blas = (join_name, agg) == ("x0*x1", "sum")
-    out = draw(subset_permutation(list(dict.fromkeys("".join(terms))), 0 if blas else 1))
+    out = draw(subset_permutation(list(dict.fromkeys("".join(terms))), 0))
     return terms, out, sizes, join_name, agg, draw(seeds)
 
 
@@ -108,10 +105,6 @@ def test_random_join_and_aggregation(case):
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, raises=GraphError, reason=(
-    "einpage/runtime/kernels.py _einsum_elementwise ends in np.ascontiguousarray, which turns a "
-    "0-d result into shape (1,); the fix (np.asarray(..., order='C') or a reshape to the output "
-    "shape) belongs in kernels.py"))
 @pytest.mark.parametrize("spec, shapes, join, agg", [
     ("ab->", [(2, 3)], lambda a: a, "max"),
     ("a,a->", [(3,), (3,)], lambda a, b: a + b, "sum"),

@@ -217,7 +217,28 @@ def test_dropped_data_edge():
 def test_dropped_memory_reuse_edge():
     # %7 reloads y into the bytes %6 freed; without the edge it may overwrite w while %3 reads it
     rejects(streaming_plan(reload_y_deps=(4, 5)),
-            "node %7 (reload)", "bytes last held by %t0 (w)", "node %6 (free) is not an ancestor")
+            "node %7 (reload)", "bytes last held by %t0 (w)",
+            "node %6 (free), which freed them, is not an ancestor")
+
+
+@pytest.mark.parametrize("big_deps, missing", [((2,), "node %3 (free)"), ((3,), "node %2 (free)"),
+                                               ((2, 3), None)])
+def test_reuse_across_two_freed_blocks(big_deps, missing):
+    # a 512-byte block written over the bytes of two freed 256-byte ones must follow both frees
+    p = Plan(["a", "b"])
+    p.tensors.append(TensorInfo(2, 512, DType.f32, (8, 16), "big"))
+    p.input(0, "device", 0)          # 0
+    p.input(1, "device", SLOT)       # 1
+    p.free(0, 0, [0])                # 2
+    p.free(1, SLOT, [1])             # 3
+    p.apply([], (2, 0), big_deps, op=COPY)
+    p.free(2, 0, [4])                # 5
+    p.input(0, "device", SLOT, [3, 5])  # 6: inside big's old bytes, after its free
+    mg = p.build([(0, "device", SLOT)])
+    if missing is None:
+        assert validate(mg).peak_bytes == 512
+    else:
+        rejects(mg, "node %4 (apply)", f"{missing}, which freed them")
 
 
 def test_new_instance_of_a_tensor_must_follow_the_end_of_its_previous_one():
@@ -520,3 +541,31 @@ def test_chain_plan_with_a_dropped_edge_is_rejected():
 def test_chain_plan_of_50k_nodes_validates(chain_deps):
     mg = chain_plan(9000, chain_deps=chain_deps)
     assert validate(mg).nodes >= 50_000
+
+
+# ------------------------------------------------------------------------- edges alone
+def _without_edge(mg: MemGraph, k: int, d: int) -> MemGraph:
+    return replace_node(mg, k, deps=tuple(e for e in mg.nodes[k].deps if e != d))
+
+
+@pytest.mark.parametrize("make", [streaming_plan, accumulate_plan,
+                                  lambda: stale_plan(offload_first=True), lambda: chain_plan(9)])
+def test_what_validates_validates_in_every_topological_order(make):
+    """Drop each edge in turn: the validator either rejects the plan, or the edge was redundant
+    and every random topological order of what is left validates too."""
+    mg = make()
+    rng = random.Random(1)
+    outcomes = {"rejected": 0, "accepted": 0}
+    for node in mg.nodes:
+        for d in sorted(set(node.deps)):
+            cut = _without_edge(mg, node.id, d)
+            try:
+                validate(cut)
+            except PlanError as exc:
+                assert f"node %{node.id} (" in str(exc) or "output" in str(exc)
+                outcomes["rejected"] += 1
+                continue
+            outcomes["accepted"] += 1
+            for _ in range(5):
+                validate(renumber(cut, random_topological_order(cut, rng)))
+    assert outcomes["rejected"] > 0

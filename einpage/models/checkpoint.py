@@ -153,8 +153,6 @@ class CheckpointWeights:
 
     def array(self, name: str) -> np.ndarray:
         hf = llama.hf_tensor(name)
-        if name == "lm_head" and self.config.tied:
-            hf = llama.hf_tensor("embed")
         view = self.checkpoint.array(hf)
         want = llama.hf_shape(self.config, name)
         if tuple(view.shape) != want:

@@ -47,7 +47,7 @@ def _einsum_elementwise(spec, join, agg, arrays, compute) -> np.ndarray:
     if spec.contracted:
         axes = tuple(range(len(spec.output), len(order)))
         value = _REDUCE[agg](value, axis=axes)
-    return np.ascontiguousarray(value, dtype=compute)
+    return np.asarray(value, dtype=compute, order="C")  # keeps a 0-d result 0-d
 
 
 def combine(agg: str, acc: np.ndarray, part: np.ndarray) -> np.ndarray:

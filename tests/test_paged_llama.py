@@ -1,0 +1,173 @@
+"""LLaMA under budgets that force streaming and offloading: logits and greedy tokens equal the
+unconstrained run; the compile/run/inspect command line and its error paths."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from checkpoints import write_checkpoint
+from einpage import cli
+from einpage.errors import BudgetError
+from einpage.compile import CompileOptions, compile_graph, run_paged
+from einpage.ir.memgraph import MemGraph
+from einpage.models import llama, resolve
+from einpage.models.generation import greedy, prefill
+from einpage.runtime.reference import evaluate
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ck"), hidden=32, layers=2, heads=4,
+                            kv_heads=2, intermediate=48, vocab=64, seed=7)
+
+
+def _weights_bytes(cfg):
+    return cfg.weight_bytes()
+
+
+@pytest.mark.parametrize("fraction", [4, 8])
+@pytest.mark.parametrize("policy", ["reuse-distance", "lru"])
+def test_prefill_under_a_fraction_of_the_weights(ckpt, fraction, policy):
+    cfg, weights = resolve(str(ckpt))
+    tokens = np.array([[1, 5, 9, 2, 33, 7], [3, 3, 60, 0, 12, 4]])
+    want = prefill(cfg, tokens, lambda g, i: evaluate(g, i, weights))
+    budget = _weights_bytes(cfg) // fraction
+    options = CompileOptions(budget, policy=policy)
+    graph = llama.prefill_graph(cfg).bind(B=2, S=6)
+    compiled = compile_graph(graph, options)
+    assert compiled.report["peak_bytes"] <= budget
+    assert compiled.report["reload_bytes"] > 0  # it really streams
+    for order in ("sequential", 11):
+        got = run_paged(graph, {"tokens": tokens}, weights, options, order=order)
+        np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
+
+
+def test_layerwise_streams_whole_layers_or_says_it_cannot(ckpt):
+    cfg, weights = resolve(str(ckpt))
+    tokens = np.array([[1, 5, 9, 2]])
+    graph = llama.prefill_graph(cfg).bind(B=1, S=4)
+    with pytest.raises(BudgetError, match="layerwise"):
+        compile_graph(graph, CompileOptions(_weights_bytes(cfg) // 8, policy="layerwise"))
+    options = CompileOptions(_weights_bytes(cfg) * 3 // 4, policy="layerwise")
+    assert compile_graph(graph, options).report["reload_bytes"] > 0
+    want = evaluate(graph, {"tokens": tokens}, weights)
+    got = run_paged(graph, {"tokens": tokens}, weights, options, order=2)
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_decoding_under_an_eighth_of_the_weights(ckpt):
+    cfg, weights = resolve(str(ckpt))
+    prompt = np.array([[4, 8, 15, 16], [23, 42, 1, 2]])
+    want = greedy(cfg, prompt, 5, lambda g, i: evaluate(g, i, weights))
+    options = CompileOptions(_weights_bytes(cfg) // 8)
+    got = greedy(cfg, prompt, 5, lambda g, i: run_paged(g, i, weights, options, order=3))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_tiny_activation_budget_forces_offloads():
+    cfg, weights = resolve("small", random_weights=True, seed=1)
+    tokens = np.arange(32).reshape(2, 16) % cfg.vocab
+    graph = llama.prefill_graph(cfg).bind(B=2, S=16)
+    options = CompileOptions(150_000)
+    compiled = compile_graph(graph, options)
+    assert compiled.report["offload_count"] > 0
+    want = evaluate(graph, {"tokens": tokens}, weights)
+    got = run_paged(graph, {"tokens": tokens}, weights, options, order=5)
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-4, atol=1e-5)
+
+
+def _main(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_compile_json_report(capsys):
+    code, out, err = _main(capsys, "compile", "llama-7b", "--gpu-mem", "16GB", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    for key in ("device_bytes", "peak_bytes", "tasks", "nodes", "reload_bytes", "offload_bytes",
+                "reload_count", "offload_count", "compile_seconds"):
+        assert key in report
+    assert report["device_bytes"] == 16 * 10**9
+    assert report["peak_bytes"] <= report["device_bytes"]
+    assert report["offload_bytes"] == 0
+    # each weight that does not stay resident is loaded once
+    assert report["reload_bytes"] <= 1.01 * report["streamed_weight_bytes"] + 10**6
+
+
+def test_compile_fits_with_zero_transfers(capsys):
+    code, out, _ = _main(capsys, "compile", "small", "--gpu-mem", "1GB", "--seq", "16", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["reload_count"] == 0 and report["offload_count"] == 0
+
+
+def test_plan_file_round_trip_runs(ckpt, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    cfg, weights = resolve(str(ckpt))
+    code, _, err = _main(capsys, "compile", str(ckpt), "--gpu-mem", str(cfg.weight_bytes() // 4),
+                         "--batch", "1", "--seq", "3", "-o", str(plan))
+    assert code == 0, err
+    code, out, err = _main(capsys, "run", str(plan), "--checkpoint", str(ckpt), "--tokens", "1,2,3",
+                           "--out", str(tmp_path / "l.npy"))
+    assert code == 0, err
+    want = prefill(cfg, np.array([[1, 2, 3]]), lambda g, i: evaluate(g, i, weights))["logits"]
+    np.testing.assert_allclose(np.load(tmp_path / "l.npy"), want, rtol=1e-5, atol=1e-5)
+    code, out, err = _main(capsys, "inspect", str(plan), "--json")
+    assert code == 0 and json.loads(out)["reload_count"] > 0
+
+
+def test_run_and_generate_with_gpu_mem(ckpt, tmp_path, capsys):
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.array([[1, 2, 3, 4]]))
+    code, out, err = _main(capsys, "generate", str(ckpt), "--tokens-file", str(ids),
+                           "--max-new-tokens", "3", "--gpu-mem", "20KB", "--out",
+                           str(tmp_path / "paged.npy"))
+    assert code == 0, err
+    _main(capsys, "generate", str(ckpt), "--tokens-file", str(ids), "--max-new-tokens", "3",
+          "--out", str(tmp_path / "dense.npy"))
+    np.testing.assert_array_equal(np.load(tmp_path / "paged.npy"), np.load(tmp_path / "dense.npy"))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["compile", "llama-7b", "--gpu-mem", "20MB"], "budget too small"),
+    (["compile", "tiny", "--gpu-mem", "300", "--seq", "4"], "smallest budget"),
+    (["compile", "llama-7b", "--gpu-mem", "lots"], "bad size"),
+    (["compile", "llama-7b", "--gpu-mem", "16GB", "--policy", "fifo"], "unknown policy"),
+    (["compile", "nosuch", "--gpu-mem", "16GB"], "unknown model"),
+    (["compile", "llama-7b", "--gpu-mem", "16GB", "--batch", "0"], "--batch"),
+    (["compile", "llama-65b", "--gpu-mem", "16GB", "--policy", "none"], "resident weights"),
+])
+def test_compile_errors_exit_2_with_one_line(capsys, argv, needle):
+    code, out, err = _main(capsys, *argv)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("content", ["not json", '{"format": "other"}',
+                                     '{"format": "einpage.memgraph", "version": 9}',
+                                     '{"format": "einpage.memgraph", "version": 1}'])
+def test_corrupt_plan_exits_2(tmp_path, capsys, content, ckpt):
+    plan = tmp_path / "bad.json"
+    plan.write_text(content)
+    for argv in (["inspect", str(plan)],
+                 ["run", str(plan), "--checkpoint", str(ckpt), "--tokens", "1"]):
+        code, _, err = _main(capsys, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_json_is_the_documented_format(tmp_path, capsys):
+    plan = tmp_path / "p.json"
+    _main(capsys, "compile", "tiny", "--gpu-mem", "8KB", "--seq", "4", "-o", str(plan))
+    data = json.loads(plan.read_text())
+    assert data["format"] == "einpage.memgraph" and data["version"] == 1
+    kinds = {n["kind"] for n in data["nodes"]}
+    assert {"input", "reload", "apply", "free"} <= kinds
+    for k, n in enumerate(data["nodes"]):
+        assert n["id"] == k and all(d < k for d in n["deps"])
+    assert MemGraph.from_json(data).to_json()["nodes"] == data["nodes"]
