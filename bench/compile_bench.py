@@ -1,0 +1,66 @@
+"""Compile-time, bytes-moved and feasibility benchmarks for the paging compiler (issue: the paging
+compiler). Prints markdown tables; results are recorded in bench/RESULTS.md.
+
+    python bench/compile_bench.py timing      # compile seconds, median of 3, and growth
+    python bench/compile_bench.py grid        # feasibility grid, reuse-distance and layerwise
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+from einpage.compile import CompileOptions, compile_graph
+from einpage.errors import BudgetError
+from einpage.models import llama
+from einpage.models.config import preset
+
+GB = 10**9
+
+
+def compile_once(model, batch, seq, gpu_gb, policy="reuse-distance"):
+    cfg = preset(model)
+    graph = llama.prefill_graph(cfg).bind(B=batch, S=seq)
+    t0 = time.perf_counter()
+    compiled = compile_graph(graph, CompileOptions(int(gpu_gb * GB), policy=policy))
+    return time.perf_counter() - t0, compiled.report
+
+
+def timing() -> None:
+    print("| model | B | S | budget | tasks | nodes | compile s (median of 3) | tasks/s | "
+          "peak GB | reload GB | streamed weights GB | reload / streamed | offload GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, batch, seq in (("llama-7b", 1, 2048), ("llama-65b", 1, 2048),
+                              ("llama-65b", 4, 2048), ("llama-65b", 16, 2048)):
+        runs = [compile_once(model, batch, seq, 16) for _ in range(3)]
+        secs = statistics.median(r[0] for r in runs)
+        r = runs[0][1]
+        ratio = r["reload_bytes"] / r["streamed_weight_bytes"] if r["streamed_weight_bytes"] else 0
+        print(f"| {model} | {batch} | {seq} | 16 GB | {r['tasks']} | {r['nodes']} | {secs:.2f} | "
+              f"{r['tasks'] / secs:.0f} | {r['peak_bytes'] / GB:.2f} | {r['reload_bytes'] / GB:.2f} | "
+              f"{r['streamed_weight_bytes'] / GB:.2f} | {ratio:.4f} | {r['offload_bytes'] / GB:.2f} |",
+              flush=True)
+
+
+def grid() -> None:
+    print("| model | budget | B | S | policy | feasible | tasks | peak GB | reload GB | offload GB "
+          "| compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in ("llama-7b", "llama-65b"):
+        for gpu in (16, 32):
+            for batch in (1, 4, 16, 32):
+                for seq in (512, 2048, 8192):
+                    for policy in ("reuse-distance", "layerwise"):
+                        try:
+                            secs, r = compile_once(model, batch, seq, gpu, policy)
+                            print(f"| {model} | {gpu} GB | {batch} | {seq} | {policy} | yes | "
+                                  f"{r['tasks']} | {r['peak_bytes'] / GB:.2f} | "
+                                  f"{r['reload_bytes'] / GB:.1f} | {r['offload_bytes'] / GB:.1f} | "
+                                  f"{secs:.1f} |", flush=True)
+                        except BudgetError as exc:
+                            print(f"| {model} | {gpu} GB | {batch} | {seq} | {policy} | no: "
+                                  f"{str(exc)[:90]} | | | | | |", flush=True)
+
+
+if __name__ == "__main__":
+    {"timing": timing, "grid": grid}[sys.argv[1] if len(sys.argv) > 1 else "timing"]()
