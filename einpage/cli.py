@@ -110,10 +110,15 @@ def cmd_run(args) -> None:
     from einpage.models.generation import prefill
     cfg, weights = _resolve(args)
     out = prefill(cfg, _tokens(args), _runner(args, weights))
-    logits = out["logits"].astype(np.float32)
-    if args.out:
-        np.save(args.out, logits)
-        print(f"saved logits {logits.shape} to {args.out}")
+    report_logits(out["logits"], args.out)
+
+
+def report_logits(logits: np.ndarray, out_path: str | None) -> None:
+    """Save float32 logits (batch, length, vocab) to `out_path`, or print each row's next token."""
+    logits = logits.astype(np.float32)
+    if out_path:
+        np.save(out_path, logits)
+        print(f"saved logits {logits.shape} to {out_path}")
     else:
         for row, token in enumerate(np.argmax(logits[:, -1, :], axis=-1)):
             print(f"row {row}: next token {int(token)}")

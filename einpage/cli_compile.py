@@ -133,13 +133,8 @@ def run_plan(args, tokens: np.ndarray) -> None:
         return ckpt.array(by_source[name]).reshape(shapes[name])
 
     out = run(mg, {"tokens": tokens}, weights)
-    logits = out["logits"].astype(np.float32)
-    if args.out:
-        np.save(args.out, logits)
-        print(f"saved logits {logits.shape} to {args.out}")
-    else:
-        for row, token in enumerate(np.argmax(logits[:, -1, :], axis=-1)):
-            print(f"row {row}: next token {int(token)}")
+    from einpage.cli import report_logits
+    report_logits(out["logits"], args.out)
 
 
 HANDLERS = {"compile": cmd_compile, "inspect": cmd_inspect}
