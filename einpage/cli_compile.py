@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 
-from einpage.errors import EinpageError, InputError
-from einpage.ir.dtypes import DType, as_dtype
+from einpage.errors import InputError
+from einpage.ir.dtypes import as_dtype
 from einpage.sizes import format_size, parse_size
 
 

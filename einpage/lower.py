@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from einpage.allocator import Allocation, Allocator, aligned
 from einpage.errors import BudgetError
-from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, LogicalTensor, MemGraph,
-                                 OffloadNode, OutputRef, ReloadNode, TensorInfo)
+from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
+                                 OutputRef, ReloadNode, TensorInfo)
 from einpage.ir.ops import op_text
 from einpage.ir.taskgraph import TaskGraph
 from einpage.policies import Candidate, Policy
@@ -156,9 +156,7 @@ class _Lowering:
                     for x in (*t.reads, t.write):
                         self.pins[x] -= 1
                     return None
-                got = []
-                a_all = self._compact(p, need)
-                got = a_all
+                got = self._compact(p, need)
                 break
             got.append((b, a))
         for b, a in got:
@@ -196,7 +194,6 @@ class _Lowering:
                     b, self.size[b], not self.host_valid[b], self.next_use(b, p),
                     self.last_touch[b], p))
         best = None
-        left = 0
         combine = self.policy.combine
         for left in range(len(items)):
             if items[left][2] is not None and items[left][2] not in cost_of:
@@ -231,7 +228,7 @@ class _Lowering:
         for b in sorted(self.live):
             if self.pins[b] == 0:
                 self._evict(b)
-        own = [b for b in dict.fromkeys((*t.reads, t.write))]
+        own = list(dict.fromkeys((*t.reads, t.write)))
         got = self._try_all(need)
         if got is None:
             for b in own:
