@@ -1,11 +1,14 @@
 """`einpage compile`, `einpage inspect`, and `einpage run plan.json`."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 
-from einpage.errors import InputError
+from einpage.errors import EinpageError, InputError
 from einpage.ir.dtypes import as_dtype
 from einpage.sizes import format_size, parse_size
 
@@ -21,12 +24,57 @@ def add_commands(sub) -> None:
     c.add_argument("--dtype", choices=["f16", "bf16", "f32"])
     c.add_argument("--policy", default="reuse-distance")
     c.add_argument("--block-bytes", help="target working set of one task (default: budget/8)")
-    c.add_argument("--lookahead", help="cap on bytes prefetched ahead (default: memory-bound)")
+    c.add_argument("--lookahead", help="how far prefetch runs ahead of execution: bytes (2GB), "
+                                       "predicted compute (30ms, 0.5s), or auto (search the "
+                                       "window of least simulated makespan); default: as far "
+                                       "as memory allows")
     c.add_argument("-o", "--output", help="write the plan (JSON memgraph) here")
     c.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    i = sub.add_parser("inspect", help="report on a saved plan")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_device_args(c)
+    i = sub.add_parser("inspect", help="report on a saved plan (validated and simulated)")
     i.add_argument("plan")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--dot", help="write the memgraph as Graphviz dot (small plans)")
+    _add_device_args(i)
+    d = sub.add_parser("devices", help="list the device profiles of the cost model")
+    d.add_argument("--json", action="store_true", help="print them as JSON (the --device-file "
+                                                       "format)")
+
+
+def _add_device_args(p) -> None:
+    p.add_argument("--device", help="device profile for the cost model (default h100-pcie; "
+                                    "see einpage devices)")
+    p.add_argument("--device-file", help="device profile as JSON (keys of einpage devices --json)")
+    p.add_argument("--h2d-bandwidth", help="override host<->device bandwidth, e.g. 25GB/s")
+    p.add_argument("--flops", help="override peak matmul FLOP/s, e.g. 500T")
+    p.add_argument("--plot", help="write a timeline picture (PNG): device memory by role and "
+                                  "the three streams over predicted time")
+
+
+def _profile(args, default: str | None = None):
+    from einpage.devices import resolve_device
+    return resolve_device(args.device or (None if args.device_file else default),
+                          args.device_file, args.h2d_bandwidth, args.flops)
+
+
+def _lookahead(text: str | None) -> dict:
+    """`--lookahead`: bytes, seconds of predicted compute, or auto."""
+    if text is None:
+        return {}
+    if text.strip().lower() == "auto":
+        return {"auto_lookahead": True}
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(us|ms|s)\s*", text)
+    if match:
+        value = float(match.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[match.group(2)]
+        if value <= 0:
+            raise InputError(f"bad --lookahead {text!r}: must be positive")
+        return {"lookahead_seconds": value}
+    try:
+        return {"lookahead_bytes": parse_size(text)}
+    except EinpageError:
+        raise InputError(f"bad --lookahead {text!r}: use bytes (2GB), predicted compute "
+                         "(30ms, 0.5s) or auto") from None
 
 
 def _graph(args):
@@ -49,19 +97,35 @@ def _graph(args):
 
 def cmd_compile(args) -> None:
     from einpage.compile import CompileOptions, compile_graph
+    from einpage.progress import Progress
+    profile = _profile(args)
+    device_bytes = parse_size(args.gpu_mem)
     cfg, graph, sources, tokens = _graph(args)
+    progress = Progress(enabled=False if args.quiet else None)
     options = CompileOptions(
-        device_bytes=parse_size(args.gpu_mem), policy=args.policy,
+        device_bytes=device_bytes, policy=args.policy, device=profile,
         block_bytes=parse_size(args.block_bytes) if args.block_bytes else None,
-        lookahead_bytes=parse_size(args.lookahead) if args.lookahead else None,
-        sources=sources)
-    compiled = compile_graph(graph, options)
-    report = dict(compiled.report, model=cfg.name, phase=args.phase, batch=args.batch,
-                  seq=args.seq if args.phase == "prefill" else 1, past=args.past,
-                  dtype=cfg.dtype.value, policy=args.policy, tokens=tokens)
+        sources=sources, progress=progress, **_lookahead(args.lookahead))
+    try:
+        compiled = compile_graph(graph, options)
+    finally:
+        progress.close()
+    workload = {"model": cfg.name, "phase": args.phase, "batch": args.batch,
+                "seq": args.seq if args.phase == "prefill" else 1, "past": args.past,
+                "dtype": cfg.dtype.value, "tokens": tokens}
+    mg = dataclasses.replace(compiled.memgraph, meta={**compiled.memgraph.meta, **workload})
+    report = dict(compiled.report, **workload, policy=args.policy,
+                  **compiled.simulation.report(tokens))
+    if device_bytes > profile.memory_bytes:
+        report["warning"] = (f"--gpu-mem {format_size(device_bytes)} is more than the "
+                             f"{format_size(profile.memory_bytes)} of a {profile.name}")
     if args.output:
-        compiled.memgraph.save(args.output)
+        mg.save(args.output)
         report["plan"] = args.output
+    if args.plot:
+        from einpage.plot import plot_timeline
+        plot_timeline(mg, compiled.simulation, args.plot)
+        report["plot"] = args.plot
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:
@@ -83,25 +147,85 @@ def print_report(r: dict) -> None:
           f"pass {gb(r['streamed_weight_bytes'])}")
     print(f"  reloads {r['reload_count']} ({gb(r['reload_bytes'])}), offloads "
           f"{r['offload_count']} ({gb(r['offload_bytes'])})")
-    if "plan" in r:
-        print(f"  plan written to {r['plan']}")
+    _print_prediction(r)
+
+
+def _print_prediction(r: dict) -> None:
+    gb = format_size
+    if "makespan_s" in r:
+        tps = r.get("tokens_per_s")
+        rate = f" ({tps:,.0f} tokens/s)" if tps else ""
+        print(f"  predicted on {r['device']}: {_secs(r['makespan_s'])} per pass{rate}; compute "
+              f"{_secs(r['compute_s'])}, h2d {_secs(r['h2d_s'])}, d2h {_secs(r['d2h_s'])}, "
+              f"compute stalled {_secs(r['stall_s'])}")
+        print(f"  lower bound {_secs(r['lower_bound_s'])} (compute, {gb(r['h2d_min_bytes'])} "
+              f"that must cross host->device, d2h); efficiency {r['efficiency']:.3f}")
+    if "lookahead" in r:
+        print(f"  look-ahead: {r['lookahead']}")
+    for key, label in (("plan", "plan written to"), ("plot", "timeline written to"),
+                       ("dot", "graph written to"), ("warning", "warning:")):
+        if key in r:
+            print(f"  {label} {r[key]}")
+
+
+def _secs(s: float) -> str:
+    if s == 0:
+        return "0 s"
+    return f"{s:.3f} s" if s >= 0.01 else f"{s * 1e3:.3f} ms"
+
+
+def cmd_devices(args) -> None:
+    from einpage.devices import PROFILES
+    if args.json:
+        print(json.dumps({name: p.to_json() for name, p in PROFILES.items()}, indent=1))
+        return
+    print(f"{'name':<10} {'f16 TFLOP/s':>11} {'f32 TFLOP/s':>11} {'HBM GB/s':>9} "
+          f"{'h2d GB/s':>8} {'memory':>9}  source")
+    for p in PROFILES.values():
+        print(f"{p.name:<10} {p.matmul_flops['f16'] / 1e12:>11.1f} "
+              f"{p.matmul_flops['f32'] / 1e12:>11.1f} {p.hbm_bandwidth / 1e9:>9.0f} "
+              f"{p.h2d_bandwidth / 1e9:>8.2f} {format_size(p.memory_bytes):>9}  {p.source}")
 
 
 def cmd_inspect(args) -> None:
     from einpage.ir.memgraph import MemGraph
+    from einpage.simulate import simulate
     from einpage.validate import validate
     mg = MemGraph.load(args.plan)
+    profile = _profile(args, default=mg.meta.get("device"))
     v = validate(mg)
-    report = {"device_bytes": mg.device_bytes, "peak_bytes": v.peak_bytes,
-              "nodes": len(mg.nodes), "tensors": len(mg.tensors),
+    sim = simulate(mg, profile)
+    report = {**mg.meta, "device_bytes": mg.device_bytes, "peak_bytes": v.peak_bytes,
+              "live_peak_bytes": v.live_peak_bytes, "nodes": len(mg.nodes),
+              "tensors": len(mg.tensors),
               "reload_count": mg.count("reload"), "reload_bytes": mg.moved_bytes("reload"),
               "offload_count": mg.count("offload"), "offload_bytes": mg.moved_bytes("offload"),
-              **mg.meta}
+              **sim.report(mg.meta.get("tokens"))}
+    if args.dot:
+        from einpage.dot import to_dot
+        _write_text(args.dot, to_dot(mg))
+        report["dot"] = args.dot
+    if args.plot:
+        from einpage.plot import plot_timeline
+        plot_timeline(mg, sim, args.plot)
+        report["plot"] = args.plot
     if args.json:
         print(json.dumps(report, sort_keys=True))
-    else:
-        for k, v in report.items():
-            print(f"{k}: {v}")
+        return
+    print(f"einpage plan {args.plan}: {len(mg.nodes)} nodes, {len(mg.tensors)} tensors, valid")
+    print(f"  made for: " + ", ".join(f"{k}={mg.meta[k]}" for k in sorted(mg.meta)))
+    print(f"  peak {format_size(v.peak_bytes)} of budget {format_size(mg.device_bytes)} "
+          f"(live bytes peak {format_size(v.live_peak_bytes)})")
+    print(f"  reloads {report['reload_count']} ({format_size(report['reload_bytes'])}), "
+          f"offloads {report['offload_count']} ({format_size(report['offload_bytes'])})")
+    _print_prediction(report)
+
+
+def _write_text(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def run_plan(args, tokens: np.ndarray) -> None:
@@ -135,4 +259,4 @@ def run_plan(args, tokens: np.ndarray) -> None:
     report_logits(out["logits"], args.out)
 
 
-HANDLERS = {"compile": cmd_compile, "inspect": cmd_inspect}
+HANDLERS = {"compile": cmd_compile, "inspect": cmd_inspect, "devices": cmd_devices}

@@ -1,17 +1,23 @@
 """The compiler driver: the passes in order, and running a compiled plan.
 
     Graph --partition--> TaskGraph --order--> [task ids] --resident--> --lower--> MemGraph
-          --validate--> report
+          --simulate--> predicted times --validate--> report
+
+With `auto_lookahead`, the lowering runs once per look-ahead window and the plan of least
+simulated makespan is kept (the least peak memory among near-ties).
 """
 from __future__ import annotations
 
+import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 import numpy as np
 
 from einpage.allocator import aligned
+from einpage.cost import task_seconds
+from einpage.devices import DEFAULT_DEVICE, DeviceProfile, get_device
 from einpage.errors import BudgetError
 from einpage.ir.graph import Graph
 from einpage.ir.memgraph import MemGraph
@@ -21,6 +27,7 @@ from einpage.order import memory_aware_order
 from einpage.partition import PartitionOptions, partition
 from einpage.policies import get_policy
 from einpage.resident import choose_resident, everything_fits, pass_needs, pass_reserve
+from einpage.simulate import Simulation, simulate
 from einpage.sizes import format_size
 
 
@@ -31,9 +38,13 @@ class CompileOptions:
     block_fraction: float = 1 / 8       # target working set of a task, as a share of the budget
     block_bytes: int | None = None      # ... or in bytes
     lookahead_bytes: int | None = None  # cap on bytes prefetched ahead of execution
+    lookahead_seconds: float | None = None  # cap on predicted compute seconds ahead of execution
+    auto_lookahead: bool = False        # search the look-ahead that minimizes simulated makespan
+    device: DeviceProfile | None = None  # cost-model profile (default: h100-pcie)
     cuts: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)
     validate: bool = True
+    progress: Callable[[str, int, int], None] | None = None  # (stage, done, total)
 
 
 @dataclass(frozen=True)
@@ -42,12 +53,22 @@ class Compiled:
     taskgraph: TaskGraph
     order: tuple[int, ...]
     report: dict
+    simulation: Simulation
+
+
+# The automatic look-ahead tries memory-bound prefetch and windows of these shares of the pass's
+# predicted compute; above AUTO_MAX_TASKS it keeps memory-bound prefetch (each try is a lowering).
+AUTO_SHARES = (1 / 512, 1 / 128, 1 / 32, 1 / 8)
+AUTO_MAX_TASKS = 50_000
+AUTO_TOLERANCE = 0.005  # makespans within 0.5% of the best count as equal; the least peak wins
 
 
 def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
-    """Partition, order, choose resident weights, lower and validate `graph` for the budget."""
+    """Partition, order, choose resident weights, lower, simulate and validate `graph` for the
+    budget."""
     t0 = time.perf_counter()
     policy = get_policy(options.policy)
+    profile = options.device or get_device(DEFAULT_DEVICE)
     block = options.block_bytes or max(4096, int(options.device_bytes * options.block_fraction))
     tg = partition(graph, PartitionOptions(block, options.cuts, options.sources))
     order = memory_aware_order(tg)
@@ -60,29 +81,79 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     fits = everything_fits(needs, options.device_bytes)
     if fits or not policy.evicts:
         resident = frozenset(b.id for b in tg.input_blocks if b.role == "weight")
-    else:
+    elif policy.keeps_resident:
         resident = choose_resident(tg, order, options.device_bytes - pass_reserve(needs))
-    mg = None
-    while mg is None:
-        try:
-            mg = lower(tg, order, LowerOptions(options.device_bytes, policy, resident,
-                                               inputs_at_device=fits and policy.evicts,
-                                               lookahead_bytes=options.lookahead_bytes))
-        except BudgetError:
-            if not resident or not policy.evicts:
-                raise
-            keep = len(resident) // 2  # give the pass more room and try again
-            resident = frozenset(sorted(resident)[:keep])
+    else:
+        resident = frozenset()
+    seconds = tuple(task_seconds(profile, tg))
+    trials = []
+    for k, window in enumerate(_windows(options, sum(seconds), len(tg.tasks))):
+        progress = None
+        if options.progress is not None:
+            stage = f"lowering {k + 1}" if options.auto_lookahead else "lowering"
+            progress = functools.partial(options.progress, stage)
+        lower_opts = LowerOptions(options.device_bytes, policy, resident,
+                                  inputs_at_device=fits and policy.evicts,
+                                  lookahead_bytes=options.lookahead_bytes,
+                                  lookahead_seconds=window, task_seconds=seconds,
+                                  progress=progress)
+        mg, resident = _lower_shrinking(tg, order, lower_opts)
+        trials.append((window, mg, simulate(mg, profile)))
+    window, mg, sim = _best(trials)
     report_valid = None
     if options.validate:
         from einpage.validate import validate
         report_valid = validate(mg)
-    seconds = time.perf_counter() - t0
-    report = summarize(mg, tg, needs, resident, seconds, report_valid)
-    mg = MemGraph(mg.device_bytes, mg.tensors, mg.nodes, mg.outputs, mg.inputs, mg.results,
-                  {"policy": options.policy, **{k: report[k] for k in
-                                                ("tasks", "resident_bytes", "weight_bytes")}})
-    return Compiled(mg, tg, tuple(order), report)
+    elapsed = time.perf_counter() - t0
+    report = summarize(mg, tg, needs, resident, elapsed, report_valid)
+    report.update(sim.report())
+    report["lookahead"] = _describe(options, window)
+    if options.auto_lookahead:
+        report["lookahead_trials"] = [
+            {"lookahead": _describe(options, w), "makespan_s": s.makespan_s,
+             "peak_bytes": m.high_water()} for w, m, s in trials]
+    meta = {"policy": options.policy, "device": profile.name, "lookahead": report["lookahead"],
+            **{k: report[k] for k in ("tasks", "resident_bytes", "weight_bytes")}}
+    mg = MemGraph(mg.device_bytes, mg.tensors, mg.nodes, mg.outputs, mg.inputs, mg.results, meta)
+    return Compiled(mg, tg, tuple(order), report, sim)
+
+
+def _windows(options: CompileOptions, compute_s: float, tasks: int) -> list[float | None]:
+    """Look-ahead windows (predicted compute seconds; None: bounded by memory only) to try."""
+    if not options.auto_lookahead:
+        return [options.lookahead_seconds]
+    if tasks > AUTO_MAX_TASKS or compute_s <= 0:
+        return [None]
+    return [None, *(compute_s * share for share in AUTO_SHARES)]
+
+
+def _best(trials):
+    """The trial of least makespan; among those within AUTO_TOLERANCE of it, the least peak."""
+    fastest = min(s.makespan_s for _, _, s in trials)
+    near = [t for t in trials if t[2].makespan_s <= fastest * (1 + AUTO_TOLERANCE)]
+    return min(near, key=lambda t: (t[1].high_water(), t[2].makespan_s))
+
+
+def _describe(options: CompileOptions, window: float | None) -> str:
+    parts = []
+    if options.lookahead_bytes is not None:
+        parts.append(format_size(options.lookahead_bytes))
+    if window is not None:
+        parts.append(f"{window * 1e3:.3g} ms of compute")
+    text = " and ".join(parts) if parts else "memory-bound"
+    return f"auto: {text}" if options.auto_lookahead else text
+
+
+def _lower_shrinking(tg: TaskGraph, order, opts: LowerOptions) -> tuple[MemGraph, frozenset]:
+    """Lower; if the resident weights leave the pass too little room, keep fewer and retry."""
+    while True:
+        try:
+            return lower(tg, order, opts), opts.resident
+        except BudgetError:
+            if not opts.resident or not opts.policy.evicts:
+                raise
+            keep = len(opts.resident) // 2  # give the pass more room and try again
+            opts = replace(opts, resident=frozenset(sorted(opts.resident)[:keep]))
 
 
 def summarize(mg: MemGraph, tg: TaskGraph, needs, resident, seconds, valid) -> dict:

@@ -37,6 +37,9 @@ class LowerOptions:
     resident: frozenset[int] = frozenset()       # weight blocks kept on the device
     inputs_at_device: bool = False               # activation/cache inputs start on the device
     lookahead_bytes: int | None = None           # cap on bytes reserved ahead of execution
+    lookahead_seconds: float | None = None       # cap on predicted compute ahead of execution
+    task_seconds: tuple[float, ...] = ()         # predicted seconds of each task, by task id
+    progress: object = None                      # callable(done_tasks, total_tasks) or None
 
 
 def working_set(tg: TaskGraph, task_id: int) -> int:
@@ -321,19 +324,29 @@ class _Lowering:
     # ------------------------------------------------------------ driver
     def run(self) -> MemGraph:
         self.start()
+        opt = self.opt
         e = a = 0
-        ahead: list[int] = []  # bytes reserved by tasks in [e, a)
+        # prefix sums over positions: bytes reserved and predicted seconds of tasks in [e, a)
+        ahead_bytes = [0]
+        ahead_secs = [0.0]
+        secs = ([opt.task_seconds[tid] for tid in self.order]
+                if opt.lookahead_seconds is not None else None)
+        step = max(1, self.n // 200)
         while e < self.n:
-            room = (self.opt.lookahead_bytes is None or a == e
-                    or sum(ahead[e:a]) < self.opt.lookahead_bytes)
+            room = a == e or (
+                (opt.lookahead_bytes is None or ahead_bytes[a] - ahead_bytes[e] < opt.lookahead_bytes)
+                and (secs is None or ahead_secs[a] - ahead_secs[e] < opt.lookahead_seconds))
             if a < self.n and room:
                 got = self.reserve(a, may_evict=(a == e))
                 if got is not None:
-                    ahead.append(got)
+                    ahead_bytes.append(ahead_bytes[-1] + got)
+                    ahead_secs.append(ahead_secs[-1] + (secs[a] if secs is not None else 0.0))
                     a += 1
                     continue
             self.execute(e)
             e += 1
+            if opt.progress is not None and e % step == 0:
+                opt.progress(e, self.n)
         return self.finish()
 
     def finish(self) -> MemGraph:

@@ -3,10 +3,14 @@ evicts the contiguous address window of least total (or, for `lru`, least maximu
 
 `reuse-distance` (default): Belady's farthest-next-use, weighed by the bytes a reload (and, for a
 block without a valid host copy, an offload) would move: score = bytes x (1 or 2) / distance.
-`lru`: least recently used first (reactive). `layerwise`: ZeRO-Inference-style whole-layer weight
-streaming: the first task of a layer loads every weight of the layer, and they stay until the
-layer ends; otherwise LRU. `none`: never evict; every weight stays resident (fails if it does not
-fit).
+Across passes it does what MIN does on the cyclic trace of repeated passes: it pins a fixed set of
+weights on the device (`keeps_resident`) and streams the rest.
+`lru`: least recently used first (reactive). On the cyclic trace of repeated passes LRU keeps no
+weight from one pass to the next, so it has no resident set: it streams every weight per pass.
+`layerwise`: ZeRO-Inference-style whole-layer weight streaming: every weight lives on the host,
+the first task of a layer loads every weight of the layer, and they stay until the layer ends;
+otherwise LRU. `none`: never evict; every weight stays resident (fails if it does not fit).
+When everything fits, every policy keeps every weight resident (zero transfers per pass).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class Candidate:
 class Policy:
     name = ""
     evicts = True
+    keeps_resident = False   # pins a resident weight set across passes when not all weights fit
     whole_layer_weights = False
     combine = staticmethod(sum)
 
@@ -37,6 +42,7 @@ class Policy:
 
 class ReuseDistance(Policy):
     name = "reuse-distance"
+    keeps_resident = True
 
     def score(self, c: Candidate) -> float:
         distance = max(1, c.next_use - c.position)

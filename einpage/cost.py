@@ -1,0 +1,66 @@
+"""The cost model: seconds for one block op or one transfer on a device profile.
+
+An op costs its roofline time, the larger of FLOPs over peak FLOP/s and bytes over HBM bandwidth,
+plus a kernel launch. A contraction whose join is a (scaled) product of two or more operands runs
+on matrix units (`matmul_flops`, 2 FLOPs per multiply-add); everything else (elementwise joins,
+max/min aggregation, fills, gathers, copies) on vector units, one FLOP per operand per element of
+the join space. Bytes are every operand read once and the output written once (read and written
+when accumulating). A transfer costs its bytes over the link bandwidth plus the copy latency.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from einpage.devices import DeviceProfile
+from einpage.ir import scalar
+from einpage.ir.ops import BlockOp, CopyOp, EinsumOp, FillOp, GatherOp
+
+
+def op_work(op: BlockOp, read_shapes: Sequence[Sequence[int]], read_bytes: int,
+            write_shape: Sequence[int], write_bytes: int, write_dtype: str,
+            accumulate: bool) -> tuple[float, float, bool, str]:
+    """(FLOPs, HBM bytes, on matrix units, dtype) of one block op."""
+    moved = read_bytes + write_bytes * (2 if accumulate else 1)
+    if isinstance(op, EinsumOp):
+        sizes = op.spec.sizes(read_shapes)
+        space = math.prod(int(v) for v in sizes.values())
+        k = len(op.spec.inputs)
+        product = scalar.scaled_product_factor(op.join, k) is not None
+        matmul = product and k >= 2 and op.agg in (None, "sum") and bool(op.spec.contracted)
+        flops = 2.0 * space * (k - 1) if matmul else float(space) * max(1, k)
+        return flops, float(moved), matmul, op.dtype.value
+    if isinstance(op, CopyOp):
+        return 0.0, float(2 * write_bytes), False, write_dtype
+    if isinstance(op, GatherOp):
+        return 0.0, float(moved + write_bytes), False, write_dtype
+    assert isinstance(op, FillOp)
+    return float(math.prod(write_shape)), float(write_bytes), False, write_dtype
+
+
+def op_seconds(profile: DeviceProfile, op: BlockOp, read_shapes, read_bytes: int,
+               write_shape, write_bytes: int, write_dtype: str, accumulate: bool) -> float:
+    flops, moved, matmul, dtype = op_work(op, read_shapes, read_bytes, write_shape, write_bytes,
+                                          write_dtype, accumulate)
+    return (max(flops / profile.flops(dtype, matmul), moved / profile.hbm_bandwidth)
+            + profile.launch_overhead)
+
+
+def h2d_seconds(profile: DeviceProfile, nbytes: int) -> float:
+    return nbytes / profile.h2d_bandwidth + profile.copy_latency
+
+
+def d2h_seconds(profile: DeviceProfile, nbytes: int) -> float:
+    return nbytes / profile.d2h_bandwidth + profile.copy_latency
+
+
+def task_seconds(profile: DeviceProfile, tg) -> list[float]:
+    """Predicted compute seconds of every task of a `TaskGraph`, by task id."""
+    blocks = tg.blocks
+    out = []
+    for t in tg.tasks:
+        reads = [blocks[b] for b in t.reads]
+        w = blocks[t.write]
+        out.append(op_seconds(profile, t.op, [b.shape for b in reads], sum(b.bytes for b in reads),
+                              w.shape, w.bytes, w.dtype.value, t.accumulate))
+    return out

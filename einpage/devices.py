@@ -1,0 +1,226 @@
+"""Device profiles for the cost model, registered by name, each with its source.
+
+A profile holds what the cost model needs to turn a memgraph node into seconds: peak dense FLOP/s
+per dtype for matrix products (`matmul_flops`) and for elementwise work (`vector_flops`), HBM
+bandwidth, host<->device bandwidth each way (pinned memory), copy latency, kernel-launch overhead
+and memory.
+
+Where the numbers come from: FLOP/s and HBM bandwidth are the vendor datasheet figures (dense, no
+structured sparsity). Host links are not measured on einpage's target machines (no GPU host was
+available to calibrate): they are the PCIe generation's per-direction raw rate times 0.8, the share
+that pinned copies reach in practice (about 24-26 of 31.5 GB/s on PCIe Gen4; see
+shared/reference/PEERS.md), except where a measured figure is cited. `--h2d-bandwidth`, `--flops`
+and `--device-file` override them; a profile measured on your own host is the better input.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from einpage.errors import InputError
+
+_PCIE = {3: 15.75e9, 4: 31.5e9, 5: 63.0e9}  # raw bytes/s per direction, x16
+_PINNED_SHARE = 0.8
+
+
+def _pcie(gen: int) -> float:
+    return _PCIE[gen] * _PINNED_SHARE
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    matmul_flops: dict = field(hash=False)   # dtype name -> dense FLOP/s for contractions
+    vector_flops: dict = field(hash=False)   # dtype name -> FLOP/s for elementwise work
+    hbm_bandwidth: float                     # bytes/s
+    h2d_bandwidth: float                     # bytes/s, pinned host -> device
+    d2h_bandwidth: float                     # bytes/s, device -> pinned host
+    memory_bytes: int
+    copy_latency: float = 10e-6              # seconds per transfer
+    launch_overhead: float = 5e-6            # seconds per kernel
+    source: str = ""
+
+    def flops(self, dtype: str, matmul: bool) -> float:
+        table = self.matmul_flops if matmul else self.vector_flops
+        if dtype in table:
+            return table[dtype]
+        return table.get("f32", min(table.values()))
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "matmul_flops": dict(self.matmul_flops),
+                "vector_flops": dict(self.vector_flops), "hbm_bandwidth": self.hbm_bandwidth,
+                "h2d_bandwidth": self.h2d_bandwidth, "d2h_bandwidth": self.d2h_bandwidth,
+                "memory_bytes": self.memory_bytes, "copy_latency": self.copy_latency,
+                "launch_overhead": self.launch_overhead, "source": self.source}
+
+
+T = 1e12
+
+
+def _profile(name, f16, f32, f64, vec32, hbm, link, memory_gb, source, bf16=None, vec16=None):
+    bf16 = f16 if bf16 is None else bf16
+    vec16 = 2 * vec32 if vec16 is None else vec16
+    return DeviceProfile(
+        name, matmul_flops={"f16": f16, "bf16": bf16, "f32": f32, "f64": f64},
+        vector_flops={"f16": vec16, "bf16": vec16 if bf16 == f16 else vec32, "f32": vec32,
+                      "f64": f64},
+        hbm_bandwidth=hbm, h2d_bandwidth=link, d2h_bandwidth=link,
+        memory_bytes=int(memory_gb * 1e9), source=source)
+
+
+PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
+    _profile("h100-pcie", 756 * T, 51.2 * T, 25.6 * T, 51.2 * T, 2.0e12, _pcie(5), 80,
+             "NVIDIA H100 datasheet (PCIe 80GB): FP16/BF16 tensor 756 TFLOPS dense, FP32 51 TF, "
+             "FP64 26 TF, HBM2e 2.0 TB/s; PCIe Gen5 x16 at 80% of 63 GB/s"),
+    _profile("h100-sxm", 989 * T, 67 * T, 34 * T, 67 * T, 3.35e12, _pcie(5), 80,
+             "NVIDIA H100 datasheet (SXM5 80GB): FP16/BF16 tensor 989 TFLOPS dense, FP32 67 TF, "
+             "FP64 34 TF, HBM3 3.35 TB/s; host link PCIe Gen5 x16 at 80% of 63 GB/s"),
+    _profile("h200", 989 * T, 67 * T, 34 * T, 67 * T, 4.8e12, _pcie(5), 141,
+             "NVIDIA H200 datasheet (SXM 141GB): FP16/BF16 tensor 989 TFLOPS dense, FP32 67 TF, "
+             "FP64 34 TF, HBM3e 4.8 TB/s; host link PCIe Gen5 x16 at 80% of 63 GB/s"),
+    _profile("a100-pcie", 312 * T, 19.5 * T, 9.7 * T, 19.5 * T, 1.935e12, _pcie(4), 80,
+             "NVIDIA A100 datasheet (PCIe 80GB): FP16/BF16 tensor 312 TFLOPS dense, FP32 19.5 "
+             "TF, FP64 9.7 TF, HBM2e 1.935 TB/s; PCIe Gen4 x16 at 80% of 31.5 GB/s"),
+    _profile("a100-sxm", 312 * T, 19.5 * T, 9.7 * T, 19.5 * T, 2.039e12, _pcie(4), 80,
+             "NVIDIA A100 datasheet (SXM4 80GB): FP16/BF16 tensor 312 TFLOPS dense, FP32 19.5 "
+             "TF, FP64 9.7 TF, HBM2e 2.039 TB/s; host link PCIe Gen4 x16 at 80% of 31.5 GB/s"),
+    _profile("v100", 125 * T, 15.7 * T, 7.8 * T, 15.7 * T, 0.9e12, _pcie(3), 32,
+             "NVIDIA V100 datasheet (SXM2 32GB): FP16 tensor 125 TFLOPS, FP32 15.7 TF, FP64 7.8 "
+             "TF, HBM2 900 GB/s, no bf16 (runs at the FP32 rate); PCIe Gen3 x16 at 80% of "
+             "15.75 GB/s", bf16=15.7 * T),
+    _profile("p100", 18.7 * T, 9.3 * T, 4.7 * T, 9.3 * T, 0.732e12, _pcie(3), 16,
+             "NVIDIA P100 datasheet (PCIe 16GB): FP16 18.7 TFLOPS (no tensor cores), FP32 9.3 "
+             "TF, FP64 4.7 TF, HBM2 732 GB/s, no bf16 (FP32 rate); PCIe Gen3 x16 at 80% of "
+             "15.75 GB/s", bf16=9.3 * T, vec16=18.7 * T),
+    DeviceProfile(
+        "t4", matmul_flops={"f16": 65 * T, "bf16": 8.1 * T, "f32": 8.1 * T, "f64": 0.25 * T},
+        vector_flops={"f16": 16.2 * T, "bf16": 8.1 * T, "f32": 8.1 * T, "f64": 0.25 * T},
+        hbm_bandwidth=320e9, h2d_bandwidth=12.89e9, d2h_bandwidth=12.89e9,
+        memory_bytes=16 * 10**9,
+        source="NVIDIA T4 datasheet: FP16 tensor 65 TFLOPS, FP32 8.1 TF, GDDR6 320 GB/s, no "
+               "bf16 (FP32 rate); host->device 12.89 GB/s as fitted by FlexGen on a T4 "
+               "(experimental/cost_model.py, shared/reference/PEERS.md)"),
+    _profile("rtx4090", 165.2 * T, 82.6 * T, 1.29 * T, 82.6 * T, 1.008e12, _pcie(4), 24,
+             "NVIDIA Ada whitepaper (RTX 4090): FP16/BF16 tensor with FP32 accumulate 165.2 "
+             "TFLOPS dense, FP32 82.6 TF, FP64 1.3 TF, GDDR6X 1008 GB/s; PCIe Gen4 x16 at 80% "
+             "of 31.5 GB/s", vec16=82.6 * T),
+)}
+
+DEFAULT_DEVICE = "h100-pcie"
+
+
+def get_device(name: str) -> DeviceProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise InputError(f"unknown device {name!r}; known: {', '.join(PROFILES)} "
+                         "(or --device-file profile.json)") from None
+
+
+_REQUIRED = ("matmul_flops", "hbm_bandwidth", "h2d_bandwidth")
+
+
+def load_device_file(path: str | Path) -> DeviceProfile:
+    """A profile from JSON: the keys of `DeviceProfile.to_json`. `matmul_flops`, `hbm_bandwidth`
+    and `h2d_bandwidth` are required; `vector_flops` defaults to `matmul_flops`, `d2h_bandwidth`
+    to `h2d_bandwidth`, the rest to the defaults of `DeviceProfile`."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such device profile") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: not a JSON device profile ({exc})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: a device profile is a JSON object")
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise InputError(f"{path}: device profile lacks {', '.join(missing)}")
+    unknown = set(data) - set(DeviceProfile.__dataclass_fields__)
+    if unknown:
+        raise InputError(f"{path}: unknown device profile key {sorted(unknown)[0]!r}")
+    try:
+        matmul = _rates(data["matmul_flops"], "matmul_flops")
+        vector = _rates(data.get("vector_flops", matmul), "vector_flops")
+        h2d = _positive(data["h2d_bandwidth"], "h2d_bandwidth")
+        profile = DeviceProfile(
+            name=str(data.get("name", Path(path).stem)), matmul_flops=matmul, vector_flops=vector,
+            hbm_bandwidth=_positive(data["hbm_bandwidth"], "hbm_bandwidth"), h2d_bandwidth=h2d,
+            d2h_bandwidth=_positive(data.get("d2h_bandwidth", h2d), "d2h_bandwidth"),
+            memory_bytes=int(_positive(data.get("memory_bytes", 80e9), "memory_bytes")),
+            copy_latency=_non_negative(data.get("copy_latency", 10e-6), "copy_latency"),
+            launch_overhead=_non_negative(data.get("launch_overhead", 5e-6), "launch_overhead"),
+            source=str(data.get("source", f"device file {path}")))
+    except InputError as exc:
+        raise InputError(f"{path}: {exc}") from None
+    return profile
+
+
+def _number(value, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"{key} must be a number, got {value!r}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise InputError(f"{key} must be finite, got {value!r}")
+    return value
+
+
+def _positive(value, key: str) -> float:
+    value = _number(value, key)
+    if value <= 0:
+        raise InputError(f"{key} must be positive, got {value!r}")
+    return value
+
+
+def _non_negative(value, key: str) -> float:
+    value = _number(value, key)
+    if value < 0:
+        raise InputError(f"{key} must not be negative, got {value!r}")
+    return value
+
+
+def _rates(value, key: str) -> dict:
+    if isinstance(value, dict):
+        if not value:
+            raise InputError(f"{key} is empty")
+        return {str(k): _positive(v, f"{key}[{k}]") for k, v in value.items()}
+    rate = _positive(value, key)
+    return {d: rate for d in ("f16", "bf16", "f32", "f64")}
+
+
+_RATE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)(?:/s)?\s*")
+_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+
+
+def parse_rate(text: str, what: str, unit: str) -> float:
+    """`25GB/s`, `25e9`, `756T`, `756TFLOPS` -> a positive float (decimal prefixes)."""
+    match = _RATE.fullmatch(str(text))
+    suffix = match.group(2).lower() if match else ""
+    if match and suffix.endswith(unit.lower()):
+        suffix = suffix[: -len(unit)]
+    if match and suffix == "b" and unit == "B":
+        suffix = ""
+    if not match or suffix not in _SCALE:
+        raise InputError(f"bad {what} {text!r}: use e.g. 25GB/s or 25e9" if unit == "B" else
+                         f"bad {what} {text!r}: use e.g. 756T, 756TFLOPS or 7.56e14")
+    value = float(match.group(1)) * _SCALE[suffix]
+    if value <= 0:
+        raise InputError(f"bad {what} {text!r}: must be positive")
+    return value
+
+
+def resolve_device(name: str | None = None, device_file: str | None = None,
+                   h2d_bandwidth: str | None = None, flops: str | None = None) -> DeviceProfile:
+    """The profile the command line asks for: a file or a named profile, then overrides.
+    `h2d_bandwidth` sets both link directions; `flops` sets the matmul peak of every dtype."""
+    if device_file and name:
+        raise InputError("give --device or --device-file, not both")
+    profile = load_device_file(device_file) if device_file else get_device(name or DEFAULT_DEVICE)
+    if h2d_bandwidth is not None:
+        bw = parse_rate(h2d_bandwidth, "--h2d-bandwidth", "B")
+        profile = replace(profile, h2d_bandwidth=bw, d2h_bandwidth=bw)
+    if flops is not None:
+        rate = parse_rate(flops, "--flops", "FLOPS")
+        profile = replace(profile, matmul_flops={d: rate for d in profile.matmul_flops})
+    return profile

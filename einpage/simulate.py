@@ -1,0 +1,123 @@
+"""The stream simulator: a memgraph run as the CuPy runtime runs it, in predicted seconds.
+
+Three engines, each in order: the compute stream runs `apply` nodes, the host->device copy engine
+runs `reload` nodes and the device->host copy engine runs `offload` nodes, each in the order of the
+node list (CUDA streams are FIFO and the runtime enqueues nodes in that order). A node starts when
+every dependency has finished and its engine is free; `input` and `free` nodes take no time (they
+finish when their dependencies do). Durations come from `einpage.cost`.
+
+The lower bound for the same graph is `max(compute, min h2d bytes / h2d bandwidth, d2h bytes /
+d2h bandwidth)`, where the minimum host->device bytes count each tensor that starts on the host
+and is needed on the device once (a weight block that does not stay resident, the token ids).
+Efficiency is lower bound / makespan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from einpage.cost import d2h_seconds, h2d_seconds, op_seconds
+from einpage.devices import DeviceProfile
+from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph
+
+ENGINES = ("compute", "h2d", "d2h")
+_ENGINE_OF = {"apply": "compute", "reload": "h2d", "offload": "d2h"}
+
+
+@dataclass(frozen=True)
+class Simulation:
+    device: str
+    start: tuple[float, ...]        # per node, seconds
+    end: tuple[float, ...]
+    engine: tuple[str | None, ...]  # per node: compute | h2d | d2h | None (instant)
+    makespan_s: float
+    compute_s: float                # busy time of each engine
+    h2d_s: float
+    d2h_s: float
+    stall_s: float                  # compute stream idle, waiting on dependencies
+    h2d_bytes: int
+    h2d_min_bytes: int
+    d2h_bytes: int
+    lower_bound_s: float
+
+    @property
+    def efficiency(self) -> float:
+        return self.lower_bound_s / self.makespan_s if self.makespan_s > 0 else 1.0
+
+    def report(self, tokens: int | None = None) -> dict:
+        """The report keys `einpage compile --json` adds."""
+        out = {"device": self.device, "makespan_s": self.makespan_s, "compute_s": self.compute_s,
+               "h2d_s": self.h2d_s, "d2h_s": self.d2h_s, "stall_s": self.stall_s,
+               "lower_bound_s": self.lower_bound_s, "efficiency": round(self.efficiency, 4),
+               "h2d_bytes": self.h2d_bytes, "h2d_min_bytes": self.h2d_min_bytes,
+               "d2h_bytes": self.d2h_bytes}
+        if tokens:
+            out["tokens_per_s"] = tokens / self.makespan_s if self.makespan_s > 0 else None
+        return out
+
+
+def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
+    """Predicted duration of every node (0 for input and free)."""
+    tensors = mg.tensors
+    out = []
+    for n in mg.nodes:
+        if isinstance(n, ApplyNode):
+            reads = [tensors[a.tensor] for a in n.reads]
+            w = tensors[n.write.tensor]
+            out.append(op_seconds(profile, n.op, [t.shape for t in reads],
+                                  sum(t.bytes for t in reads), w.shape, w.bytes, w.dtype.value,
+                                  n.accumulate))
+        elif n.kind == "reload":
+            out.append(h2d_seconds(profile, tensors[n.tensor].bytes))
+        elif n.kind == "offload":
+            out.append(d2h_seconds(profile, tensors[n.tensor].bytes))
+        else:
+            out.append(0.0)
+    return out
+
+
+def min_h2d_bytes(mg: MemGraph) -> int:
+    """Bytes that must cross host->device once per pass: every tensor that starts on the host
+    and is reloaded at least once, counted once."""
+    at_host = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at == "host"}
+    reloaded = {n.tensor for n in mg.nodes if n.kind == "reload"}
+    return sum(mg.tensors[t].bytes for t in at_host & reloaded)
+
+
+def simulate(mg: MemGraph, profile: DeviceProfile,
+             durations: list[float] | None = None) -> Simulation:
+    dur = durations if durations is not None else node_seconds(mg, profile)
+    n_nodes = len(mg.nodes)
+    start = [0.0] * n_nodes
+    end = [0.0] * n_nodes
+    engine: list[str | None] = [None] * n_nodes
+    free_at = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0}
+    busy = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0}
+    stall = 0.0
+    h2d_bytes = d2h_bytes = 0
+    for n in mg.nodes:
+        ready = 0.0
+        for d in n.deps:
+            if end[d] > ready:
+                ready = end[d]
+        eng = _ENGINE_OF.get(n.kind)
+        if eng is None:
+            start[n.id] = end[n.id] = ready
+            continue
+        engine[n.id] = eng
+        t0 = ready if ready > free_at[eng] else free_at[eng]
+        if eng == "compute":
+            stall += t0 - free_at[eng]
+        elif eng == "h2d":
+            h2d_bytes += mg.tensors[n.tensor].bytes
+        else:
+            d2h_bytes += mg.tensors[n.tensor].bytes
+        start[n.id], end[n.id] = t0, t0 + dur[n.id]
+        free_at[eng] = end[n.id]
+        busy[eng] += dur[n.id]
+    makespan = max(end, default=0.0)
+    h2d_min = min_h2d_bytes(mg)
+    lower = max(busy["compute"], h2d_min / profile.h2d_bandwidth,
+                d2h_bytes / profile.d2h_bandwidth)
+    return Simulation(profile.name, tuple(start), tuple(end), tuple(engine), makespan,
+                      busy["compute"], busy["h2d"], busy["d2h"], stall, h2d_bytes, h2d_min,
+                      d2h_bytes, lower)
