@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from einpage.cost import d2h_seconds, h2d_seconds, op_seconds
 from einpage.devices import DeviceProfile
+from einpage.errors import PlanError
 from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph
 
 ENGINES = ("compute", "h2d", "d2h")
@@ -34,6 +35,8 @@ class Simulation:
     h2d_s: float
     d2h_s: float
     stall_s: float                  # compute stream idle, waiting on dependencies
+    stall_h2d_s: float              # ... of which waiting on a reload (a prefetch came late)
+    late_reloads: int               # reloads that an apply waited for
     h2d_bytes: int
     h2d_min_bytes: int
     d2h_bytes: int
@@ -47,6 +50,7 @@ class Simulation:
         """The report keys `einpage compile --json` adds."""
         out = {"device": self.device, "makespan_s": self.makespan_s, "compute_s": self.compute_s,
                "h2d_s": self.h2d_s, "d2h_s": self.d2h_s, "stall_s": self.stall_s,
+               "stall_h2d_s": self.stall_h2d_s, "late_reloads": self.late_reloads,
                "lower_bound_s": self.lower_bound_s, "efficiency": round(self.efficiency, 4),
                "h2d_bytes": self.h2d_bytes, "h2d_min_bytes": self.h2d_min_bytes,
                "d2h_bytes": self.d2h_bytes}
@@ -87,18 +91,24 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
              durations: list[float] | None = None) -> Simulation:
     dur = durations if durations is not None else node_seconds(mg, profile)
     n_nodes = len(mg.nodes)
+    if len(dur) != n_nodes:
+        raise ValueError(f"{len(dur)} durations for {n_nodes} nodes")
     start = [0.0] * n_nodes
     end = [0.0] * n_nodes
     engine: list[str | None] = [None] * n_nodes
     free_at = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0}
     busy = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0}
-    stall = 0.0
+    stall = stall_h2d = 0.0
+    late: set[int] = set()
     h2d_bytes = d2h_bytes = 0
-    for n in mg.nodes:
-        ready = 0.0
+    for k, n in enumerate(mg.nodes):
+        if n.id != k or any(d >= k or d < 0 for d in n.deps):
+            raise PlanError(f"node {k}: ids must equal positions and deps name earlier nodes "
+                            "(run the validator first)")
+        ready, last = 0.0, None
         for d in n.deps:
             if end[d] > ready:
-                ready = end[d]
+                ready, last = end[d], d
         eng = _ENGINE_OF.get(n.kind)
         if eng is None:
             start[n.id] = end[n.id] = ready
@@ -106,7 +116,12 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
         engine[n.id] = eng
         t0 = ready if ready > free_at[eng] else free_at[eng]
         if eng == "compute":
-            stall += t0 - free_at[eng]
+            wait = t0 - free_at[eng]
+            if wait > 0:
+                stall += wait
+                if last is not None and engine[last] == "h2d":
+                    stall_h2d += wait
+                    late.add(last)
         elif eng == "h2d":
             h2d_bytes += mg.tensors[n.tensor].bytes
         else:
@@ -119,5 +134,6 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
     lower = max(busy["compute"], h2d_min / profile.h2d_bandwidth,
                 d2h_bytes / profile.d2h_bandwidth)
     return Simulation(profile.name, tuple(start), tuple(end), tuple(engine), makespan,
-                      busy["compute"], busy["h2d"], busy["d2h"], stall, h2d_bytes, h2d_min,
+                      busy["compute"], busy["h2d"], busy["d2h"], stall, stall_h2d, len(late),
+                      h2d_bytes, h2d_min,
                       d2h_bytes, lower)

@@ -68,6 +68,7 @@ def test_serial_chain_adds_up():
     assert sim.makespan_s == pytest.approx(6.0)
     assert (sim.compute_s, sim.h2d_s, sim.d2h_s) == pytest.approx((2.0, 1.0, 3.0))
     assert sim.stall_s == pytest.approx(1.0)  # the apply waits for its reload
+    assert sim.stall_h2d_s == pytest.approx(1.0) and sim.late_reloads == 1
     assert sim.start[a] == pytest.approx(1.0) and sim.end[a] == pytest.approx(3.0)
     assert sim.engine[a] == "compute" and sim.engine[i0] is None
 
@@ -124,6 +125,7 @@ def test_engine_is_in_order_and_memory_reuse_waits():
     sim = simulate(mg, UNIT, durations(mg, 5.0, 1.0, 0.0))
     assert sim.start[r1] == pytest.approx(6.0)  # after a0 ends (1 + 5)
     assert sim.makespan_s == pytest.approx(12.0)
+    assert sim.stall_s == pytest.approx(2.0) and sim.late_reloads == 2
 
 
 def test_transfers_are_priced_by_bytes_and_latency():

@@ -190,7 +190,8 @@ class MemGraph:
                 nodes.append(_node_from(n))
             where = "plan outputs"
             outputs = tuple(OutputRef(int(o["tensor"]), o["at"], _opt_int(o.get("offset")),
-                                      str(o.get("name", "")), tuple(o.get("origin", ())))
+                                      str(o.get("name", "")),
+                                      tuple(int(v) for v in o.get("origin", ())))
                             for o in data["outputs"])
             inputs = tuple(_logical_from(t) for t in data.get("inputs", ()))
             results = tuple(_logical_from(t) for t in data.get("results", ()))
@@ -237,7 +238,8 @@ def _tensor_from(d: dict) -> TensorInfo:
     src = d.get("source")
     source = None if src is None else Source(str(src["input"]), tuple(int(v) for v in src["origin"]),
                                              tuple(int(v) for v in src["full_shape"]),
-                                             src.get("checkpoint"))
+                                             None if src.get("checkpoint") is None
+                                             else str(src["checkpoint"]))
     return TensorInfo(int(d["id"]), int(d["bytes"]), as_dtype(d["dtype"]),
                       tuple(int(v) for v in d["shape"]), str(d.get("name", "")),
                       str(d.get("role", "activation")), source)
