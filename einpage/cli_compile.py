@@ -146,7 +146,8 @@ def print_report(r: dict) -> None:
     print(f"  weights {gb(r['weight_bytes'])}: resident {gb(r['resident_bytes'])}, streamed per "
           f"pass {gb(r['streamed_weight_bytes'])}")
     print(f"  reloads {r['reload_count']} ({gb(r['reload_bytes'])}), offloads "
-          f"{r['offload_count']} ({gb(r['offload_bytes'])})")
+          f"{r['offload_count']} ({gb(r['offload_bytes'])}), outputs written back "
+          f"{r['writeback_count']} ({gb(r['writeback_bytes'])})")
     _print_prediction(r)
 
 
@@ -188,6 +189,7 @@ def cmd_devices(args) -> None:
 
 
 def cmd_inspect(args) -> None:
+    from einpage.compile import offloads
     from einpage.ir.memgraph import MemGraph
     from einpage.simulate import simulate
     from einpage.validate import validate
@@ -199,7 +201,7 @@ def cmd_inspect(args) -> None:
               "live_peak_bytes": v.live_peak_bytes, "nodes": len(mg.nodes),
               "tensors": len(mg.tensors),
               "reload_count": mg.count("reload"), "reload_bytes": mg.moved_bytes("reload"),
-              "offload_count": mg.count("offload"), "offload_bytes": mg.moved_bytes("offload"),
+              **offloads(mg),
               **sim.report(mg.meta.get("tokens"))}
     if args.dot:
         from einpage.dot import to_dot
@@ -217,7 +219,9 @@ def cmd_inspect(args) -> None:
     print(f"  peak {format_size(v.peak_bytes)} of budget {format_size(mg.device_bytes)} "
           f"(live bytes peak {format_size(v.live_peak_bytes)})")
     print(f"  reloads {report['reload_count']} ({format_size(report['reload_bytes'])}), "
-          f"offloads {report['offload_count']} ({format_size(report['offload_bytes'])})")
+          f"offloads {report['offload_count']} ({format_size(report['offload_bytes'])}), "
+          f"outputs written back {report['writeback_count']} "
+          f"({format_size(report['writeback_bytes'])})")
     _print_prediction(report)
 
 

@@ -79,10 +79,14 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
                           f"that would work is {format_size(needs.max_working_set)}",
                           needs.max_working_set, options.device_bytes)
     fits = everything_fits(needs, options.device_bytes)
+    # A pass that streams weights writes its outputs (logits, the KV cache) back to the host as
+    # soon as each block is final, so the device keeps that memory for resident weights.
+    outputs_to_host = not fits and policy.evicts
     if fits or not policy.evicts:
         resident = frozenset(b.id for b in tg.input_blocks if b.role == "weight")
     elif policy.keeps_resident:
-        resident = choose_resident(tg, order, options.device_bytes - pass_reserve(needs))
+        streaming = pass_needs(tg, order, outputs_stay=False)
+        resident = choose_resident(tg, order, options.device_bytes - pass_reserve(streaming))
     else:
         resident = frozenset()
     seconds = tuple(task_seconds(profile, tg))
@@ -94,6 +98,7 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             progress = functools.partial(options.progress, stage)
         lower_opts = LowerOptions(options.device_bytes, policy, resident,
                                   inputs_at_device=fits and policy.evicts,
+                                  outputs_to_host=outputs_to_host,
                                   lookahead_bytes=options.lookahead_bytes,
                                   lookahead_seconds=window, task_seconds=seconds,
                                   progress=progress)
@@ -111,7 +116,7 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     if options.auto_lookahead:
         report["lookahead_trials"] = [
             {"lookahead": _describe(options, w), "makespan_s": s.makespan_s,
-             "peak_bytes": m.high_water()} for w, m, s in trials]
+             "live_peak_bytes": m.live_peak()} for w, m, s in trials]
     meta = {"policy": options.policy, "device": profile.name, "lookahead": report["lookahead"],
             **{k: report[k] for k in ("tasks", "resident_bytes", "weight_bytes")}}
     mg = MemGraph(mg.device_bytes, mg.tensors, mg.nodes, mg.outputs, mg.inputs, mg.results, meta)
@@ -128,10 +133,11 @@ def _windows(options: CompileOptions, compute_s: float, tasks: int) -> list[floa
 
 
 def _best(trials):
-    """The trial of least makespan; among those within AUTO_TOLERANCE of it, the least peak."""
+    """The trial of least makespan; among those within AUTO_TOLERANCE of it, the one with the
+    fewest bytes live at once (the same speed with less memory in flight)."""
     fastest = min(s.makespan_s for _, _, s in trials)
     near = [t for t in trials if t[2].makespan_s <= fastest * (1 + AUTO_TOLERANCE)]
-    return min(near, key=lambda t: (t[1].high_water(), t[2].makespan_s))
+    return min(near, key=lambda t: (t[1].live_peak(), t[2].makespan_s))
 
 
 def _describe(options: CompileOptions, window: float | None) -> str:
@@ -173,12 +179,27 @@ def summarize(mg: MemGraph, tg: TaskGraph, needs, resident, seconds, valid) -> d
         "streamed_weight_bytes": streamed,
         "reload_count": mg.count("reload"),
         "reload_bytes": mg.moved_bytes("reload"),
-        "offload_count": mg.count("offload"),
-        "offload_bytes": mg.moved_bytes("offload"),
+        **offloads(mg),
         "activation_peak_bytes": needs.activation_peak,
         "compile_seconds": round(seconds, 3),
         "tasks_per_second": round(len(tg.tasks) / seconds, 1) if seconds > 0 else None,
     }
+
+
+def offloads(mg: MemGraph) -> dict:
+    """Device->host traffic, split: `offload_*` spills a block that is needed again (it comes
+    back by a reload); `writeback_*` sends a finished output to the host, once."""
+    final = {}
+    for n in mg.nodes:
+        if n.kind == "offload":
+            final[n.tensor] = n.id
+    at_host = {o.tensor for o in mg.outputs if o.at == "host"}
+    back = {final[t] for t in at_host if t in final}
+    spills = [n for n in mg.nodes if n.kind == "offload" and n.id not in back]
+    return {"offload_count": len(spills),
+            "offload_bytes": sum(mg.tensors[n.tensor].bytes for n in spills),
+            "writeback_count": len(back),
+            "writeback_bytes": sum(mg.tensors[mg.nodes[i].tensor].bytes for i in back)}
 
 
 def run_paged(graph: Graph, inputs: Mapping[str, np.ndarray],

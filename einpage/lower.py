@@ -36,6 +36,7 @@ class LowerOptions:
     policy: Policy
     resident: frozenset[int] = frozenset()       # weight blocks kept on the device
     inputs_at_device: bool = False               # activation/cache inputs start on the device
+    outputs_to_host: bool = False                # write outputs back as soon as they are final
     lookahead_bytes: int | None = None           # cap on bytes reserved ahead of execution
     lookahead_seconds: float | None = None       # cap on predicted compute ahead of execution
     task_seconds: tuple[float, ...] = ()         # predicted seconds of each task, by task id
@@ -317,9 +318,12 @@ class _Lowering:
             for b in self.stage_pins.get(t.stage, ()):
                 self.pins[b] -= 1
         for b in dict.fromkeys((*t.reads, w)):
-            if (self.uses[b][-1] == p and not self.is_output[b] and b not in self.opt.resident
+            if (self.uses[b][-1] == p and b not in self.opt.resident
                     and self.offset[b] is not None and self.pins[b] == 0):
-                self._free(b, self.accesses[b])
+                if not self.is_output[b]:
+                    self._free(b, self.accesses[b])
+                elif self.opt.outputs_to_host:
+                    self._evict(b)  # final: offload it (the d2h engine hides it) and free
 
     # ------------------------------------------------------------ driver
     def run(self) -> MemGraph:

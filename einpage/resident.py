@@ -4,7 +4,7 @@ A plan is one pass run again and again, so a weight block kept resident is loade
 load and streams zero bytes per pass; every other weight block streams its bytes once per pass.
 The resident set is the largest set of weight bytes that fits beside the memory the pass itself
 needs (activations at their peak, the largest task's working set, and room to double-buffer the
-streamed weights), packed in order of first use so the pass can start computing at once.
+streamed weights), spread evenly over the pass so streaming overlaps compute throughout.
 """
 from __future__ import annotations
 
@@ -24,14 +24,16 @@ class PassNeeds:
     max_task_weights: int      # the most weight bytes one task reads
 
 
-def pass_needs(tg: TaskGraph, order: list[int]) -> PassNeeds:
+def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> PassNeeds:
+    """What one pass needs; with `outputs_stay=False` output blocks leave the device after their
+    last use (written back to the host) instead of staying to the end."""
     first, last = {}, {}
     for p, tid in enumerate(order):
         t = tg.tasks[tid]
         for b in (*t.reads, t.write):
             first.setdefault(b, p)
             last[b] = p
-    outputs = {o.block for o in tg.outputs}
+    outputs = {o.block for o in tg.outputs} if outputs_stay else set()
     delta = [0] * (len(order) + 1)
     for b, p in first.items():
         blk = tg.blocks[b]
@@ -65,17 +67,33 @@ def pass_reserve(needs: PassNeeds) -> int:
 
 
 def choose_resident(tg: TaskGraph, order: list[int], budget: int) -> frozenset[int]:
-    """Weight blocks to keep resident within `budget` bytes, earliest first use first."""
+    """Weight blocks to keep resident within `budget` bytes, spread evenly over the pass.
+
+    Walking the weights in order of first use, a block stays resident while the resident share so
+    far is below the share the budget allows overall (`budget / weight bytes`), so streamed
+    blocks are interleaved with resident ones from the first layer to the last: the host->device
+    engine has work from the start of the pass to its end while resident layers compute, instead
+    of idling through a resident head (or the compute stream idling through a streamed tail)."""
     first = {}
     for p, tid in enumerate(order):
         for b in tg.tasks[tid].reads:
             first.setdefault(b, p)
     weights = sorted((b for b in tg.input_blocks if b.role == "weight"),
                      key=lambda b: (first.get(b.id, len(order)), b.id))
-    chosen, used = [], 0
+    total = sum(aligned(b.bytes) for b in weights)
+    if total == 0 or budget <= 0:
+        return frozenset()
+    share = min(1.0, budget / total)
+    chosen, used, seen = set(), 0, 0
     for b in weights:
         size = aligned(b.bytes)
-        if used + size <= budget:
-            chosen.append(b.id)
+        seen += size
+        if used + size <= budget and used + size <= share * seen + size / 2:
+            chosen.add(b.id)
+            used += size
+    for b in weights:  # fill what rounding left over, earliest first
+        size = aligned(b.bytes)
+        if b.id not in chosen and used + size <= budget:
+            chosen.add(b.id)
             used += size
     return frozenset(chosen)

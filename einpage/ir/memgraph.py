@@ -147,6 +147,22 @@ class MemGraph:
                 top = max(top, n.offset + self.tensors[n.tensor].bytes)
         return top
 
+    def live_peak(self) -> int:
+        """Most bytes live at once in the node order (instances from creation to free)."""
+        live = top = 0
+        for n in self.nodes:
+            if isinstance(n, ApplyNode):
+                for a in n.frees:
+                    live -= self.tensors[a.tensor].bytes
+                if not n.accumulate:
+                    live += self.tensors[n.write.tensor].bytes
+            elif isinstance(n, ReloadNode) or (isinstance(n, InputNode) and n.at == "device"):
+                live += self.tensors[n.tensor].bytes
+            elif isinstance(n, FreeNode):
+                live -= self.tensors[n.tensor].bytes
+            top = max(top, live)
+        return top
+
     # ------------------------------------------------------------ printer
     def __str__(self) -> str:
         lines = [f"memgraph device_bytes={self.device_bytes} tensors={len(self.tensors)} "
