@@ -61,8 +61,10 @@ class Compiled:
 AUTO_SHARES = (1 / 512, 1 / 128, 1 / 32, 1 / 8)
 AUTO_MAX_TASKS = 50_000
 AUTO_TOLERANCE = 0.005  # makespans within 0.5% of the best count as equal; the least peak wins
-# When the first plan spills activations, these shares of the resident room are tried as well.
-RESIDENT_SHARES = (1 / 2, 0)
+# When the first plan spills activations or its efficiency is below RESIDENT_SEARCH_BELOW, these
+# shares of the resident room are tried as well (and every weight, where they all fit).
+RESIDENT_SHARES = (3 / 4, 1 / 2, 1 / 4, 0)
+RESIDENT_SEARCH_BELOW = 0.98
 
 
 @dataclass(frozen=True)
@@ -120,9 +122,13 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
 
     trials: list[Trial] = []
     first = trial(resident, windows[0])
-    if room > 0 and offloads(first.memgraph)["offload_bytes"] > 0:
-        # Resident weights crowd the activations out (they spill): weigh fewer resident weights
-        # against the extra streaming, by simulated makespan.
+    if room > 0 and (offloads(first.memgraph)["offload_bytes"] > 0
+                     or first.simulation.efficiency < RESIDENT_SEARCH_BELOW):
+        # The resident weights crowd the activations (they spill) or the prefetch (compute
+        # waits): weigh fewer or more resident weights against the streaming, by makespan.
+        everything = frozenset(b.id for b in tg.input_blocks if b.role == "weight")
+        if needs.weight_bytes + needs.max_working_set <= options.device_bytes:
+            _try(trial, everything, windows[0])
         for share in RESIDENT_SHARES:
             trial(choose_resident(tg, order, int(room * share)), windows[0])
         resident = _best(trials).resident
@@ -147,6 +153,14 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             **{k: report[k] for k in ("tasks", "resident_bytes", "weight_bytes")}}
     mg = MemGraph(mg.device_bytes, mg.tensors, mg.nodes, mg.outputs, mg.inputs, mg.results, meta)
     return Compiled(mg, tg, tuple(order), report, sim)
+
+
+def _try(trial, resident, window) -> None:
+    """A trial that may not fit at all (then it is not a candidate)."""
+    try:
+        trial(resident, window)
+    except BudgetError:
+        pass
 
 
 def _windows(options: CompileOptions, compute_s: float, tasks: int) -> list[float | None]:

@@ -227,8 +227,16 @@ class _Lowering:
 
     def _compact(self, p: int, need: list[int]) -> list[tuple[int, Allocation]]:
         """Last resort at the execution horizon: evict everything not pinned, then the task's own
-        blocks too, and place its working set from scratch."""
+        blocks too, and place its working set from scratch. A policy that never evicts fails."""
         t = self.tg.tasks[self.order[p]]
+        if not self.policy.evicts:
+            live = sum(self.size[b] for b in self.live)
+            need_all = self.resident_bytes + live + sum(self.size[b] for b in need)
+            raise BudgetError(
+                f"budget {format_size(self.opt.device_bytes)} does not hold the pass without "
+                f"offloading (policy {self.policy.name}): task {t.id} ({op_text(t.op)}) needs "
+                f"{format_size(need_all)} beside what is live; choose an evicting policy",
+                need_all, self.opt.device_bytes)
         for b in sorted(self.live):
             if self.pins[b] == 0:
                 self._evict(b)

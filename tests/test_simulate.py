@@ -195,7 +195,7 @@ def test_auto_lookahead_reports_its_trials():
     weights = compile_graph(graph, CompileOptions(1 << 30)).report["weight_bytes"]
     c = compile_graph(graph, CompileOptions(weights // 3, auto_lookahead=True))
     trials = c.report["trials"]
-    assert len(trials) == 5 and c.report["lookahead"].startswith("auto: ")
+    assert len(trials) >= 5 and c.report["lookahead"].startswith("auto: ")
     best = min(t["makespan_s"] for t in trials)
     assert c.report["makespan_s"] <= best * 1.005 + 1e-12
     assert c.report["lookahead"] in {t["lookahead"] for t in trials}
