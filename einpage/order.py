@@ -1,14 +1,17 @@
-"""A memory-aware topological order of tasks.
+"""A memory-aware topological order of tasks: demand-driven, stage by stage.
 
-Stage by stage (a stage is a layer: finishing one before starting the next loads each weight once
-per pass); inside a stage, depth first: of the ready tasks, the one of the latest graph node goes
-first, so consumers finish what producers started before new producers allocate more. Tasks with
-no producer task (fills, reads of inputs only) are released only when a consumer needs them,
-so they are not made long before their use. Ties break on the task id: deterministic.
+Stages (layers) run one after another, so each weight block is loaded once per pass. Inside a
+stage the order is the post-order of a depth-first walk from the stage's *exits* (tasks no task of
+the stage consumes: in LLaMA, the layer's output rows), exits in id order: each task is preceded
+exactly by what it needs that is not done yet. So one row block (a batch or sequence block, and
+inside attention one head) goes through the layer as far as dependencies allow before the next
+starts; a reduction's row is finished (all its tiles, then the ops that read it again) before
+another row is begun; tasks with no producer (fills) run just before their first consumer; and an
+activation that must wait for later work (a query block's keys that a later row projects) is only
+what that row needs. Among a task's producers, the one it accumulates onto goes first (tiles of a
+sum run in order), then the rest by task id. Deterministic: every choice ends in a task id.
 """
 from __future__ import annotations
-
-import heapq
 
 from einpage.ir.taskgraph import TaskGraph
 
@@ -16,51 +19,47 @@ from einpage.ir.taskgraph import TaskGraph
 def memory_aware_order(tg: TaskGraph) -> list[int]:
     n = len(tg.tasks)
     deps = tg.deps
-    consumers: list[list[int]] = [[] for _ in range(n)]
-    for t, ds in enumerate(deps):
-        for d in ds:
-            consumers[d].append(t)
-    is_source = [not deps[t] for t in range(n)]
-    waiting = [sum(1 for d in deps[t] if not is_source[d]) for t in range(n)]  # non-source deps
-    waiting_src = [sum(1 for d in deps[t] if is_source[d]) for t in range(n)]
-    released = [False] * n
-    heap: list[tuple] = []
-
-    def key(t: int) -> tuple:
-        task = tg.tasks[t]
-        return (task.stage, -task.node, t)
-
-    def push(t: int) -> None:
-        if not released[t]:
-            released[t] = True
-            heapq.heappush(heap, key(t))
-
-    def demand(t: int) -> None:
-        """All non-source deps of `t` are done: release its source deps, or `t` itself."""
-        for d in deps[t]:
-            if is_source[d]:
-                push(d)
-        if waiting_src[t] == 0:
-            push(t)
-
+    writers = tg.writers
+    stage = [t.stage for t in tg.tasks]
+    consumed_in_stage = [False] * n
     for t in range(n):
-        if not is_source[t] and waiting[t] == 0:
-            demand(t)
-        elif is_source[t] and not consumers[t]:
-            push(t)  # a source nothing consumes (e.g. an output fill)
+        for d in deps[t]:
+            if stage[d] == stage[t]:
+                consumed_in_stage[d] = True
+    exits = sorted((t for t in range(n) if not consumed_in_stage[t]), key=lambda t: (stage[t], t))
+    onto = [-1] * n  # the writer an accumulating task adds onto
+    for ws in writers:
+        for prev, t in zip(ws, ws[1:]):
+            onto[t] = prev
+
+    def producers(t: int) -> list[int]:
+        if onto[t] < 0:
+            return list(deps[t])
+        return [onto[t]] + [d for d in deps[t] if d != onto[t]]
+
+    done = [False] * n
+    entered = [False] * n
     order: list[int] = []
-    while heap:
-        t = heapq.heappop(heap)[-1]
-        order.append(t)
-        for c in consumers[t]:
-            if is_source[t]:
-                waiting_src[c] -= 1
-                if waiting_src[c] == 0 and waiting[c] == 0:
-                    push(c)
-            else:
-                waiting[c] -= 1
-                if waiting[c] == 0:
-                    demand(c)
+    for root in exits:
+        if done[root]:
+            continue
+        stack = [(root, producers(root), 0)]
+        entered[root] = True
+        while stack:
+            t, todo, k = stack[-1]
+            while k < len(todo) and done[todo[k]]:
+                k += 1
+            if k < len(todo):
+                d = todo[k]
+                stack[-1] = (t, todo, k + 1)
+                if entered[d]:
+                    raise RuntimeError(f"order: task {d} depends on itself (cyclic taskgraph?)")
+                entered[d] = True
+                stack.append((d, producers(d), 0))
+                continue
+            stack.pop()
+            done[t] = True
+            order.append(t)
     if len(order) != n:
         raise RuntimeError(f"order: {n - len(order)} tasks never became ready (cyclic taskgraph?)")
     return order

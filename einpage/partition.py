@@ -6,9 +6,11 @@ index gives partial results folded into the output block (accumulating tasks). I
 are materialised in whatever layout a consumer asks for (straight from host or computed on the
 device); a produced tensor read in another layout is regridded by `copy` tasks.
 
-Cuts are chosen so that each task's working set (its operand blocks plus its output block) is at
-most `block_bytes`: starting from the cuts the operands already have, the index whose halving
-shrinks the working set most is cut again, until it fits. `cuts` sets them by hand for experiments.
+Cuts are chosen for the whole graph at once, per axis class (`einpage.cuts`): axes that ops tie
+together are cut alike, so producers write the layout their consumers read and activations are
+not re-assembled between ops; each task's working set (its operand blocks plus its output block)
+is at most `block_bytes` where cuts can achieve it. `cuts` sets one op's parts by hand for
+experiments (its operands are then regridded as needed).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from einpage.cuts import AxisClasses, CutOp, choose_class_parts
 from einpage.errors import BudgetError, GraphError
 from einpage.sizes import format_size
 from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
@@ -39,12 +42,6 @@ class PartitionOptions:
 def even_bounds(size: int, parts: int) -> tuple[int, ...]:
     parts = max(1, min(parts, size)) if size else 1
     return tuple((k * size) // parts for k in range(parts + 1))
-
-
-def _parts_of(bounds: tuple[int, ...]) -> int | None:
-    """Number of parts if `bounds` is an even split, else None."""
-    k = len(bounds) - 1
-    return k if bounds == even_bounds(bounds[-1], k) else None
 
 
 @dataclass
@@ -131,59 +128,64 @@ class _Partitioner:
         return self._new_grid(node, bounds)
 
     # ------------------------------------------------------------ cut choice
-    def _inherited(self, node: Node, terms) -> dict[str, int]:
-        """Parts per index taken from operands already partitioned (largest operand wins)."""
-        parts: dict[str, int] = {}
-        ranked = sorted(zip(node.inputs, terms), key=lambda it: -_nbytes(self.g.nodes[it[0]]))
-        for nid, term in ranked:
-            if nid not in self.primary:
+    def _plan_cuts(self) -> None:
+        """Parts per axis class for the whole graph (see `einpage.cuts`)."""
+        self.classes = AxisClasses(self.g)
+        ops = []
+        for node in self.g.nodes:
+            if node.id in self.opt.cuts:
                 continue
-            for c, b in zip(term, self.primary[nid]):
-                k = _parts_of(b)
-                if c not in parts and k is not None:
-                    parts[c] = k
-        return parts
+            if isinstance(node.op, Einsum):
+                letters, terms, out_term = self._einsum_letters(node)
+            elif isinstance(node.op, Gather):
+                letters, terms, out_term = self._gather_letters(node)
+            else:
+                continue
+            sizes = {c: s for c, (s, _) in letters.items()}
+            cls = {c: k for c, (_, k) in letters.items()}
+            items = [self.g.nodes[i].dtype.itemsize for i in node.inputs] + [node.dtype.itemsize]
+            ops.append(CutOp(node.id, sizes, cls, tuple(zip((*terms, out_term), items)),
+                             frozenset(out_term)))
+        self.class_parts = choose_class_parts(ops, self.opt.block_bytes)
 
-    def _choose(self, node: Node, terms: list[str], out_term: str,
-                sizes: dict[str, int]) -> dict[str, int]:
+    def _einsum_letters(self, node: Node):
+        """Index letter -> (size, axis class), the operand terms and the output term."""
+        spec: EinsumSpec = node.op.spec
+        letters = {}
+        for i, term in zip(node.inputs, spec.inputs):
+            for axis, c in enumerate(term):
+                letters.setdefault(c, (self.g.nodes[i].shape[axis], self.classes.of(i, axis)))
+        return letters, list(spec.inputs), spec.output
+
+    def _gather_letters(self, node: Node):
+        """Gather as an op over letters: table `V` + rest, ids idx, output idx + rest."""
+        table, ids = (self.g.nodes[i] for i in node.inputs)
+        rest = "".join(chr(ord("A") + k) for k in range(len(table.shape) - 1))
+        idx = "".join(chr(ord("a") + k) for k in range(len(ids.shape)))
+        letters = {"V": (table.shape[0], self.classes.of(table.id, 0))}
+        for k, c in enumerate(rest):
+            letters[c] = (table.shape[k + 1], self.classes.of(table.id, k + 1))
+        for k, c in enumerate(idx):
+            letters[c] = (ids.shape[k], self.classes.of(ids.id, k))
+        return letters, ["V" + rest, idx], idx + rest
+
+    def _class_parts(self, node: Node, letters) -> dict[str, int]:
         if node.id in self.opt.cuts:
             manual = dict(self.opt.cuts[node.id])
-            return {c: max(1, min(manual.get(c, 1), sizes[c] or 1)) for c in sizes}
-        parts = {c: 1 for c in sizes}
-        parts.update(self._inherited(node, terms))
-        shapes = [(term, self.g.nodes[i].dtype.itemsize) for term, i in zip(terms, node.inputs)]
-        shapes.append((out_term, node.dtype.itemsize))
+            return {c: max(1, min(manual.get(c, 1), size or 1)) for c, (size, _) in letters.items()}
+        return {c: max(1, min(self.class_parts.get(k, 1), size or 1))
+                for c, (size, k) in letters.items()}
 
-        def working_set(p):
-            total = 0
-            for term, item in shapes:
-                n = item
-                for c in term:
-                    n *= -(-sizes[c] // p[c])
-                total += n
-            return total
-
-        order = sorted(sizes)  # deterministic tie-break
-        while working_set(parts) > self.opt.block_bytes:
-            best = None
-            for c in order:
-                if parts[c] * 2 > sizes[c]:
-                    continue
-                trial = dict(parts, **{c: parts[c] * 2})
-                key = (working_set(trial), c not in out_term, c)
-                if best is None or key < best[0]:
-                    best = (key, c)
-            if best is None:
-                break  # cannot cut further; the lowering reports the budget needed
-            parts[best[1]] *= 2
-        return parts
+    def _axis_parts(self, node: Node, axis: int) -> int:
+        return max(1, min(self.class_parts.get(self.classes.of(node.id, axis), 1),
+                          node.shape[axis] or 1))
 
     # ------------------------------------------------------------ per node kind
     def einsum(self, node: Node) -> None:
         op: Einsum = node.op
         spec: EinsumSpec = op.spec
         sizes = spec.sizes([self.g.nodes[i].shape for i in node.inputs])
-        parts = self._choose(node, list(spec.inputs), spec.output, sizes)
+        parts = self._class_parts(node, self._einsum_letters(node)[0])
         bounds = {c: even_bounds(sizes[c], parts[c]) for c in sizes}
         out = self._produce(node, tuple(bounds[c] for c in spec.output))
         grids = [self.layout(i, tuple(bounds[c] for c in term))
@@ -203,7 +205,7 @@ class _Partitioner:
         rest = "".join(chr(ord("A") + k) for k in range(len(table.shape) - 1))
         idx = "".join(chr(ord("a") + k) for k in range(len(ids.shape)))
         sizes = dict(zip("V" + rest, table.shape)) | dict(zip(idx, ids.shape))
-        parts = self._choose(node, ["V" + rest, idx], idx + rest, sizes)
+        parts = self._class_parts(node, self._gather_letters(node)[0])
         bounds = {c: even_bounds(sizes[c], parts[c]) for c in sizes}
         out = self._produce(node, tuple(bounds[c] for c in idx + rest))
         tgrid = self.layout(table.id, tuple(bounds[c] for c in "V" + rest))
@@ -218,8 +220,10 @@ class _Partitioner:
 
     def _split_dims(self, node: Node, fixed_axis: int | None, axis_bounds=None) -> Bounds:
         """Bounds for a copy-produced node: halve its largest dim until a block is at most half
-        the task budget (a copy reads about as much as it writes)."""
-        parts = [1] * len(node.shape)
+        the task budget (a copy reads about as much as it writes), starting from its classes'
+        cuts."""
+        parts = [self._axis_parts(node, d) if d != fixed_axis else 1
+                 for d in range(len(node.shape))]
         def block_bytes():
             n = node.dtype.itemsize
             for d, s in enumerate(node.shape):
@@ -315,6 +319,7 @@ class _Partitioner:
 
     # ------------------------------------------------------------ driver
     def run(self) -> TaskGraph:
+        self._plan_cuts()
         outputs: list[OutputBlock] = []
         for node in self.g.nodes:
             op = node.op
@@ -339,10 +344,6 @@ class _Partitioner:
                         for n in self.g.outputs)
         tg = TaskGraph(tuple(self.blocks), tuple(self.tasks), tuple(outputs), inputs, results)
         return tg
-
-
-def _nbytes(node: Node) -> int:
-    return node.dtype.itemsize * _prod(node.shape)
 
 
 def _prod(xs) -> int:

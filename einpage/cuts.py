@@ -1,0 +1,212 @@
+"""Cut choice: how many parts every index of every op is cut into, chosen for the whole graph.
+
+Cuts are chosen per *axis class*, not per op. Two tensor axes are in one class when some op ties
+them: an einsum index letter ties every operand axis and the output axis it names; a gather ties
+its output to the table's trailing axes and to the ids' axes; a concat or slice ties every axis
+but the one it works along. All axes of a class are cut the same way (even bounds, the same number
+of parts), so a tensor is written in exactly the layout its consumers read it in: no `copy` tasks
+re-assemble activations between ops (LLaMA: the batch, sequence, head and feed-forward cuts run
+unchanged from the projections through rotary, scores, softmax, attention-times-values and the
+output projection). Regrids remain only where a layout cannot follow a class (a concat axis, a
+reshape, a hand-set cut).
+
+Constraint: every einsum and gather must have a working set (its operand blocks plus its output
+block) of at most `block_bytes`. A reduction (one operand) must fit its *row* too, every
+contracted index counted whole: its input is typically read again once the reduction is done
+(RMSNorm, softmax), so all of a row is live at once however the reduced index is cut; rows shrink
+only by cutting indices the reduction keeps.
+
+Cost: the device-memory traffic of the plan, each task reading and writing its working set once
+(`tasks x working set` per op), plus a per-task overhead. Cutting an index every operand of an op
+shares (batch rows, attention heads along the attention chain) costs only the overhead; cutting one
+that some operand lacks re-reads that operand once more per part (a weight per batch block, the
+layer input per head).
+
+Greedy: while some op is over its limit, the op furthest over it names the candidate classes (its
+indices that still shrink its working set, or its row); each is scored by the traffic it adds over
+the whole graph divided by the halvings it brings to *every* op over the limit (a batch cut helps
+the attention of all layers at once, a head cut only its own layer); the cheapest is doubled. A
+class some op contracts counts `CONTRACTED_COST` times: its partial sums (or a reduction's row
+tiles) stay live across tasks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from einpage.ir.graph import Concat, Einsum, Gather, Graph, Slice
+
+#: Cost factor for cutting a class that some op contracts.
+CONTRACTED_COST = 2
+#: Per-task overhead in the traffic cost, as a share of the block budget (kernel launches, and
+#: fewer tasks also compile faster).
+TASK_OVERHEAD_SHARE = 1 / 256
+
+
+class AxisClasses:
+    """Union-find over the axes (node id, axis) of every node of a graph."""
+
+    def __init__(self, graph: Graph):
+        self.base: list[int] = []
+        n = 0
+        for node in graph.nodes:
+            self.base.append(n)
+            n += len(node.shape)
+        self._parent = list(range(n))
+        for node in graph.nodes:
+            op = node.op
+            if isinstance(op, Einsum):
+                spec = op.spec
+                at: dict[str, int] = {}
+                for i, term in zip(node.inputs, spec.inputs):
+                    for axis, c in enumerate(term):
+                        self._tie(at, c, self.of(i, axis))
+                for axis, c in enumerate(spec.output):
+                    self._tie(at, c, self.of(node.id, axis))
+            elif isinstance(op, Gather):
+                table, ids = node.inputs
+                k = len(graph.nodes[ids].shape)
+                for axis in range(len(node.shape)):
+                    other = self.of(ids, axis) if axis < k else self.of(table, axis - k + 1)
+                    self.union(self.of(node.id, axis), other)
+            elif isinstance(op, (Concat, Slice)):
+                for i in node.inputs:
+                    for axis in range(len(node.shape)):
+                        if axis != op.axis:
+                            self.union(self.of(node.id, axis), self.of(i, axis))
+
+    def _tie(self, at: dict[str, int], c: str, elem: int) -> None:
+        if c in at:
+            self.union(at[c], elem)
+        else:
+            at[c] = elem
+
+    def of(self, node_id: int, axis: int) -> int:
+        """The class of one axis."""
+        x = self.base[node_id] + axis
+        parent = self._parent
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(self, a: int, b: int) -> None:
+        a, b = self.of_elem(a), self.of_elem(b)
+        if a != b:
+            self._parent[max(a, b)] = min(a, b)
+
+    def of_elem(self, x: int) -> int:
+        parent = self._parent
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+
+@dataclass(frozen=True, slots=True)
+class CutOp:
+    """One op the cuts must serve: its index letters, their sizes and classes, and its terms."""
+    node: int
+    sizes: dict[str, int]
+    cls: dict[str, int]                 # letter -> axis class
+    terms: tuple[tuple[str, int], ...]  # (letters, item bytes): operands, then the output
+    kept: frozenset[str]                # letters of the output (not contracted)
+
+
+class _OpArrays:
+    """The ops as arrays (op x letter slot, op x term x letter slot) for vectorised sizing."""
+
+    def __init__(self, ops: list[CutOp], class_index: dict[int, int]):
+        n = len(ops)
+        width = max((len(op.sizes) for op in ops), default=1) or 1
+        nterms = max((len(op.terms) for op in ops), default=1)
+        pad = len(class_index)  # a class of its own that is never cut
+        self.cls = np.full((n, width), pad, np.int64)
+        self.size = np.ones((n, width), np.int64)
+        self.kept = np.ones((n, width), bool)
+        self.first = np.zeros((n, width), bool)  # first slot of its class within the op
+        self.inmask = np.zeros((n, nterms, width), bool)
+        self.item = np.zeros((n, nterms), np.int64)
+        self.reduction = np.array([len(op.terms) == 2 for op in ops], bool)
+        for o, op in enumerate(ops):
+            seen = set()
+            slot = {c: j for j, c in enumerate(op.sizes)}
+            for c, j in slot.items():
+                k = class_index[op.cls[c]]
+                self.cls[o, j] = k
+                self.size[o, j] = max(1, op.sizes[c])
+                self.kept[o, j] = c in op.kept
+                self.first[o, j] = k not in seen
+                seen.add(k)
+            for t, (term, item) in enumerate(op.terms):
+                self.item[o, t] = item
+                for c in term:
+                    self.inmask[o, t, slot[c]] = True
+        self.users = [np.unique(np.nonzero(self.cls == k)[0]) for k in range(pad)]
+
+    def measure(self, parts: np.ndarray, idx=slice(None), double: int | None = None):
+        """Working set, row working set and task count of ops `idx` under `parts` (with class
+        `double` doubled)."""
+        cls, size = self.cls[idx], self.size[idx]
+        p = parts[cls]
+        if double is not None:
+            p = np.where(cls == double, p * 2, p)
+        p = np.maximum(np.minimum(p, size), 1)
+        blk = -(-size // p)
+        inmask, item = self.inmask[idx], self.item[idx]
+        ws = (np.where(inmask, blk[:, None, :], 1).prod(axis=2) * item).sum(axis=1)
+        row_blk = np.where(self.kept[idx], blk, size)
+        row = (np.where(inmask, row_blk[:, None, :], 1).prod(axis=2) * item).sum(axis=1)
+        return ws.astype(float), row.astype(float), p.prod(axis=1).astype(float)
+
+
+def choose_class_parts(ops: list[CutOp], block_bytes: int) -> dict[int, int]:
+    """Parts per axis class (powers of two) so that every op's working set fits `block_bytes`
+    where cuts can achieve it (see the module docstring)."""
+    if not ops:
+        return {}
+    classes = sorted({k for op in ops for k in op.cls.values()})
+    index = {k: i for i, k in enumerate(classes)}
+    arr = _OpArrays(ops, index)
+    pad = len(classes)
+    class_size = np.full(pad + 1, 1, np.int64)
+    for k in range(pad):
+        class_size[k] = arr.size[arr.cls == k].min()
+    contracting = np.zeros(pad + 1, bool)
+    contracting[np.unique(arr.cls[~arr.kept])] = True
+    contracting[pad] = False
+    parts = np.ones(pad + 1, np.int64)
+    limit = float(block_bytes)
+    overhead = max(1.0, block_bytes * TASK_OVERHEAD_SHARE)
+    stuck = np.zeros(len(ops), bool)
+    while True:
+        ws, row, tasks = arr.measure(parts)
+        can = (parts[arr.cls] * 2 <= class_size[arr.cls]) & (arr.cls != pad)
+        row_phase = arr.reduction & (row > limit) & (can & arr.kept).any(axis=1)
+        value = np.where(row_phase, row, ws)
+        over = (value > limit) & np.where(row_phase, True, can.any(axis=1)) & ~stuck
+        if not over.any():
+            break
+        worst = int(np.argmax(np.where(over, value, -1.0)))
+        slots = can[worst] & (arr.kept[worst] if row_phase[worst] else True)
+        best = None
+        for k in sorted(set(arr.cls[worst][slots].tolist())):
+            users = arr.users[k]
+            ws2, row2, tasks2 = arr.measure(parts, users, double=k)
+            before = value[users]
+            after = np.where(row_phase[users], row2, ws2)
+            shrink = np.log2(before / np.maximum(after, 1.0))
+            need = np.log2(np.maximum(before / limit, 1.0))
+            gain = np.minimum(shrink, need)[over[users]].sum()
+            if gain <= 0:
+                continue
+            added = (tasks2 * (ws2 + overhead) - tasks[users] * (ws[users] + overhead)).sum()
+            cost = max(added, 0.0) * (CONTRACTED_COST if contracting[k] else 1) / gain
+            if best is None or (cost, k) < best:
+                best = (cost, k)
+        if best is None:
+            stuck[worst] = True  # nothing shrinks it further; the lowering reports the budget
+            continue
+        parts[best[1]] *= 2
+    return {classes[k]: int(parts[k]) for k in range(pad) if parts[k] > 1}

@@ -1,0 +1,125 @@
+"""Cut choice and task order on LLaMA-shaped graphs: axis classes tie the attention chain
+together, a graph-wide cut choice needs no regrids between einsums, each task fits its block
+budget, the order takes one batch block through a layer before the next, and plans made this way
+still give the dense reference's answer in random topological orders."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from einpage.compile import CompileOptions, compile_graph
+from einpage.cuts import AxisClasses, CutOp, choose_class_parts
+from einpage.ir.builder import GraphBuilder
+from einpage.ir.graph import Einsum
+from einpage.ir.ops import CopyOp
+from einpage.lower import working_set
+from einpage.models import llama, resolve
+from einpage.models.config import preset
+from einpage.order import memory_aware_order
+from einpage.partition import PartitionOptions, partition
+from einpage.runtime.executor import run
+from einpage.runtime.reference import evaluate
+
+
+def _einsum(graph, spec: str, stage: int = 1):
+    return next(n for n in graph.nodes
+                if isinstance(n.op, Einsum) and str(n.op.spec) == spec and n.stage == stage)
+
+
+def test_axis_classes_tie_the_attention_chain():
+    graph = llama.prefill_graph(preset("small")).bind(B=2, S=8)
+    classes = AxisClasses(graph)
+    x = _einsum(graph, "bsm,m->bsm")                     # the normed input of layer 1
+    scores = _einsum(graph, "bsnguj,btnuj->bngst")
+    probs_v = _einsum(graph, "bngst,btnrj->bsngrj")
+    batch, seq = classes.of(x.id, 0), classes.of(x.id, 1)
+    assert classes.of(scores.id, 0) == batch == classes.of(probs_v.id, 0)
+    # queries and keys both come from x's sequence axis, so s and t are one class in prefill
+    assert classes.of(scores.id, 3) == seq == classes.of(scores.id, 4)
+    assert classes.of(scores.id, 1) == classes.of(probs_v.id, 2)  # kv heads
+    assert classes.of(scores.id, 1) != batch
+
+
+@pytest.mark.parametrize("batch, seq, block", [(4, 32, 48_000), (8, 16, 20_000), (2, 64, 90_000)])
+def test_llama_prefill_cuts_need_no_regrids_and_fit_the_block(batch, seq, block):
+    graph = llama.prefill_graph(preset("small")).bind(B=batch, S=seq)
+    tg = partition(graph, PartitionOptions(block))
+    assert not [t for t in tg.tasks if isinstance(t.op, CopyOp)]
+    assert max(working_set(tg, t.id) for t in tg.tasks) <= block
+    # the budget really forces cuts: some einsum runs as several tasks
+    assert len(tg.tasks) > 2 * sum(isinstance(n.op, Einsum) for n in graph.nodes)
+
+
+def test_reductions_keep_their_rows_whole():
+    """A row reduction (RMSNorm's sum of squares) is cut along the rows it keeps, not along the
+    reduced index, while another index can still be cut."""
+    g = GraphBuilder()
+    x = g.input("x", (64, 32), "f64")
+    ss = g.einsum("ab->a", x, join=lambda v: v * v, agg="sum")
+    g.output("y", g.einsum("ab,a->ab", x, ss))
+    tg = partition(g.build(), PartitionOptions(4096))
+    reduce_tasks = [t for t in tg.tasks if t.node == ss.id]
+    assert len(reduce_tasks) > 1 and not any(t.accumulate for t in reduce_tasks)
+
+
+def test_choose_class_parts_prefers_a_local_class_to_a_global_one():
+    """Cutting a class that one op uses adds fewer tasks than cutting one all ops share."""
+    shared, local = 0, 1
+    big = CutOp(0, {"b": 8, "h": 8}, {"b": shared, "h": local}, (("bh", 1000), ("bh", 1000)),
+                frozenset("bh"))
+    others = [CutOp(k, {"b": 8}, {"b": shared}, (("b", 1), ("b", 1)), frozenset("b"))
+              for k in range(1, 20)]
+    parts = choose_class_parts([big, *others], 10_000)
+    assert parts.get(local, 1) == 8 and parts.get(shared, 1) == 2
+
+
+def test_order_finishes_a_batch_block_through_the_layer():
+    graph = llama.prefill_graph(preset("small")).bind(B=8, S=16)
+    tg = partition(graph, PartitionOptions(20_000))
+    classes = AxisClasses(graph)
+    batch = classes.of(graph.input("tokens").id, 0)
+    order = memory_aware_order(tg)
+    for stage in (1, 2):
+        starts = [tg.blocks[tg.tasks[t].write].origin[0] for t in order
+                  if tg.tasks[t].stage == stage and graph.nodes[tg.tasks[t].node].shape
+                  and classes.of(tg.tasks[t].node, 0) == batch]
+        assert len(set(starts)) > 1, "the budget should cut the batch"
+        assert starts == sorted(starts), f"stage {stage} interleaves batch blocks"
+
+
+@pytest.mark.parametrize("batch, seq, budget", [(4, 16, 200_000), (8, 8, 120_000)])
+def test_cut_llama_plans_match_the_reference(batch, seq, budget):
+    cfg, weights = resolve("small", random_weights=True, seed=3)
+    tokens = (np.arange(batch * seq).reshape(batch, seq) * 7) % cfg.vocab
+    graph = llama.prefill_graph(cfg).bind(B=batch, S=seq)
+    compiled = compile_graph(graph, CompileOptions(budget))
+    assert compiled.report["peak_bytes"] <= budget
+    assert not [t for t in compiled.taskgraph.tasks if isinstance(t.op, CopyOp)]
+    want = evaluate(graph, {"tokens": tokens}, weights)
+    for order in ("sequential", 17):
+        got = run(compiled.memgraph, {"tokens": tokens}, weights.array, order=order)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{name} (order {order})")
+
+
+def test_order_finishes_an_attention_row_before_starting_the_next():
+    """With the sequence cut (query blocks x key tiles) and heads cut, the scores -> softmax ->
+    attention-times-values tasks of one (batch, head, query block) row run as one run: a row
+    is not left waiting for later keys while other heads start theirs."""
+    graph = llama.prefill_graph(preset("small")).bind(B=1, S=64)
+    tg = partition(graph, PartitionOptions(12_000))
+    chain = {_einsum(graph, spec).id: spec for spec in (
+        "bsnguj,btnuj->bngst", "bngst,st->bngst", "bngst->bngs", "bngst,bngs->bngst",
+        "bngst,btnrj->bsngrj")}
+    rows = []
+    for t in memory_aware_order(tg):
+        task = tg.tasks[t]
+        if task.node in chain:
+            o = tg.blocks[task.write].origin
+            # (batch, kv head, query block): bngst / bngs keep s at 3; bsngrj keeps it at 1
+            rows.append((o[0], o[1], o[3]) if chain[task.node] != "bngst,btnrj->bsngrj"
+                        else (o[0], o[2], o[1]))
+    assert len({r[2] for r in rows}) > 1 and len({r[1] for r in rows}) > 1, "cuts expected"
+    runs = [r for k, r in enumerate(rows) if k == 0 or rows[k - 1] != r]
+    assert len(runs) == len(set(runs)), "an attention row was interrupted by another"
