@@ -72,7 +72,7 @@ def test_tiny_activation_budget_forces_offloads():
     cfg, weights = resolve("small", random_weights=True, seed=1)
     tokens = np.arange(32).reshape(2, 16) % cfg.vocab
     graph = llama.prefill_graph(cfg).bind(B=2, S=16)
-    options = CompileOptions(150_000)
+    options = CompileOptions(60_000)
     compiled = compile_graph(graph, options)
     assert compiled.report["offload_count"] > 0
     want = evaluate(graph, {"tokens": tokens}, weights)
