@@ -194,7 +194,9 @@ def cmd_inspect(args) -> None:
     from einpage.simulate import simulate
     from einpage.validate import validate
     mg = MemGraph.load(args.plan)
-    profile = _profile(args, default=mg.meta.get("device"))
+    from einpage.devices import PROFILES
+    saved = mg.meta.get("device")  # the plan's profile, when it is a registered one
+    profile = _profile(args, default=saved if saved in PROFILES else None)
     v = validate(mg)
     sim = simulate(mg, profile)
     report = {**mg.meta, "device_bytes": mg.device_bytes, "peak_bytes": v.peak_bytes,

@@ -89,6 +89,12 @@ def test_devices_lists_profiles_and_writes_files_that_load(capsys, tmp_path):
     r = _json(capsys, "compile", "llama-7b", "--gpu-mem", "8GB", "--seq", "512",
               "--device-file", f)
     assert r["device"] == "t4"
+    f.write_text(json.dumps(dict(profiles["t4"], name="my-card")))
+    plan = tmp_path / "p.json"
+    code, _, err = _main(capsys, "compile", "tiny", "--gpu-mem", "8KB", "--seq", "4",
+                         "--device-file", f, "-o", plan)
+    assert code == 0, err
+    assert _json(capsys, "inspect", plan)["device"] == "h100-pcie"  # not registered: default
 
 
 def test_plot_and_dot(capsys, tmp_path):

@@ -218,7 +218,7 @@ def test_time_lookahead_bounds_prefetch():
 # ------------------------------------------------------------------ profiles
 
 
-def test_every_profile_is_complete_and_sourced():
+def test_every_profile_is_complete_and_sourced(tmp_path):
     names = {"h100-pcie", "h100-sxm", "h200", "a100-pcie", "a100-sxm", "v100", "p100", "t4",
              "rtx4090"}
     assert names <= set(PROFILES)
@@ -226,14 +226,9 @@ def test_every_profile_is_complete_and_sourced():
         assert p.source and p.hbm_bandwidth > 0 and p.h2d_bandwidth > 0 and p.memory_bytes > 0
         for dtype in ("f16", "bf16", "f32", "f64"):
             assert p.flops(dtype, True) > 0 and p.flops(dtype, False) > 0
-        assert load_device_file_roundtrip(p) == p
-
-
-def load_device_file_roundtrip(p, tmp=None):
-    import tempfile
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(p.to_json(), f)
-    return load_device_file(f.name)
+        path = tmp_path / f"{p.name}.json"
+        path.write_text(json.dumps(p.to_json()))
+        assert load_device_file(path) == p  # the file form round-trips
 
 
 @pytest.mark.parametrize("text,unit,want", [("25GB/s", "B", 25e9), ("25e9", "B", 25e9),
