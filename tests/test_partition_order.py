@@ -73,6 +73,18 @@ def test_choose_class_parts_prefers_a_local_class_to_a_global_one():
     assert parts.get(local, 1) == 8 and parts.get(shared, 1) == 2
 
 
+def test_choose_class_parts_weighs_traffic_over_all_ops_a_cut_helps():
+    """Eight projections `bm,hm->bh` share the batch class; each has its own head and hidden
+    classes. Cutting heads would re-read the big input once per head in every layer; cutting the
+    batch re-reads only the small weights, and helps all eight ops at once."""
+    batch = 0
+    ops = [CutOp(k, {"b": 256, "m": 64, "h": 64}, {"b": batch, "m": 1 + 2 * k, "h": 2 + 2 * k},
+                 (("bm", 8), ("hm", 8), ("bh", 8)), frozenset("bh")) for k in range(8)]
+    parts = choose_class_parts(ops, 100_000)
+    assert parts.get(batch) == 4
+    assert all(parts.get(k, 1) == 1 for k in range(1, 17))
+
+
 def test_order_finishes_a_batch_block_through_the_layer():
     graph = llama.prefill_graph(preset("small")).bind(B=8, S=16)
     tg = partition(graph, PartitionOptions(20_000))
