@@ -57,22 +57,8 @@ class Allocator:
                 newest = max(newest, self._stamp[k])
         return newest
 
-    def allocate(self, size: int, long_lived: bool | None = None) -> Allocation | None:
-        """Place `size` bytes. `long_lived` True packs the block at the lowest free address,
-        False at the highest, so blocks that stay long and blocks that come and go keep to
-        opposite ends of the arena and do not fragment each other; None (no lifetime known):
-        the range whose stamps are oldest."""
+    def allocate(self, size: int) -> Allocation | None:
         size = aligned(max(size, 1))
-        if long_lived is not None:
-            # placements: the bottom of each run, or its top rounded down to the alignment
-            spots = []
-            for lo, hi, _, _ in self.runs():
-                at = lo if long_lived else (hi - size) // ALIGNMENT * ALIGNMENT
-                if lo <= at and at + size <= hi:
-                    spots.append(at)
-            if not spots:
-                return None
-            return self.take(spots[0] if long_lived else spots[-1], size)
         best = None
         for lo, hi, k0, k1 in self.runs():
             if hi - lo < size:

@@ -29,9 +29,6 @@ from einpage.ir.taskgraph import TaskGraph
 from einpage.policies import Candidate, Policy
 from einpage.sizes import format_size
 
-#: A block whose last use is more than this many tasks ahead is placed as long-lived.
-LONG_LIVED_TASKS = 200
-
 
 @dataclass(frozen=True)
 class LowerOptions:
@@ -153,7 +150,7 @@ class _Lowering:
         need = self._needs(p)
         got: list[tuple[int, Allocation]] = []
         for b in need:
-            a = self.alloc.allocate(self.size[b], self._long_lived(b, p))
+            a = self.alloc.allocate(self.size[b])
             if a is None and may_evict:
                 a = self._make_room(b, p)
             if a is None:
@@ -180,14 +177,6 @@ class _Lowering:
                 self._created(b, a.offset, nid)
             self.last_touch[b] = p
         return sum(a.size for _, a in got)
-
-    def _long_lived(self, b: int, p: int) -> bool:
-        """Whether `b`, placed for task `p`, stays long: to the end of the pass (an output kept
-        on the device) or past LONG_LIVED_TASKS tasks."""
-        if self.is_output[b] and not self.opt.outputs_to_host:
-            return True
-        uses = self.uses[b]
-        return bool(uses) and uses[-1] - p > LONG_LIVED_TASKS
 
     def _candidates(self, p: int) -> list[tuple[int, int, int | None]]:
         """Arena items by offset: (start, end, block or None for free bytes)."""
@@ -234,7 +223,7 @@ class _Lowering:
         for _, _, b in items[left:right + 1]:
             if b is not None:
                 self._evict(b)
-        return self.alloc.allocate(need, self._long_lived(block, p)) or None
+        return self.alloc.allocate(need) or None
 
     def _compact(self, p: int, need: list[int]) -> list[tuple[int, Allocation]]:
         """Last resort at the execution horizon: evict everything not pinned, then the task's own
@@ -252,14 +241,14 @@ class _Lowering:
             if self.pins[b] == 0:
                 self._evict(b)
         own = list(dict.fromkeys((*t.reads, t.write)))
-        got = self._try_all(need, p)
+        got = self._try_all(need)
         if got is None:
             for b in own:
                 if b in self.live and b not in self.pending:
                     self._evict(b)
             need = sorted({*need, *[b for b in own if self.offset[b] is None]},
                           key=lambda b: (-self.size[b], b))
-            got = self._try_all(need, p)
+            got = self._try_all(need)
         if got is None:
             ws = sum(self.size[b] for b in own)
             layer = [b for b in self.stage_pins.get(t.stage, ()) if b not in own]
@@ -279,10 +268,10 @@ class _Lowering:
                 self.resident_bytes + ws, self.opt.device_bytes)
         return got
 
-    def _try_all(self, need: list[int], p: int):
+    def _try_all(self, need: list[int]):
         got = []
         for b in need:
-            a = self.alloc.allocate(self.size[b], self._long_lived(b, p))
+            a = self.alloc.allocate(self.size[b])
             if a is None:
                 for _, done in reversed(got):
                     self.alloc.rollback(done)
