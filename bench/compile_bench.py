@@ -2,7 +2,8 @@
 compiler). Prints markdown tables; results are recorded in bench/RESULTS.md.
 
     python bench/compile_bench.py timing      # compile seconds, median of 3, and growth
-    python bench/compile_bench.py grid        # feasibility grid, reuse-distance and layerwise
+    python bench/compile_bench.py grid [MODEL ...] [--budgets 16,32]
+                                              # feasibility grid, reuse-distance and layerwise
 """
 from __future__ import annotations
 
@@ -42,25 +43,39 @@ def timing() -> None:
               flush=True)
 
 
-def grid() -> None:
-    print("| model | budget | B | S | policy | feasible | tasks | peak GB | reload GB | offload GB "
-          "| compile s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for model in ("llama-7b", "llama-65b"):
-        for gpu in (16, 32):
+def grid(models=("llama-7b", "llama-65b"), budgets=(16, 32)) -> None:
+    """Every cell compiles and validates (compile_graph validates) with peak <= budget, or says
+    why not. "spill" is activations offloaded and reloaded; "write-back" is the outputs (KV
+    cache, logits) copied to the host as they are final, which a streaming pass always does."""
+    print("| model | budget | B | S | policy | feasible | tasks | peak GB | reload GB | spill GB "
+          "| write-back GB | makespan s | efficiency | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in models:
+        for gpu in budgets:
             for batch in (1, 4, 16, 32):
                 for seq in (512, 2048, 8192):
                     for policy in ("reuse-distance", "layerwise"):
+                        head = f"| {model} | {gpu} GB | {batch} | {seq} | {policy} |"
                         try:
                             secs, r = compile_once(model, batch, seq, gpu, policy)
-                            print(f"| {model} | {gpu} GB | {batch} | {seq} | {policy} | yes | "
-                                  f"{r['tasks']} | {r['peak_bytes'] / GB:.2f} | "
-                                  f"{r['reload_bytes'] / GB:.1f} | {r['offload_bytes'] / GB:.1f} | "
-                                  f"{secs:.1f} |", flush=True)
                         except BudgetError as exc:
-                            print(f"| {model} | {gpu} GB | {batch} | {seq} | {policy} | no: "
-                                  f"{str(exc)[:90]} | | | | | |", flush=True)
+                            print(f"{head} no: {str(exc)[:100]} | | | | | | | | |", flush=True)
+                            continue
+                        assert r["peak_bytes"] <= gpu * GB
+                        print(f"{head} yes | {r['tasks']} | {r['peak_bytes'] / GB:.2f} | "
+                              f"{r['reload_bytes'] / GB:.1f} | {r['offload_bytes'] / GB:.2f} | "
+                              f"{r['writeback_bytes'] / GB:.1f} | {r['makespan_s']:.2f} | "
+                              f"{r['efficiency']:.3f} | {secs:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
-    {"timing": timing, "grid": grid}[sys.argv[1] if len(sys.argv) > 1 else "timing"]()
+    args = sys.argv[1:] or ["timing"]
+    if args[0] == "grid":
+        budgets = (16, 32)
+        if "--budgets" in args:
+            k = args.index("--budgets")
+            budgets = tuple(int(x) for x in args[k + 1].split(","))
+            del args[k:k + 2]
+        grid(tuple(args[1:]) or ("llama-7b", "llama-65b"), budgets)
+    else:
+        timing()

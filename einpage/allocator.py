@@ -5,10 +5,15 @@ freed it (or None: never used). Adjacent segments coalesce for fitting but keep 
 an allocation returns exactly the nodes that last touched its bytes: the new writer depends on
 them. Among the ranges that fit, the one whose stamps are oldest is chosen (its dependency stalls
 the pipeline least); ties go to the lowest offset.
+
+The maximal runs of adjacent free bytes are kept as well, with an upper bound on the longest, so
+an allocation looks only at the runs it fits in and one that cannot fit fails at once: the
+lowering asks the allocator about a million times for a large graph.
 """
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass
 
 from einpage.ir.memgraph import ALIGNMENT
@@ -29,51 +34,68 @@ class Allocation:
 class Allocator:
     def __init__(self, start: int, end: int):
         self.start, self.end = start, end
+        empty = end <= start
         # parallel sorted lists: segment starts, ends, stamps
-        self._lo: list[int] = [start] if end > start else []
-        self._hi: list[int] = [end] if end > start else []
-        self._stamp: list[int | None] = [None] if end > start else []
+        self._lo: list[int] = [] if empty else [start]
+        self._hi: list[int] = [] if empty else [end]
+        self._stamp: list[int | None] = [] if empty else [None]
+        # maximal runs of adjacent segments: sorted starts and ends
+        self._run_lo: list[int] = [] if empty else [start]
+        self._run_hi: list[int] = [] if empty else [end]
+        self._free = max(0, end - start)
+        self._max_run: int | None = None  # an upper bound on the longest run (None: unknown)
 
     @property
     def free_bytes(self) -> int:
-        return sum(h - l for l, h in zip(self._lo, self._hi))
+        return self._free
 
-    def runs(self) -> list[tuple[int, int, int, int]]:
-        """Maximal runs of adjacent free segments: (start, end, first index, last index + 1)."""
-        out = []
-        k = 0
-        while k < len(self._lo):
-            j = k
-            while j + 1 < len(self._lo) and self._hi[j] == self._lo[j + 1]:
-                j += 1
-            out.append((self._lo[k], self._hi[j], k, j + 1))
-            k = j + 1
-        return out
-
-    def _stamp_key(self, k0: int, k1: int, lo: int, hi: int) -> int:
-        newest = -1
-        for k in range(k0, k1):
-            if self._hi[k] > lo and self._lo[k] < hi and self._stamp[k] is not None:
-                newest = max(newest, self._stamp[k])
-        return newest
+    def segments(self) -> list[tuple[int, int]]:
+        """The free byte ranges, coalesced, in address order."""
+        return list(zip(self._run_lo, self._run_hi))
 
     def allocate(self, size: int) -> Allocation | None:
+        """Place `size` bytes at the start of a free segment: the placement whose newest stamp
+        is oldest, then the lowest offset. Within a run the candidate windows slide right, so a
+        monotonic queue keeps each window's newest stamp (linear in the run's segments)."""
         size = aligned(max(size, 1))
-        best = None
-        for lo, hi, k0, k1 in self.runs():
-            if hi - lo < size:
-                continue
-            # candidate placements: the start of each segment in the run that leaves room
-            for k in range(k0, k1):
-                at = self._lo[k]
-                if at + size > hi:
-                    break
-                key = (self._stamp_key(k0, k1, at, at + size), at)
-                if best is None or key < best[0]:
-                    best = (key, at)
-        if best is None:
+        if size > self._free or (self._max_run is not None and size > self._max_run):
             return None
-        return self.take(best[1], size)
+        lo, stamp = self._lo, self._stamp
+        n = len(lo)
+        best_key, best_at = None, -1
+        largest = 0
+        for run_lo, run_hi in zip(self._run_lo, self._run_hi):
+            if run_hi - run_lo > largest:
+                largest = run_hi - run_lo
+            if run_hi - run_lo < size:
+                continue
+            queue = deque()  # (index, stamp), stamps decreasing: the head is the window's newest
+            s = m = bisect.bisect_left(lo, run_lo)  # the window of the candidate at s: [s, m)
+            while s < n:
+                at = lo[s]
+                end = at + size
+                if end > run_hi:
+                    break
+                while m < n and lo[m] < end:
+                    st = stamp[m]
+                    if st is None:
+                        st = -1
+                    while queue and queue[-1][1] <= st:
+                        queue.pop()
+                    queue.append((m, st))
+                    m += 1
+                while queue[0][0] < s:
+                    queue.popleft()
+                newest = queue[0][1]
+                if best_key is None or newest < best_key:
+                    best_key, best_at = newest, at
+                    if newest < 0:  # untouched bytes at the lowest such offset: the best
+                        return self.take(at, size)
+                s += 1
+        if best_key is None:
+            self._max_run = largest  # taking bytes only shrinks runs; a free updates this
+            return None
+        return self.take(best_at, size)
 
     def take(self, at: int, size: int) -> Allocation:
         """Claim [at, at+size), which must be free."""
@@ -82,7 +104,7 @@ class Allocator:
         k = bisect.bisect_right(self._lo, at) - 1
         new_lo, new_hi, new_stamp = [], [], []
         end = at + size
-        j = k
+        j = max(k, 0)
         while j < len(self._lo) and self._lo[j] < end:
             lo, hi, st = self._lo[j], self._hi[j], self._stamp[j]
             cut_lo, cut_hi = max(lo, at), min(hi, end)
@@ -95,9 +117,15 @@ class Allocator:
                 new_lo.append(cut_hi); new_hi.append(hi); new_stamp.append(st)
             j += 1
         covered = sum(h - l for l, h, _ in pieces)
-        if covered != size:
+        if k < 0 or covered != size:
             raise RuntimeError(f"allocator: [{at}, {end}) is not free")
         self._lo[k:j], self._hi[k:j], self._stamp[k:j] = new_lo, new_hi, new_stamp
+        r = bisect.bisect_right(self._run_lo, at) - 1
+        run_lo, run_hi = self._run_lo[r], self._run_hi[r]
+        split = [(a, b) for a, b in ((run_lo, at), (end, run_hi)) if a < b]
+        self._run_lo[r:r + 1] = [a for a, _ in split]
+        self._run_hi[r:r + 1] = [b for _, b in split]
+        self._free -= size
         return Allocation(at, size, tuple(sorted(deps)), tuple(pieces))
 
     def free(self, offset: int, size: int, stamp: int | None) -> None:
@@ -119,3 +147,16 @@ class Allocator:
                     and self._stamp[j] == self._stamp[j + 1]:
                 self._hi[j] = self._hi[j + 1]
                 del self._lo[j + 1], self._hi[j + 1], self._stamp[j + 1]
+        # the runs: join the run ending at lo and the one starting at hi
+        r = bisect.bisect_left(self._run_lo, lo)
+        run_lo, run_hi = lo, hi
+        first, last = r, r
+        if r > 0 and self._run_hi[r - 1] == lo:
+            first, run_lo = r - 1, self._run_lo[r - 1]
+        if r < len(self._run_lo) and self._run_lo[r] == hi:
+            last, run_hi = r + 1, self._run_hi[r]
+        self._run_lo[first:last] = [run_lo]
+        self._run_hi[first:last] = [run_hi]
+        self._free += hi - lo
+        if self._max_run is not None:  # only this run grew
+            self._max_run = max(self._max_run, run_hi - run_lo)

@@ -61,19 +61,23 @@ class Compiled:
 AUTO_SHARES = (1 / 512, 1 / 128, 1 / 32, 1 / 8)
 AUTO_MAX_TASKS = 50_000
 AUTO_TOLERANCE = 0.005  # makespans within 0.5% of the best count as equal; the least peak wins
-# When the first plan spills activations or its efficiency is below RESIDENT_SEARCH_BELOW, these
-# shares of the resident room are tried as well (and every weight, where they all fit).
-RESIDENT_SHARES = (3 / 4, 1 / 2, 1 / 4, 0)
+# When the first plan spills activations or its efficiency is below RESIDENT_SEARCH_BELOW, shares
+# of the resident room on this grid are searched as well (and every weight, where they all fit).
+RESIDENT_SHARES = (1, 3 / 4, 1 / 2, 1 / 4, 0)
 RESIDENT_SEARCH_BELOW = 0.98
 
 
 @dataclass(frozen=True)
 class Trial:
-    """One lowering: its look-ahead window, resident weights, plan and simulation."""
+    """One lowering: its look-ahead window, resident weights, plan and simulation. The plan is
+    dropped (None) once another trial is faster beyond AUTO_TOLERANCE: it can no longer win, and
+    a plan of a million tasks is gigabytes."""
     window: float | None
     resident: frozenset
-    memgraph: MemGraph
+    memgraph: MemGraph | None
     simulation: Simulation
+    spill_bytes: int
+    live_peak: int
 
 
 def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
@@ -117,20 +121,24 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
                                   lookahead_seconds=window, task_seconds=seconds,
                                   progress=progress)
         mg, resident = _lower_shrinking(tg, order, lower_opts)
-        trials.append(Trial(window, resident, mg, simulate(mg, profile)))
-        return trials[-1]
+        trials.append(Trial(window, resident, mg, simulate(mg, profile),
+                            offloads(mg)["offload_bytes"], mg.live_peak()))
+        fastest = min(t.simulation.makespan_s for t in trials) * (1 + AUTO_TOLERANCE)
+        trials[:] = [t if t.memgraph is None or t.simulation.makespan_s <= fastest
+                     else replace(t, memgraph=None) for t in trials]
+        return replace(trials[-1], memgraph=None)  # `trials` alone holds the plans
 
     trials: list[Trial] = []
     first = trial(resident, windows[0])
-    if room > 0 and (offloads(first.memgraph)["offload_bytes"] > 0
+    if room > 0 and (first.spill_bytes > 0
                      or first.simulation.efficiency < RESIDENT_SEARCH_BELOW):
         # The resident weights crowd the activations (they spill) or the prefetch (compute
         # waits): weigh fewer or more resident weights against the streaming, by makespan.
         everything = frozenset(b.id for b in tg.input_blocks if b.role == "weight")
         if needs.weight_bytes + needs.max_working_set <= options.device_bytes:
             _try(trial, everything, windows[0])
-        for share in RESIDENT_SHARES:
-            trial(choose_resident(tg, order, int(room * share)), windows[0])
+        _search_resident(lambda share: trial(choose_resident(tg, order, int(room * share)),
+                                             windows[0]), first)
         resident = _best(trials).resident
     for window in windows[1:]:
         trial(resident, window)
@@ -148,11 +156,43 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         report["trials"] = [
             {"lookahead": _describe(options, t.window), "makespan_s": t.simulation.makespan_s,
              "resident_bytes": sum(aligned(tg.blocks[b].bytes) for b in t.resident),
-             "live_peak_bytes": t.memgraph.live_peak()} for t in trials]
+             "live_peak_bytes": t.live_peak} for t in trials]
     meta = {"policy": options.policy, "device": profile.name, "lookahead": report["lookahead"],
             **{k: report[k] for k in ("tasks", "resident_bytes", "weight_bytes")}}
     mg = MemGraph(mg.device_bytes, mg.tensors, mg.nodes, mg.outputs, mg.inputs, mg.results, meta)
     return Compiled(mg, tg, tuple(order), report, sim)
+
+
+def _search_resident(trial_at: Callable[[float], Trial], first: Trial) -> None:
+    """Search the share of the resident room on the RESIDENT_SHARES grid, from the first plan
+    (share 1). The makespan falls as fewer resident weights leave the pass more room, until the
+    extra streaming binds: it is taken as unimodal in the share. Probe the middle, walk toward
+    the better side while that improves, and stop at once when a plan spills nothing and is
+    within AUTO_TOLERANCE of its lower bound (no other share can be told apart from it): two to
+    four lowerings instead of five."""
+    shares = RESIDENT_SHARES
+    seen = {0: first}
+
+    def at(i: int) -> Trial:
+        if i not in seen:
+            seen[i] = trial_at(shares[i])
+        return seen[i]
+
+    def done(t: Trial) -> bool:
+        return (t.simulation.efficiency >= 1 - AUTO_TOLERANCE
+                and t.spill_bytes == 0)
+
+    if done(first):
+        return
+    mid = len(shares) // 2
+    step = 1 if at(mid).simulation.makespan_s < first.simulation.makespan_s else -1
+    i = mid
+    while 0 < i + step < len(shares) and not done(at(i)):
+        if i + step in seen:
+            break
+        if at(i + step).simulation.makespan_s >= at(i).simulation.makespan_s:
+            break
+        i += step
 
 
 def _try(trial, resident, window) -> None:
@@ -179,7 +219,7 @@ def _best(trials: list["Trial"]) -> "Trial":
     fastest = min(t.simulation.makespan_s for t in trials)
     near = [t for t in trials if t.simulation.makespan_s <= fastest * (1 + AUTO_TOLERANCE)]
     return min(near, key=lambda t: (t.simulation.h2d_bytes + t.simulation.d2h_bytes,
-                                    t.memgraph.live_peak(), t.simulation.makespan_s))
+                                    t.live_peak, t.simulation.makespan_s))
 
 
 def _describe(options: CompileOptions, window: float | None) -> str:

@@ -36,7 +36,9 @@ class PartitionOptions:
     block_bytes: int                    # target working set of one task
     cuts: Mapping[int, Mapping[str, int]] = field(default_factory=dict)  # node id -> parts per index
     sources: Mapping[str, str] = field(default_factory=dict)  # weight name -> checkpoint tensor
-    max_tasks: int = 300_000  # past this, blocks are too small to run efficiently
+    # Past this many tasks the plan is too large to compile and keep in memory (about 5 KB a task
+    # over the passes): a million covers llama-65b prefill of 32 x 8192 tokens at 16 GB.
+    max_tasks: int = 1_000_000
 
 
 def even_bounds(size: int, parts: int) -> tuple[int, ...]:
@@ -78,13 +80,16 @@ class _Partitioner:
         self.grids[(node.id, bounds)] = grid
         return grid
 
+    def _too_many(self, where: str) -> BudgetError:
+        return BudgetError(
+            f"graph too large to plan for this budget: with blocks of at most "
+            f"{format_size(self.opt.block_bytes)} per task it needs more than "
+            f"{self.opt.max_tasks} tasks ({where}); use a bigger --gpu-mem or a smaller batch or "
+            f"sequence", self.opt.block_bytes * 8, self.opt.block_bytes)
+
     def _task(self, reads, write, accumulate, op, node: Node) -> None:
         if len(self.tasks) >= self.opt.max_tasks:
-            raise BudgetError(
-                f"budget too small to plan efficiently: blocks of at most "
-                f"{format_size(self.opt.block_bytes)} per task need more than {self.opt.max_tasks} "
-                f"tasks (stopped at node %{node.id} of {len(self.g.nodes)}); use a bigger "
-                f"--gpu-mem", self.opt.block_bytes * 8, self.opt.block_bytes)
+            raise self._too_many(f"stopped at node %{node.id} of {len(self.g.nodes)}")
         self.tasks.append(Task(len(self.tasks), tuple(reads), write, accumulate, op, node.id,
                                node.stage))
 
@@ -147,6 +152,16 @@ class _Partitioner:
             ops.append(CutOp(node.id, sizes, cls, tuple(zip((*terms, out_term), items)),
                              frozenset(out_term)))
         self.class_parts = choose_class_parts(ops, self.opt.block_bytes)
+        # The einsum and gather tasks alone, counted before any is made: fail in a second, not
+        # after building a million tasks.
+        planned = 0
+        for node in self.g.nodes:
+            if isinstance(node.op, Einsum):
+                planned += _prod(self._class_parts(node, self._einsum_letters(node)[0]).values())
+            elif isinstance(node.op, Gather):
+                planned += _prod(self._class_parts(node, self._gather_letters(node)[0]).values())
+        if planned > self.opt.max_tasks:
+            raise self._too_many(f"{planned} planned")
 
     def _einsum_letters(self, node: Node):
         """Index letter -> (size, axis class), the operand terms and the output term."""

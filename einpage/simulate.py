@@ -63,13 +63,18 @@ def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
     """Predicted duration of every node (0 for input and free)."""
     tensors = mg.tensors
     out = []
+    priced: dict = {}  # blocks of one layer repeat: price each distinct (op, shapes) once
     for n in mg.nodes:
         if isinstance(n, ApplyNode):
             reads = [tensors[a.tensor] for a in n.reads]
             w = tensors[n.write.tensor]
-            out.append(op_seconds(profile, n.op, [t.shape for t in reads],
-                                  sum(t.bytes for t in reads), w.shape, w.bytes, w.dtype.value,
-                                  n.accumulate))
+            key = (n.op, tuple(t.shape for t in reads), tuple(t.bytes for t in reads), w.shape,
+                   w.bytes, w.dtype, n.accumulate)
+            if key not in priced:
+                priced[key] = op_seconds(profile, n.op, [t.shape for t in reads],
+                                         sum(t.bytes for t in reads), w.shape, w.bytes,
+                                         w.dtype.value, n.accumulate)
+            out.append(priced[key])
         elif n.kind == "reload":
             out.append(h2d_seconds(profile, tensors[n.tensor].bytes))
         elif n.kind == "offload":

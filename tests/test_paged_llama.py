@@ -134,7 +134,7 @@ def test_run_and_generate_with_gpu_mem(ckpt, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["compile", "llama-7b", "--gpu-mem", "20MB"], "budget too small"),
+    (["compile", "llama-7b", "--gpu-mem", "4MB"], "too large to plan"),
     (["compile", "tiny", "--gpu-mem", "300", "--seq", "4"], "smallest budget"),
     (["compile", "llama-7b", "--gpu-mem", "lots"], "bad size"),
     (["compile", "llama-7b", "--gpu-mem", "16GB", "--policy", "fifo"], "unknown policy"),

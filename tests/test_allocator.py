@@ -1,0 +1,110 @@
+"""The arena allocator against a direct statement of its rule, on random sequences of operations.
+
+The allocator keeps runs, an upper bound on the longest run and a sliding-window maximum, all to
+be fast; the model below keeps only the stamped free segments and tries every placement, so any
+shortcut that changes a placement, a dependency or the free bytes shows up as a difference.
+"""
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from einpage.allocator import Allocator, aligned
+
+ARENA = 24 * 256
+
+
+class Model:
+    """Free bytes as a map from 256-byte slot to its stamp; a placement starts at a segment
+    start (a free slot whose left neighbour is used or stamped differently) and is scored by
+    (newest stamp it covers, offset)."""
+
+    def __init__(self, start: int, end: int):
+        self.slots = {o: None for o in range(start, end, 256)}
+
+    def allocate(self, size: int):
+        size = aligned(max(size, 1))
+        best = None
+        for at in sorted(self.slots):
+            left = at - 256
+            if left in self.slots and self.slots[left] == self.slots[at]:
+                continue  # not the start of a segment
+            cover = range(at, at + size, 256)
+            if not all(o in self.slots for o in cover):
+                continue
+            newest = max(-1 if self.slots[o] is None else self.slots[o] for o in cover)
+            if best is None or (newest, at) < best[0]:
+                best = ((newest, at), at)
+        if best is None:
+            return None
+        at = best[1]
+        deps = {self.slots[o] for o in range(at, at + size, 256)} - {None}
+        for o in range(at, at + size, 256):
+            del self.slots[o]
+        return at, tuple(sorted(deps))
+
+    def free(self, at: int, size: int, stamp: int) -> None:
+        for o in range(at, at + aligned(max(size, 1)), 256):
+            self.slots[o] = stamp
+
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free", "free", "rollback"]),
+                         st.integers(1, 6 * 256), st.integers(0, 10**6)), max_size=80)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ops)
+def test_allocator_matches_the_model(script):
+    alloc, model = Allocator(256, ARENA), Model(256, ARENA)
+    live: list = []
+    stamp = 0
+    for op, size, pick in script:
+        if op == "alloc":
+            got, want = alloc.allocate(size), model.allocate(size)
+            assert (None if got is None else (got.offset, got.deps)) == want
+            if got is not None:
+                live.append(got)
+        elif live:
+            a = live.pop(pick % len(live))
+            if op == "free":
+                stamp += 1
+                alloc.free(a.offset, a.size, stamp)
+                model.free(a.offset, a.size, stamp)
+            else:  # return the bytes with the stamps they had
+                alloc.rollback(a)
+                for lo, hi, st_ in a.pieces:
+                    for o in range(lo, hi, 256):
+                        model.slots[o] = st_
+        assert alloc.free_bytes == 256 * len(model.slots)
+        free = sorted(model.slots)
+        runs = []
+        for o in free:
+            if runs and runs[-1][1] == o:
+                runs[-1][1] = o + 256
+            else:
+                runs.append([o, o + 256])
+        assert alloc.segments() == [tuple(r) for r in runs]
+
+
+def test_a_failed_allocation_is_remembered_until_a_free_makes_room():
+    alloc = Allocator(0, 4 * 256)
+    a = alloc.allocate(256)
+    b = alloc.allocate(256)
+    alloc.allocate(256)
+    alloc.free(a.offset, a.size, 1)
+    assert alloc.allocate(2 * 256) is None   # two free slots, not adjacent
+    alloc.free(b.offset, b.size, 2)
+    got = alloc.allocate(2 * 256)             # now [0, 512) is one run
+    assert got is not None and got.offset == 0 and got.deps == (1, 2)
+
+
+def test_equal_newest_stamps_go_to_the_lowest_offset():
+    alloc = Allocator(0, 4 * 256)
+    a, b, c = (alloc.allocate(256) for _ in range(3))
+    alloc.allocate(256)  # a fence at the end
+    for block, stamp in ((a, 3), (b, 5), (c, 2)):
+        alloc.free(block.offset, block.size, stamp)
+    got = alloc.allocate(2 * 256)  # at 0 the newest is 5, at 256 too: the lower offset wins
+    assert (got.offset, got.deps) == (0, (3, 5))
+    got = alloc.allocate(256)      # the oldest stamp left is the slot freed by 2
+    assert (got.offset, got.deps) == (512, (2,))
