@@ -145,3 +145,47 @@ def test_manual_cuts_are_used():
     xs, ws = rng.standard_normal((8, 32)), rng.standard_normal((32, 16))
     got = run(c.memgraph, {"x": xs}, {"w": ws}.__getitem__, order=3)
     np.testing.assert_allclose(got["y"], xs @ ws, rtol=1e-12)
+
+
+def _fake_trial(makespan: float, bound: float, spill: int = 0):
+    """A Trial whose simulation reports `makespan` against lower bound `bound`."""
+    from types import SimpleNamespace
+
+    from einpage.compile import Trial
+    sim = SimpleNamespace(makespan_s=makespan, efficiency=bound / makespan)
+    return Trial(None, frozenset(), None, sim, spill, 0)
+
+
+@pytest.mark.parametrize("makespans, probed", [
+    # falls as fewer weights stay resident: probe the middle, walk down while it improves
+    ((5.0, 4.5, 4.0, 3.5, 3.6), [2, 3, 4]),
+    # best at the middle: one step down is worse, stop
+    ((5.0, 4.5, 4.0, 4.2, 4.4), [2, 3]),
+    # rises as fewer stay: the middle is worse than the first, walk up
+    ((3.0, 3.1, 3.3, 3.6, 4.0), [2, 1]),
+])
+def test_resident_search_walks_toward_the_better_side(makespans, probed):
+    from einpage.compile import RESIDENT_SHARES, _search_resident
+    calls = []
+
+    def trial_at(share):
+        i = RESIDENT_SHARES.index(share)
+        calls.append(i)
+        return _fake_trial(makespans[i], 1.0)
+
+    _search_resident(trial_at, _fake_trial(makespans[0], 1.0))
+    assert calls == probed
+
+
+def test_resident_search_stops_at_the_bound_unless_the_plan_spills():
+    from einpage.compile import _search_resident
+    calls = []
+
+    def trial_at(share):
+        calls.append(share)
+        return _fake_trial(1.0, 1.0)  # at its bound
+
+    _search_resident(trial_at, _fake_trial(1.001, 1.0))          # within 0.5%, no spill
+    assert calls == []
+    _search_resident(trial_at, _fake_trial(1.001, 1.0, spill=1))  # spills: search
+    assert calls == [0.5]                                          # ... the middle is at its bound
