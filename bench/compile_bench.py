@@ -2,7 +2,7 @@
 compiler). Prints markdown tables; results are recorded in bench/RESULTS.md.
 
     python bench/compile_bench.py timing      # compile seconds, median of 3, and growth
-    python bench/compile_bench.py grid [MODEL ...] [--budgets 16,32]
+    python bench/compile_bench.py grid [MODEL ...] [--budgets 16,32] [--policies a,b]
                                               # feasibility grid, reuse-distance and layerwise
     python bench/compile_bench.py small       # budgets where layerwise stops fitting
 """
@@ -49,7 +49,8 @@ def timing() -> None:
               f"{ratio:.4f} | {r['offload_bytes'] / GB:.2f} |", flush=True)
 
 
-def grid(models=("llama-7b", "llama-65b"), budgets=(16, 32)) -> None:
+def grid(models=("llama-7b", "llama-65b"), budgets=(16, 32),
+         policies=("reuse-distance", "layerwise")) -> None:
     """Every cell compiles and validates (compile_graph validates) with peak <= budget, or says
     why not. "spill" is activations offloaded and reloaded; "write-back" is the outputs (KV
     cache, logits) copied to the host as they are final, which a streaming pass always does."""
@@ -60,7 +61,7 @@ def grid(models=("llama-7b", "llama-65b"), budgets=(16, 32)) -> None:
         for gpu in budgets:
             for batch in (1, 4, 16, 32):
                 for seq in (512, 2048, 8192):
-                    for policy in ("reuse-distance", "layerwise"):
+                    for policy in policies:
                         head = f"| {model} | {gpu} GB | {batch} | {seq} | {policy} |"
                         try:
                             secs, r = compile_once(model, batch, seq, gpu, policy)
@@ -97,12 +98,15 @@ def small_budgets() -> None:
 if __name__ == "__main__":
     args = sys.argv[1:] or ["timing"]
     if args[0] == "grid":
-        budgets = (16, 32)
-        if "--budgets" in args:
-            k = args.index("--budgets")
-            budgets = tuple(int(x) for x in args[k + 1].split(","))
-            del args[k:k + 2]
-        grid(tuple(args[1:]) or ("llama-7b", "llama-65b"), budgets)
+        opts = {"--budgets": "16,32", "--policies": "reuse-distance,layerwise"}
+        for flag in opts:
+            if flag in args:
+                k = args.index(flag)
+                opts[flag] = args[k + 1]
+                del args[k:k + 2]
+        grid(tuple(args[1:]) or ("llama-7b", "llama-65b"),
+             tuple(int(x) for x in opts["--budgets"].split(",")),
+             tuple(opts["--policies"].split(",")))
     elif args[0] == "small":
         small_budgets()
     else:

@@ -69,9 +69,9 @@ RESIDENT_SEARCH_BELOW = 0.98
 
 @dataclass(frozen=True)
 class Trial:
-    """One lowering: its look-ahead window, resident weights, plan and simulation. The plan is
-    dropped (None) once another trial is faster beyond AUTO_TOLERANCE: it can no longer win, and
-    a plan of a million tasks is gigabytes."""
+    """One lowering: its look-ahead window, resident weights, plan and simulation. The plan and
+    the simulation's per-node times are dropped (None, empty) once another trial is faster
+    beyond AUTO_TOLERANCE: it can no longer win, and a plan of a million tasks is gigabytes."""
     window: float | None
     resident: frozenset
     memgraph: MemGraph | None
@@ -125,7 +125,8 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
                             offloads(mg)["offload_bytes"], mg.live_peak()))
         fastest = min(t.simulation.makespan_s for t in trials) * (1 + AUTO_TOLERANCE)
         trials[:] = [t if t.memgraph is None or t.simulation.makespan_s <= fastest
-                     else replace(t, memgraph=None) for t in trials]
+                     else replace(t, memgraph=None, simulation=replace(
+                         t.simulation, start=(), end=(), engine=())) for t in trials]
         return replace(trials[-1], memgraph=None)  # `trials` alone holds the plans
 
     trials: list[Trial] = []
@@ -166,33 +167,35 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
 def _search_resident(trial_at: Callable[[float], Trial], first: Trial) -> None:
     """Search the share of the resident room on the RESIDENT_SHARES grid, from the first plan
     (share 1). The makespan falls as fewer resident weights leave the pass more room, until the
-    extra streaming binds: it is taken as unimodal in the share. Probe the middle, walk toward
-    the better side while that improves, and stop at once when a plan spills nothing and is
-    within AUTO_TOLERANCE of its lower bound (no other share can be told apart from it): two to
-    four lowerings instead of five."""
+    extra streaming binds: it is taken as unimodal in the share. Probe the middle; if it beats
+    the first plan the best share may lie on either side of it, else it lies before it. Then
+    climb to the better neighbour while that improves, and stop once a plan spills nothing and
+    runs within AUTO_TOLERANCE of its compute time (the same for every share, unlike the h2d
+    term of each plan's own bound, so no other share can beat it by more than the tolerance):
+    two or three lowerings instead of five."""
     shares = RESIDENT_SHARES
     seen = {0: first}
 
-    def at(i: int) -> Trial:
+    def makespan(i: int) -> float:
         if i not in seen:
             seen[i] = trial_at(shares[i])
-        return seen[i]
+        return seen[i].simulation.makespan_s
 
-    def done(t: Trial) -> bool:
-        return (t.simulation.efficiency >= 1 - AUTO_TOLERANCE
-                and t.spill_bytes == 0)
+    def done(i: int) -> bool:
+        t = seen[i]
+        return (t.spill_bytes == 0
+                and t.simulation.makespan_s <= (1 + AUTO_TOLERANCE) * t.simulation.compute_s)
 
-    if done(first):
-        return
-    mid = len(shares) // 2
-    step = 1 if at(mid).simulation.makespan_s < first.simulation.makespan_s else -1
-    i = mid
-    while 0 < i + step < len(shares) and not done(at(i)):
-        if i + step in seen:
-            break
-        if at(i + step).simulation.makespan_s >= at(i).simulation.makespan_s:
-            break
-        i += step
+    i = len(shares) // 2
+    steps = (1, -1) if makespan(i) < makespan(0) else (-1,)
+    while not done(i):
+        for step in steps:
+            j = i + step
+            if 0 <= j < len(shares) and makespan(j) < makespan(i):
+                i, steps = j, (step,)  # unimodal: keep going this way
+                break
+        else:
+            return
 
 
 def _try(trial, resident, window) -> None:

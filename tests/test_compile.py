@@ -147,24 +147,26 @@ def test_manual_cuts_are_used():
     np.testing.assert_allclose(got["y"], xs @ ws, rtol=1e-12)
 
 
-def _fake_trial(makespan: float, bound: float, spill: int = 0):
-    """A Trial whose simulation reports `makespan` against lower bound `bound`."""
+def _fake_trial(makespan: float, compute: float, spill: int = 0):
+    """A Trial whose simulation reports `makespan` with `compute` seconds of compute."""
     from types import SimpleNamespace
 
     from einpage.compile import Trial
-    sim = SimpleNamespace(makespan_s=makespan, efficiency=bound / makespan)
+    sim = SimpleNamespace(makespan_s=makespan, compute_s=compute)
     return Trial(None, frozenset(), None, sim, spill, 0)
 
 
-@pytest.mark.parametrize("makespans, probed", [
+@pytest.mark.parametrize("makespans, probed, best", [
     # falls as fewer weights stay resident: probe the middle, walk down while it improves
-    ((5.0, 4.5, 4.0, 3.5, 3.6), [2, 3, 4]),
-    # best at the middle: one step down is worse, stop
-    ((5.0, 4.5, 4.0, 4.2, 4.4), [2, 3]),
-    # rises as fewer stay: the middle is worse than the first, walk up
-    ((3.0, 3.1, 3.3, 3.6, 4.0), [2, 1]),
+    ((5.0, 4.5, 4.0, 3.5, 3.6), [2, 3, 4], 3),
+    # best at the middle: both neighbours are worse
+    ((5.0, 4.5, 4.0, 4.2, 4.4), [2, 3, 1], 2),
+    # best between the first plan and the middle (the first spills, 3/4 does not)
+    ((5.0, 3.5, 4.0, 4.2, 4.4), [2, 3, 1], 1),
+    # rises as fewer stay: the middle is worse than the first, the best is before it
+    ((3.0, 3.1, 3.3, 3.6, 4.0), [2, 1], 0),
 ])
-def test_resident_search_walks_toward_the_better_side(makespans, probed):
+def test_resident_search_finds_the_best_share_of_a_unimodal_makespan(makespans, probed, best):
     from einpage.compile import RESIDENT_SHARES, _search_resident
     calls = []
 
@@ -175,17 +177,24 @@ def test_resident_search_walks_toward_the_better_side(makespans, probed):
 
     _search_resident(trial_at, _fake_trial(makespans[0], 1.0))
     assert calls == probed
+    assert min([0, *calls], key=lambda i: makespans[i]) == best
 
 
-def test_resident_search_stops_at_the_bound_unless_the_plan_spills():
-    from einpage.compile import _search_resident
-    calls = []
+def test_resident_search_stops_at_compute_time_unless_the_plan_spills():
+    from einpage.compile import RESIDENT_SHARES, _search_resident
 
-    def trial_at(share):
-        calls.append(share)
-        return _fake_trial(1.0, 1.0)  # at its bound
+    def search(makespans, spills):
+        calls = []
 
-    _search_resident(trial_at, _fake_trial(1.001, 1.0))          # within 0.5%, no spill
-    assert calls == []
-    _search_resident(trial_at, _fake_trial(1.001, 1.0, spill=1))  # spills: search
-    assert calls == [0.5]                                          # ... the middle is at its bound
+        def trial_at(share):
+            i = RESIDENT_SHARES.index(share)
+            calls.append(i)
+            return _fake_trial(makespans[i], 2.0, spills[i])
+
+        _search_resident(trial_at, _fake_trial(makespans[0], 2.0, spills[0]))
+        return calls
+
+    # the middle runs at its compute time and spills nothing: nothing can beat it by 0.5%
+    assert search((5.0, 4.0, 2.001, 2.0, 2.0), (1, 0, 0, 0, 0)) == [2]
+    # ... but a plan at compute time that spills is no reason to stop
+    assert search((5.0, 4.0, 2.001, 2.0, 2.0), (1, 0, 1, 0, 0)) == [2, 3]
