@@ -163,11 +163,14 @@ def test_decode_step_matches_prefill(checkpoint, n, float64):
     atol = F64_ATOL if float64 else F32_ATOL
     assert step["logits"].shape == (2, 1, cfg.vocab)
     assert max_err(step["logits"][:, 0], full["logits"][:, -1]) < atol
+    cache = llama.append_to_cache(
+        {k: v for k, v in head.items() if k.startswith("cache.")}, step)
     for layer in range(cfg.layers):
         for kv in "kv":
+            assert step[f"new.{layer}.{kv}"].shape == (2, 1, 2, 2, 4)
             name = f"cache.{layer}.{kv}"
-            assert step[name].shape == full[name].shape == (2, n + 1, 2, 2, 4)
-            assert max_err(step[name], full[name]) < atol
+            assert cache[name].shape == full[name].shape == (2, n + 1, 2, 2, 4)
+            assert max_err(cache[name], full[name]) < atol
 
 
 # ------------------------------------------------------------------ Hugging Face fixtures
@@ -248,7 +251,7 @@ def test_large_graphs_build_and_verify(name):
     step = decode.bind(B=2, P=2047)
     outs = {o.op.name: o for o in step.outputs}
     assert outs["logits"].shape == (2, 1, v)
-    assert outs["cache.0.v"].shape == (2, 2048, n, 2, j)
+    assert outs["new.0.v"].shape == (2, 1, n, 2, j)  # only the step's rows go back
     caches = [node for node in step.inputs if node.op.role is Role.cache]
     assert len(caches) == 2 * cfg.layers and caches[0].shape == (2, 2047, n, 2, j)
     assert max(node.stage for node in step.nodes) == cfg.layers + 1

@@ -43,10 +43,10 @@ def greedy(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner) -
     batch, past = prompt.shape
     picked = [np.argmax(out["logits"][:, -1, :], axis=-1).astype(np.int64)]
     step = llama.decode_graph(cfg)
+    cache = {k: v for k, v in out.items() if k.startswith("cache.")}
     for _ in range(new_tokens - 1):
-        inputs = {"tokens": picked[-1][:, None]}
-        inputs.update({k: v for k, v in out.items() if k.startswith("cache.")})
-        out = dict(run(step.bind(B=batch, P=past), inputs))
+        out = dict(run(step.bind(B=batch, P=past), {"tokens": picked[-1][:, None], **cache}))
+        cache = llama.append_to_cache(cache, out)
         past += 1
         picked.append(np.argmax(out["logits"][:, -1, :], axis=-1).astype(np.int64))
     return np.stack(picked, axis=1)

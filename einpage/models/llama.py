@@ -15,6 +15,7 @@ RMSNorm and softmax run in float32 and cast back as transformers does.
 """
 from __future__ import annotations
 
+import numpy as np
 import sympy
 
 from einpage.ir import scalar
@@ -112,6 +113,8 @@ class _Llama:
 
     def attention(self, x: Tensor, layer: int, cache: tuple[Tensor, Tensor] | None,
                   seq) -> tuple[Tensor, Tensor, Tensor]:
+        """The attention block's output, and this call's own keys and values (the rows to add
+        to the cache)."""
         g, cfg, p = self.g, self.cfg, f"layers.{layer}."
         q = g.einsum("bsm,ngrjm->bsngrj", x, self.weight(p + "wq"))
         k = g.einsum("bsm,nrjm->bsnrj", x, self.weight(p + "wk"))
@@ -119,6 +122,7 @@ class _Llama:
         rot = self.rotary_table(seq)
         q = g.einsum("bsngrj,surj->bsnguj", q, rot, dtype=self.dt)
         k = g.einsum("bsnrj,surj->bsnuj", k, rot, dtype=self.dt)
+        new_k, new_v = k, v
         if cache is not None:
             k = g.concat([cache[0], k], axis=1)
             v = g.concat([cache[1], v], axis=1)
@@ -133,7 +137,7 @@ class _Llama:
         total = g.einsum("bngst->bngs", e, join=lambda a: a, agg="sum")
         probs = g.einsum("bngst,bngs->bngst", e, total, join=lambda a, c: a / c, dtype=self.dt)
         out = g.einsum("bngst,btnrj->bsngrj", probs, v)
-        return g.einsum("bsngrj,mngrj->bsm", out, self.weight(p + "wo")), k, v
+        return g.einsum("bsngrj,mngrj->bsm", out, self.weight(p + "wo")), new_k, new_v
 
     def feed_forward(self, x: Tensor, layer: int) -> Tensor:
         g, p = self.g, f"layers.{layer}."
@@ -166,9 +170,12 @@ class _Llama:
             h = self.rms_norm(h, self.weight("norm"))
             head = embed if cfg.tied else self.weight("lm_head")
             g.output("logits", g.einsum("bsm,vm->bsv", h, head))
+            # prefill: the whole cache; a decode step: only its own rows, which the caller
+            # appends (writing the whole cache back every step would move it all twice)
+            prefix = "new" if with_cache else "cache"
             for layer, (k, v) in enumerate(new_cache):
-                g.output(f"cache.{layer}.k", k)
-                g.output(f"cache.{layer}.v", v)
+                g.output(f"{prefix}.{layer}.k", k)
+                g.output(f"{prefix}.{layer}.v", v)
         return g.build()
 
 
@@ -180,5 +187,13 @@ def prefill_graph(cfg: LlamaConfig) -> Graph:
 
 def decode_graph(cfg: LlamaConfig) -> Graph:
     """One decode step: `tokens` [B,1] at position `P`, caches `cache.<l>.k|v` [B,P,n,2,j] in;
-    `logits` [B,1,V] and caches [B,P+1,n,2,j] out."""
+    `logits` [B,1,V] and the step's keys and values `new.<l>.k|v` [B,1,n,2,j] out (append them
+    to the cache along axis 1: `append_to_cache`)."""
     return _Llama(cfg, P).build(1, with_cache=True)
+
+
+def append_to_cache(cache: dict, step: dict) -> dict:
+    """The cache after a decode step: each `cache.<l>.k|v` with the step's `new.<l>.k|v`
+    appended along the sequence axis."""
+    return {name: np.concatenate([rows, step["new." + name[len("cache."):]]], axis=1)
+            for name, rows in cache.items()}
