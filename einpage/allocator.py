@@ -89,7 +89,9 @@ class Allocator:
                 newest = queue[0][1]
                 if best_key is None or newest < best_key:
                     best_key, best_at = newest, at
-                    if newest < 0:  # untouched bytes at the lowest such offset: the best
+                    # stamps are node ids (>= 0) and untouched bytes count as -1, so this is
+                    # the least key possible, at the lowest offset that has it: the best
+                    if newest < 0:
                         return self.take(at, size)
                 s += 1
         if best_key is None:
