@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 
-from einpage.compile import CompileOptions, compile_graph
+from einpage.compiler import CompileOptions, compile_graph
 from einpage.errors import BudgetError
 from einpage.models import llama
 from einpage.models.config import preset

@@ -16,12 +16,11 @@ import argparse
 import sys
 import time
 
-from einpage.compile import CompileOptions, compile_graph
-from einpage.devices import get_device
+from einpage.compiler import POLICIES, CompileOptions, compile_graph
 from einpage.errors import BudgetError
 from einpage.models import llama
 from einpage.models.config import preset
-from einpage.policies import POLICIES
+from einpage.predict import get_device
 
 GB = 10**9
 ROWS = (("llama-7b", 8), ("llama-7b", 16), ("llama2-13b", 16), ("llama-65b", 16),

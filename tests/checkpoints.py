@@ -1,14 +1,16 @@
-"""Writer of tiny Hugging Face-format LLaMA checkpoints for tests (no optional libraries)."""
+"""Writer of tiny Hugging Face-format LLaMA checkpoints for tests (files written by the
+safetensors library)."""
 
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
-_DTYPE_NAMES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+_NUMPY = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 
 
 def bf16_bits(x) -> np.ndarray:
@@ -18,38 +20,15 @@ def bf16_bits(x) -> np.ndarray:
     return rounded.astype(np.uint16)
 
 
-def _encode(arr: np.ndarray, dtype: str) -> bytes:
-    if dtype == "f32":
-        out = arr.astype("<f4")
-    elif dtype == "f16":
-        out = arr.astype("<f2")
-    elif dtype == "bf16":
-        out = bf16_bits(arr).astype("<u2")
-    else:
-        raise ValueError(f"unknown dtype {dtype!r}")
-    return np.ascontiguousarray(out).tobytes()
-
-
 def write_safetensors(path, tensors: dict[str, np.ndarray], dtype: str = "f32") -> int:
-    """Write tensors (sorted by name) to a .safetensors file; returns the data size in bytes."""
-    header, blobs, offset = {}, [], 0
-    for name in sorted(tensors):
-        blob = _encode(tensors[name], dtype)
-        header[name] = {
-            "dtype": _DTYPE_NAMES[dtype],
-            "shape": list(tensors[name].shape),
-            "data_offsets": [offset, offset + len(blob)],
-        }
-        blobs.append(blob)
-        offset += len(blob)
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
-        for blob in blobs:
-            f.write(blob)
-    return offset
+    """Write tensors to a .safetensors file with the safetensors library (bf16 through
+    ml_dtypes, rounded to nearest even); returns the data size in bytes."""
+    if dtype not in _NUMPY:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    arrays = {name: np.ascontiguousarray(a, dtype=np.float32).astype(_NUMPY[dtype])
+              for name, a in tensors.items()}
+    save_file(arrays, str(path))
+    return sum(a.nbytes for a in arrays.values())
 
 
 def make_weights(*, hidden, layers, heads, kv_heads, intermediate, vocab, head_dim, tied, seed):

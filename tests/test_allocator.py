@@ -9,7 +9,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from einpage.allocator import Allocator, aligned
+from einpage.compiler import Allocator, aligned
 
 ARENA = 24 * 256
 

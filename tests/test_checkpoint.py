@@ -6,11 +6,11 @@ import json
 import struct
 import tracemalloc
 
+import llama_oracle
 import numpy as np
 import pytest
-
-import llama_oracle
 from checkpoints import write_checkpoint, write_safetensors
+
 from einpage.errors import CheckpointError, ModelError
 from einpage.models import resolve
 from einpage.models.checkpoint import Checkpoint, CheckpointWeights, read_safetensors_header
@@ -235,3 +235,39 @@ def test_no_safetensors_files(ckpt):
     (ckpt / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
         Checkpoint(ckpt)
+
+
+def _safetensors_files():
+    from conftest import FIXTURES
+    return sorted(FIXTURES.glob("*/*.safetensors")) if FIXTURES.is_dir() else []
+
+
+@pytest.mark.parametrize("path", _safetensors_files(), ids=lambda p: p.parent.name)
+def test_our_header_reader_agrees_with_the_safetensors_library(path):
+    """Every tensor of every Hugging Face fixture: the same names, shapes, dtypes and bytes
+    through einpage's memory-mapped reader as through `safetensors.safe_open`."""
+    from safetensors import safe_open
+
+    from einpage.models.checkpoint import tensor_view
+    refs = read_safetensors_header(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    with safe_open(str(path), framework="numpy") as f:
+        assert sorted(f.keys()) == sorted(refs)
+        for name in f.keys():
+            theirs, ours = f.get_tensor(name), tensor_view(refs[name], mapped)
+            assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), name
+            assert ours.tobytes() == theirs.tobytes(), name
+
+
+def test_the_safetensors_reader_agrees_on_every_dtype_the_tests_write(tmp_path):
+    from safetensors.numpy import load_file
+
+    from einpage.models.checkpoint import tensor_view
+    tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3) / 7, "b": np.ones(5, np.float32)}
+    for dtype in ("f32", "f16", "bf16"):
+        path = tmp_path / f"{dtype}.safetensors"
+        write_safetensors(path, tensors, dtype)
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        theirs = load_file(str(path))
+        for name, ref in read_safetensors_header(path).items():
+            assert tensor_view(ref, mapped).tobytes() == theirs[name].tobytes()

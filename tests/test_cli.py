@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
+import llama_oracle
 import numpy as np
 import pytest
-
-import llama_oracle
 from checkpoints import write_checkpoint, write_safetensors
+
 from einpage.cli import main
 
 

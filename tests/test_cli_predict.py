@@ -8,7 +8,7 @@ import json
 import pytest
 
 from einpage.cli import main
-from einpage.progress import Progress
+from einpage.cli.progress import Progress
 
 PREDICTION_KEYS = ("makespan_s", "compute_s", "h2d_s", "d2h_s", "stall_s", "lower_bound_s",
                    "efficiency", "tokens_per_s", "device")

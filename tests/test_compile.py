@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import sympy
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-from einpage.compile import CompileOptions, compile_graph
+from einpage.compiler import CompileOptions, compile_graph
 from einpage.errors import BudgetError
-from einpage.ir import scalar
-from einpage.ir.builder import GraphBuilder
-from einpage.runtime.executor import run
-from einpage.runtime.reference import evaluate
-from einpage.validate import validate
+from einpage.ir import GraphBuilder, scalar
+from einpage.runtime import evaluate, run
 
 LETTERS = "abcdefgh"
 
@@ -151,7 +148,7 @@ def _fake_trial(makespan: float, compute: float, spill: int = 0):
     """A Trial whose simulation reports `makespan` with `compute` seconds of compute."""
     from types import SimpleNamespace
 
-    from einpage.compile import Trial
+    from einpage.compiler.driver import Trial
     sim = SimpleNamespace(makespan_s=makespan, compute_s=compute)
     return Trial(None, frozenset(), None, sim, spill, 0)
 
@@ -167,7 +164,7 @@ def _fake_trial(makespan: float, compute: float, spill: int = 0):
     ((3.0, 3.1, 3.3, 3.6, 4.0), [2, 1], 0),
 ])
 def test_resident_search_finds_the_best_share_of_a_unimodal_makespan(makespans, probed, best):
-    from einpage.compile import RESIDENT_SHARES, _search_resident
+    from einpage.compiler.driver import RESIDENT_SHARES, _search_resident
     calls = []
 
     def trial_at(share):
@@ -181,7 +178,7 @@ def test_resident_search_finds_the_best_share_of_a_unimodal_makespan(makespans, 
 
 
 def test_resident_search_stops_at_compute_time_unless_the_plan_spills():
-    from einpage.compile import RESIDENT_SHARES, _search_resident
+    from einpage.compiler.driver import RESIDENT_SHARES, _search_resident
 
     def search(makespans, spills):
         calls = []

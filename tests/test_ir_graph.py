@@ -10,12 +10,11 @@ import pytest
 import sympy
 
 from einpage.errors import GraphError, InputError, ShapeError, SpecError
-from einpage.ir import scalar
-from einpage.ir.builder import GraphBuilder
+from einpage.ir import GraphBuilder, scalar
 from einpage.ir.dtypes import DType
 from einpage.ir.graph import Einsum, Fill, Graph, Input, Output, Role
 from einpage.ir.spec import EinsumSpec
-from einpage.runtime.reference import evaluate
+from einpage.runtime import evaluate
 
 RNG = np.random.default_rng(0)
 

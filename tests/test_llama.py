@@ -3,11 +3,11 @@ oracle `llama_oracle` on checkpoints written by `checkpoints.write_checkpoint`, 
 numbers Hugging Face transformers wrote into `shared/fixtures/`."""
 from __future__ import annotations
 
+import llama_oracle
 import numpy as np
 import pytest
-
-import llama_oracle
 from checkpoints import write_checkpoint
+
 from einpage.errors import CheckpointError, InputError, ModelError
 from einpage.ir.dtypes import DType
 from einpage.ir.graph import Role

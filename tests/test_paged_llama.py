@@ -6,15 +6,16 @@ import json
 
 import numpy as np
 import pytest
-
 from checkpoints import write_checkpoint
+
 from einpage import cli
+from einpage.compiler import CompileOptions, compile_graph
 from einpage.errors import BudgetError
-from einpage.compile import CompileOptions, compile_graph, run_paged
 from einpage.ir.memgraph import MemGraph
 from einpage.models import llama, resolve
 from einpage.models.generation import greedy, prefill
-from einpage.runtime.reference import evaluate
+from einpage.runners import run_paged
+from einpage.runtime import evaluate
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from einpage.compile import CompileOptions, compile_graph
-from einpage.cuts import AxisClasses, CutOp, choose_class_parts
-from einpage.ir.builder import GraphBuilder
+from einpage.compiler import (CompileOptions, PartitionOptions, compile_graph, memory_aware_order,
+
+                              partition)
+from einpage.compiler.cuts import AxisClasses, CutOp, choose_class_parts
+from einpage.compiler.lowering import working_set
+from einpage.ir import GraphBuilder
 from einpage.ir.graph import Einsum
 from einpage.ir.ops import CopyOp
-from einpage.lower import working_set
 from einpage.models import llama, resolve
 from einpage.models.config import preset
-from einpage.order import memory_aware_order
-from einpage.partition import PartitionOptions, partition
-from einpage.runtime.executor import run
-from einpage.runtime.reference import evaluate
+from einpage.runtime import evaluate, run
 
 
 def _einsum(graph, spec: str, stage: int = 1):

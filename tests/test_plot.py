@@ -1,5 +1,5 @@
-"""The plan pictures: `einpage.plot.memory_timeline` on hand-built memgraphs with known numbers,
-`plot_timeline` on a compiled plan that streams weights, and `einpage.dot.to_dot`."""
+"""The plan pictures: `einpage.cli.plot.memory_timeline` on hand-built memgraphs with known numbers,
+`plot_timeline` on a compiled plan that streams weights, and `einpage.cli.dot.to_dot`."""
 from __future__ import annotations
 
 import re
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import sympy
 
-from einpage.compile import CompileOptions, compile_graph
-from einpage.devices import get_device
-from einpage.dot import MAX_DOT_NODES, to_dot
+from einpage.cli.dot import MAX_DOT_NODES, to_dot
+from einpage.cli.plot import memory_timeline
+from einpage.compiler import CompileOptions, compile_graph, validate
 from einpage.errors import InputError
 from einpage.ir.dtypes import as_dtype
 from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
@@ -20,9 +20,7 @@ from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGrap
 from einpage.ir.ops import FillOp
 from einpage.models import llama
 from einpage.models.config import preset
-from einpage.plot import memory_timeline
-from einpage.simulate import simulate
-from einpage.validate import validate
+from einpage.predict import get_device, simulate
 
 F32 = as_dtype("f32")
 FILL = FillOp(sympy.Integer(0), (0,))
@@ -134,7 +132,7 @@ def test_memory_timeline_compiled_plan_within_peak(streamed):
 
 def test_plot_timeline_png(streamed, tmp_path):
     pytest.importorskip("matplotlib")
-    from einpage.plot import plot_timeline
+    from einpage.cli.plot import plot_timeline
     mg = streamed.memgraph
     sim = simulate(mg, get_device("h100-pcie"))
     path = tmp_path / "plan.png"
@@ -145,7 +143,7 @@ def test_plot_timeline_png(streamed, tmp_path):
 
 def test_plot_timeline_no_transfers_zero_duration_and_bad_path(tmp_path):
     pytest.importorskip("matplotlib")
-    from einpage.plot import plot_timeline
+    from einpage.cli.plot import plot_timeline
     mg = MemGraph(1024, (_t(0, 256, "w", "weight"),), (InputNode(0, 0, "device", 0),), ())
     sim = simulate(mg, PROFILE)
     plot_timeline(mg, sim, tmp_path / "zero.png")
@@ -202,7 +200,7 @@ def test_to_dot_escapes_and_limit():
 def test_plot_timeline_draws_the_budget_line(tmp_path):
     """The budget's dashed line crosses the top panel (in the panel's unit, KB here)."""
     mpl_image = pytest.importorskip("matplotlib.image")
-    from einpage.plot import plot_timeline
+    from einpage.cli.plot import plot_timeline
     mg = hand_plan()
     plot_timeline(mg, simulate(mg, PROFILE), tmp_path / "hand.png")
     rgb = (mpl_image.imread(tmp_path / "hand.png")[..., :3] * 255).round()
@@ -211,7 +209,7 @@ def test_plot_timeline_draws_the_budget_line(tmp_path):
 
 
 def test_plot_timeline_without_matplotlib(monkeypatch, tmp_path):
-    from einpage.plot import plot_timeline
+    from einpage.cli.plot import plot_timeline
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if missing
     mg = hand_plan()
     with pytest.raises(InputError, match=r"pip install 'einpage\[plot\]'"):

@@ -8,11 +8,9 @@ import sympy
 from hypothesis import given
 from hypothesis import strategies as st
 
-from einpage.errors import GraphError
-from einpage.ir import scalar
-from einpage.ir.builder import GraphBuilder
+from einpage.ir import GraphBuilder, scalar
 from einpage.ir.graph import Einsum
-from einpage.runtime.reference import evaluate
+from einpage.runtime import evaluate
 
 LETTERS = "abcdefgh"
 seeds = st.integers(0, 2**32 - 1)

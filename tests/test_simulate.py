@@ -8,12 +8,11 @@ import json
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_compile import random_graphs
 
-from einpage.compile import CompileOptions, compile_graph
-from einpage.cost import op_seconds, op_work
-from einpage.devices import (PROFILES, DeviceProfile, get_device, load_device_file, parse_rate,
-                             resolve_device)
+from einpage.compiler import CompileOptions, compile_graph
 from einpage.errors import InputError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType
@@ -21,8 +20,10 @@ from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGrap
                                  OutputRef, ReloadNode, TensorInfo)
 from einpage.ir.ops import EinsumOp
 from einpage.ir.spec import EinsumSpec
-from einpage.simulate import simulate
-from test_compile import random_graphs
+from einpage.predict import simulate
+from einpage.predict.cost import op_seconds, op_work
+from einpage.predict.devices import (PROFILES, DeviceProfile, get_device, load_device_file,
+                                     parse_rate, resolve_device)
 
 MATMUL = EinsumOp(EinsumSpec.parse("ij,jk->ik"), scalar.product(2), "sum", DType.f32)
 GB = 10**9

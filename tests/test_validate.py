@@ -9,15 +9,15 @@ import math
 
 import pytest
 
+from einpage.compiler import ValidationReport, validate
 from einpage.errors import PlanError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType
-from einpage.ir.memgraph import (ApplyNode, Access, FreeNode, InputNode, MemGraph, OffloadNode,
+from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
                                  OutputRef, ReloadNode, TensorInfo)
 from einpage.ir.ops import CopyOp, EinsumOp, Piece
 from einpage.ir.spec import EinsumSpec
 from einpage.runtime.executor import random_topological_order
-from einpage.validate import ValidationReport, validate
 
 SHAPE = (8, 8)   # f32: 256 bytes, one ALIGNMENT unit, so offsets are slot numbers * 256
 SLOT = 256

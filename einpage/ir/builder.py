@@ -24,7 +24,7 @@ from einpage.errors import GraphError, ShapeError, SpecError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
-                              Role, Slice, Size, verify_node)
+                              Role, Size, Slice, verify_node)
 from einpage.ir.spec import EinsumSpec
 
 #: Size a symbol is assumed to have when only a path choice depends on it.

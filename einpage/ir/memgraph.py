@@ -4,7 +4,7 @@ offload and free nodes and dependency edges (DESIGN.md, "MemGraph file format", 
 Node kinds: `input` (at host, or at device with an offset), `reload` (host -> device), `offload`
 (device -> host; the device copy stays live), `free` (ends a device instance), `apply` (a block
 op: reads, one write, optionally accumulating). `nodes` is one valid sequential order; the edges
-alone must make every topological order correct (see `einpage.validate`).
+alone must make every topological order correct (see `einpage.compiler.validator`).
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 import sympy
 
+
 #: A size symbol: positive integer, e.g. `B`, `S`, `P`.
 def size_symbol(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, nonnegative=True)

@@ -2,8 +2,12 @@
 `*.safetensors` files (sharded ones listed in `model.safetensors.index.json`).
 
 Tensors are memory-mapped, never read whole: `array(name)` is a view of the file, and a block of
-it is read only when sliced. The safetensors header is parsed here (8-byte little-endian length,
-JSON) so bf16 maps straight onto `ml_dtypes.bfloat16`.
+it is read only when sliced. The safetensors header (8-byte little-endian length, then JSON) is
+parsed here rather than through `safetensors.safe_open`, on purpose: a plain `np.memmap` view
+maps bf16 straight onto `ml_dtypes.bfloat16` without a copy, lets the runtimes slice any block of
+a tensor lazily (and hand the view to a reader thread), and gives a `CheckpointError` naming the
+file and tensor for every malformed entry. The tests check that the safetensors library reads
+every fixture exactly as this module does, and write their checkpoints with it.
 """
 from __future__ import annotations
 
@@ -64,6 +68,13 @@ def read_safetensors_header(path: Path) -> dict[str, TensorRef]:
                                   f"match shape {shape} {dtype} or the file size")
         refs[name] = TensorRef(path, base + begin, dtype, shape)
     return refs
+
+
+def tensor_view(ref: TensorRef, mapped: np.ndarray) -> np.ndarray:
+    """The tensor `ref` as a view of its file's bytes `mapped` (a uint8 memory map)."""
+    count = int(np.prod(ref.shape, dtype=np.int64))
+    raw = mapped[ref.offset: ref.offset + count * ref.dtype.itemsize]
+    return raw.view(ref.dtype.numpy).reshape(ref.shape)
 
 
 def load_config(directory: Path) -> LlamaConfig:
@@ -139,9 +150,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.directory}: missing tensor {name!r}") from None
         if ref.file not in self._maps:
             self._maps[ref.file] = np.memmap(ref.file, dtype=np.uint8, mode="r")
-        count = int(np.prod(ref.shape, dtype=np.int64))
-        raw = self._maps[ref.file][ref.offset: ref.offset + count * ref.dtype.itemsize]
-        return raw.view(ref.dtype.numpy).reshape(ref.shape)
+        return tensor_view(ref, self._maps[ref.file])
 
 
 class CheckpointWeights:

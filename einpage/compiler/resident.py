@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from einpage.allocator import aligned
+from einpage.compiler.allocator import aligned
+from einpage.compiler.lowering import working_set
 from einpage.ir.taskgraph import TaskGraph
-from einpage.lower import working_set
 
 
 @dataclass(frozen=True)

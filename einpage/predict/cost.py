@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from einpage.devices import DeviceProfile
 from einpage.ir import scalar
 from einpage.ir.ops import BlockOp, CopyOp, EinsumOp, FillOp, GatherOp
+from einpage.predict.devices import DeviceProfile
 
 
 def op_work(op: BlockOp, read_shapes: Sequence[Sequence[int]], read_bytes: int,

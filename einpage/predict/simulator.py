@@ -4,7 +4,7 @@ Three engines, each in order: the compute stream runs `apply` nodes, the host->d
 runs `reload` nodes and the device->host copy engine runs `offload` nodes, each in the order of the
 node list (CUDA streams are FIFO and the runtime enqueues nodes in that order). A node starts when
 every dependency has finished and its engine is free; `input` and `free` nodes take no time (they
-finish when their dependencies do). Durations come from `einpage.cost`.
+finish when their dependencies do). Durations come from `einpage.predict.cost`.
 
 The lower bound for the same graph is `max(compute, min h2d bytes / h2d bandwidth, d2h bytes /
 d2h bandwidth)`, where the minimum host->device bytes count each tensor that starts on the host
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from einpage.cost import d2h_seconds, h2d_seconds, op_seconds
-from einpage.devices import DeviceProfile
 from einpage.errors import PlanError
 from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph
+from einpage.predict.cost import d2h_seconds, h2d_seconds, op_seconds
+from einpage.predict.devices import DeviceProfile
 
 ENGINES = ("compute", "h2d", "d2h")
 _ENGINE_OF = {"apply": "compute", "reload": "h2d", "offload": "d2h"}

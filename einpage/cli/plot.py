@@ -1,6 +1,6 @@
 """Pictures of a simulated plan: device memory over time by role, and the three streams.
 
-`memory_timeline` turns a memgraph and its `einpage.simulate.Simulation` into a step function of
+`memory_timeline` turns a memgraph and its `einpage.predict.simulator.Simulation` into a step function of
 live device bytes per role; `plot_timeline` draws it above a Gantt chart of the compute, h2d and
 d2h streams into one PNG (needs matplotlib: `pip install 'einpage[plot]'`).
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from einpage.allocator import Allocation, Allocator, aligned
+from einpage.compiler.allocator import Allocation, Allocator, aligned
+from einpage.compiler.policies import Candidate, Policy
 from einpage.errors import BudgetError
 from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
                                  OutputRef, ReloadNode, TensorInfo)
 from einpage.ir.ops import op_text
 from einpage.ir.taskgraph import TaskGraph
-from einpage.policies import Candidate, Policy
-from einpage.sizes import format_size
+from einpage.units import format_size
 
 
 @dataclass(frozen=True)

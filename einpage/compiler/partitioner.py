@@ -6,7 +6,7 @@ index gives partial results folded into the output block (accumulating tasks). I
 are materialised in whatever layout a consumer asks for (straight from host or computed on the
 device); a produced tensor read in another layout is regridded by `copy` tasks.
 
-Cuts are chosen for the whole graph at once, per axis class (`einpage.cuts`): axes that ops tie
+Cuts are chosen for the whole graph at once, per axis class (`einpage.compiler.cuts`): axes that ops tie
 together are cut alike, so producers write the layout their consumers read and activations are
 not re-assembled between ops; each task's working set (its operand blocks plus its output block)
 is at most `block_bytes` where cuts can achieve it. `cuts` sets one op's parts by hand for
@@ -18,15 +18,15 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from einpage.cuts import AxisClasses, CutOp, choose_class_parts
+from einpage.compiler.cuts import AxisClasses, CutOp, choose_class_parts
 from einpage.errors import BudgetError, GraphError
-from einpage.sizes import format_size
 from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
                               Slice)
 from einpage.ir.memgraph import LogicalTensor, Source
 from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, Piece
 from einpage.ir.spec import EinsumSpec
 from einpage.ir.taskgraph import Block, OutputBlock, Task, TaskGraph
+from einpage.units import format_size
 
 Bounds = tuple[tuple[int, ...], ...]  # per dim: cut points 0 = c0 < c1 < ... < ck = size
 
@@ -134,7 +134,7 @@ class _Partitioner:
 
     # ------------------------------------------------------------ cut choice
     def _plan_cuts(self) -> None:
-        """Parts per axis class for the whole graph (see `einpage.cuts`)."""
+        """Parts per axis class for the whole graph (see `einpage.compiler.cuts`)."""
         self.classes = AxisClasses(self.g)
         ops = []
         for node in self.g.nodes:

@@ -1,0 +1,40 @@
+"""`einpage models` and `einpage devices`: the model presets and the cost model's device
+profiles."""
+from __future__ import annotations
+
+import json
+
+from einpage.units import format_size
+
+
+def add_commands(sub) -> None:
+    sub.add_parser("models", help="list the model presets")
+    d = sub.add_parser("devices", help="list the device profiles of the cost model")
+    d.add_argument("--json", action="store_true", help="print them as JSON (the --device-file "
+                                                       "format)")
+
+
+def cmd_models(args) -> None:
+    from einpage.ir.dtypes import DType
+    from einpage.models.config import PRESETS
+    print(f"{'name':<12} {'params':>10} {'f16 weights':>13} {'layers':>6} {'hidden':>6} "
+          f"{'heads':>5} {'kv':>3} {'vocab':>7}")
+    for cfg in PRESETS.values():
+        print(f"{cfg.name:<12} {cfg.parameters / 1e9:>9.2f}B {format_size(cfg.weight_bytes(DType.f16)):>13} "
+              f"{cfg.layers:>6} {cfg.hidden:>6} {cfg.heads:>5} {cfg.kv_heads:>3} {cfg.vocab:>7}")
+
+
+def cmd_devices(args) -> None:
+    from einpage.predict import PROFILES
+    if args.json:
+        print(json.dumps({name: p.to_json() for name, p in PROFILES.items()}, indent=1))
+        return
+    print(f"{'name':<10} {'f16 TFLOP/s':>11} {'f32 TFLOP/s':>11} {'HBM GB/s':>9} "
+          f"{'h2d GB/s':>8} {'memory':>9}  source")
+    for p in PROFILES.values():
+        print(f"{p.name:<10} {p.matmul_flops['f16'] / 1e12:>11.1f} "
+              f"{p.matmul_flops['f32'] / 1e12:>11.1f} {p.hbm_bandwidth / 1e9:>9.0f} "
+              f"{p.h2d_bandwidth / 1e9:>8.2f} {format_size(p.memory_bytes):>9}  {p.source}")
+
+
+HANDLERS = {"models": cmd_models, "devices": cmd_devices}

@@ -1,0 +1,66 @@
+"""What the command groups share: token input, the logits report, device-profile flags, and
+writing a text output."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from einpage.errors import InputError
+
+
+def tokens_from_args(args) -> np.ndarray:
+    """`--tokens 1,2,3` (one row) or `--tokens-file ids.npy` (batch, length) as int64."""
+    if args.tokens is not None:
+        try:
+            ids = [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError:
+            raise InputError(f"--tokens {args.tokens!r}: expected comma-separated integers") from None
+        if not ids:
+            raise InputError("--tokens is empty")
+        return np.asarray([ids], dtype=np.int64)
+    path = Path(args.tokens_file)
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such token file") from None
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: not a .npy array: {exc}") from None
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{path}: token ids must be an integer array of shape (batch, length), "
+                         f"got {ids.dtype} {ids.shape}")
+    return ids.astype(np.int64)
+
+
+def report_logits(logits: np.ndarray, out_path: str | None) -> None:
+    """Save float32 logits (batch, length, vocab) to `out_path`, or print each row's next token."""
+    logits = logits.astype(np.float32)
+    if out_path:
+        np.save(out_path, logits)
+        print(f"saved logits {logits.shape} to {out_path}")
+    else:
+        for row, token in enumerate(np.argmax(logits[:, -1, :], axis=-1)):
+            print(f"row {row}: next token {int(token)}")
+
+
+def add_device_args(p) -> None:
+    p.add_argument("--device", help="device profile for the cost model (default h100-pcie; "
+                                    "see einpage devices)")
+    p.add_argument("--device-file", help="device profile as JSON (keys of einpage devices --json)")
+    p.add_argument("--h2d-bandwidth", help="override host<->device bandwidth, e.g. 25GB/s")
+    p.add_argument("--flops", help="override peak matmul FLOP/s, e.g. 500T")
+    p.add_argument("--plot", help="write a timeline picture (PNG): device memory by role and "
+                                  "the three streams over predicted time")
+
+
+def profile_from_args(args, default: str | None = None):
+    from einpage.predict import resolve_device
+    return resolve_device(args.device or (None if args.device_file else default),
+                          args.device_file, args.h2d_bandwidth, args.flops)
+
+
+def write_text(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -1,0 +1,46 @@
+"""The parser, the dispatch to each command group, and the error boundary: every user error ends
+with one line on stderr and exit status 2."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from einpage.cli import catalog, execute, plan
+from einpage.errors import EinpageError
+
+GROUPS = (catalog, plan, execute)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints usage too; keep it to one line)
+        self.exit(2, f"einpage: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="einpage", description="Run einsum tensor programs that do not fit in "
+                                                 "GPU memory.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for group in GROUPS:
+        group.add_commands(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {name: handler for group in GROUPS for name, handler in group.HANDLERS.items()}
+    try:
+        handlers[args.command](args)
+    except EinpageError as exc:
+        print(f"einpage: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("einpage: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

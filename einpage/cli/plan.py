@@ -1,0 +1,153 @@
+"""`einpage compile` and `einpage inspect`: plans for a budget, and their predictions."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from einpage.cli.common import add_device_args, profile_from_args, write_text
+from einpage.cli.report import print_prediction, print_report
+from einpage.errors import EinpageError, InputError
+from einpage.ir.dtypes import as_dtype
+from einpage.units import format_size, parse_size
+
+
+def add_commands(sub) -> None:
+    c = sub.add_parser("compile", help="compile a model for a device budget (no weights, no GPU)")
+    c.add_argument("model", help="preset name or checkpoint directory")
+    c.add_argument("--gpu-mem", required=True, help="device budget: 16GB (10^9), 16GiB (2^30), ...")
+    c.add_argument("--batch", type=int, default=1)
+    c.add_argument("--seq", type=int, default=2048, help="tokens per row (prefill)")
+    c.add_argument("--phase", choices=["prefill", "decode"], default="prefill")
+    c.add_argument("--past", type=int, default=0, help="KV cache length (decode)")
+    c.add_argument("--dtype", choices=["f16", "bf16", "f32"])
+    c.add_argument("--policy", default="reuse-distance")
+    c.add_argument("--block-bytes", help="target working set of one task (default: budget/8)")
+    c.add_argument("--lookahead", help="how far prefetch runs ahead of execution: bytes (2GB), "
+                                       "predicted compute (30ms, 0.5s), or auto (search the "
+                                       "window of least simulated makespan); default: as far "
+                                       "as memory allows")
+    c.add_argument("-o", "--output", help="write the plan (JSON memgraph) here")
+    c.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_device_args(c)
+    i = sub.add_parser("inspect", help="report on a saved plan (validated and simulated)")
+    i.add_argument("plan")
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--dot", help="write the memgraph as Graphviz dot (small plans)")
+    add_device_args(i)
+
+
+
+def _lookahead(text: str | None) -> dict:
+    """`--lookahead`: bytes, seconds of predicted compute, or auto."""
+    if text is None:
+        return {}
+    if text.strip().lower() == "auto":
+        return {"auto_lookahead": True}
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(us|ms|s)\s*", text)
+    if match:
+        value = float(match.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[match.group(2)]
+        if value <= 0:
+            raise InputError(f"bad --lookahead {text!r}: must be positive")
+        return {"lookahead_seconds": value}
+    try:
+        return {"lookahead_bytes": parse_size(text)}
+    except EinpageError:
+        raise InputError(f"bad --lookahead {text!r}: use bytes (2GB), predicted compute "
+                         "(30ms, 0.5s) or auto") from None
+
+
+def _graph(args):
+    from einpage.models import llama, resolve
+    cfg, _ = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None)
+    for name, value in (("--batch", args.batch), ("--seq", args.seq)):
+        if value < 1:
+            raise InputError(f"{name} must be at least 1, got {value}")
+    if args.past < 0:
+        raise InputError(f"--past must be non-negative, got {args.past}")
+    if args.phase == "prefill":
+        graph = llama.prefill_graph(cfg).bind(B=args.batch, S=args.seq)
+        tokens = args.batch * args.seq
+    else:
+        graph = llama.decode_graph(cfg).bind(B=args.batch, P=args.past)
+        tokens = args.batch
+    sources = {name: llama.hf_tensor(name) for name in llama.weight_shapes(cfg)}
+    return cfg, graph, sources, tokens
+
+
+def cmd_compile(args) -> None:
+    from einpage.cli.progress import Progress
+    from einpage.compiler import CompileOptions, compile_graph
+    profile = profile_from_args(args)
+    device_bytes = parse_size(args.gpu_mem)
+    cfg, graph, sources, tokens = _graph(args)
+    progress = Progress(enabled=False if args.quiet else None)
+    options = CompileOptions(
+        device_bytes=device_bytes, policy=args.policy, device=profile,
+        block_bytes=parse_size(args.block_bytes) if args.block_bytes else None,
+        sources=sources, progress=progress, **_lookahead(args.lookahead))
+    try:
+        compiled = compile_graph(graph, options)
+    finally:
+        progress.close()
+    workload = {"model": cfg.name, "phase": args.phase, "batch": args.batch,
+                "seq": args.seq if args.phase == "prefill" else 1, "past": args.past,
+                "dtype": cfg.dtype.value, "tokens": tokens}
+    mg = dataclasses.replace(compiled.memgraph, meta={**compiled.memgraph.meta, **workload})
+    report = dict(compiled.report, **workload, policy=args.policy,
+                  **compiled.simulation.report(tokens))
+    if device_bytes > profile.memory_bytes:
+        report["warning"] = (f"--gpu-mem {format_size(device_bytes)} is more than the "
+                             f"{format_size(profile.memory_bytes)} of a {profile.name}")
+    if args.output:
+        mg.save(args.output)
+        report["plan"] = args.output
+    if args.plot:
+        from einpage.cli.plot import plot_timeline
+        plot_timeline(mg, compiled.simulation, args.plot)
+        report["plot"] = args.plot
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    else:
+        print_report(report)
+
+
+def cmd_inspect(args) -> None:
+    from einpage.compiler import offloads, validate
+    from einpage.ir.memgraph import MemGraph
+    from einpage.predict import PROFILES, simulate
+    mg = MemGraph.load(args.plan)
+    saved = mg.meta.get("device")  # the plan's profile, when it is a registered one
+    profile = profile_from_args(args, default=saved if saved in PROFILES else None)
+    v = validate(mg)
+    sim = simulate(mg, profile)
+    report = {**mg.meta, "device_bytes": mg.device_bytes, "peak_bytes": v.peak_bytes,
+              "live_peak_bytes": v.live_peak_bytes, "nodes": len(mg.nodes),
+              "tensors": len(mg.tensors),
+              "reload_count": mg.count("reload"), "reload_bytes": mg.moved_bytes("reload"),
+              **offloads(mg),
+              **sim.report(mg.meta.get("tokens"))}
+    if args.dot:
+        from einpage.cli.dot import to_dot
+        write_text(args.dot, to_dot(mg))
+        report["dot"] = args.dot
+    if args.plot:
+        from einpage.cli.plot import plot_timeline
+        plot_timeline(mg, sim, args.plot)
+        report["plot"] = args.plot
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+        return
+    print(f"einpage plan {args.plan}: {len(mg.nodes)} nodes, {len(mg.tensors)} tensors, valid")
+    print("  made for: " + ", ".join(f"{k}={mg.meta[k]}" for k in sorted(mg.meta)))
+    print(f"  peak {format_size(v.peak_bytes)} of budget {format_size(mg.device_bytes)} "
+          f"(live bytes peak {format_size(v.live_peak_bytes)})")
+    print(f"  reloads {report['reload_count']} ({format_size(report['reload_bytes'])}), "
+          f"offloads {report['offload_count']} ({format_size(report['offload_bytes'])}), "
+          f"outputs written back {report['writeback_count']} "
+          f"({format_size(report['writeback_bytes'])})")
+    print_prediction(report)
+
+
+HANDLERS = {"compile": cmd_compile, "inspect": cmd_inspect}

@@ -1,0 +1,24 @@
+"""The paging compiler: a bound `Graph` to a validated `MemGraph` for a device budget.
+
+    partitioner  `partition`: Graph -> TaskGraph (cuts chosen per axis class in `cuts`)
+    order        `memory_aware_order`: the task order
+    resident     which weights stay on the device
+    lowering     `lower`: simulated execution with two horizons -> MemGraph (victims chosen by
+                 `policies`, offsets by `allocator`)
+    validator    `validate`: the plan's rules, checked on the edges alone
+    driver       `compile_graph`: the passes in order, look-ahead and resident search, report
+
+`compiler` imports `ir` and `predict` (the cost model prices look-ahead windows and trials); it
+never imports `runtime` or `cli`."""
+from einpage._exports import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "CompileOptions": "driver", "Compiled": "driver", "compile_graph": "driver",
+    "offloads": "driver",
+    "PartitionOptions": "partitioner", "partition": "partitioner",
+    "memory_aware_order": "order",
+    "LowerOptions": "lowering", "lower": "lowering",
+    "POLICIES": "policies", "Policy": "policies", "get_policy": "policies",
+    "Allocator": "allocator", "aligned": "allocator",
+    "ValidationReport": "validator", "validate": "validator",
+})
