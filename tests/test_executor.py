@@ -12,10 +12,21 @@ import sympy
 from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType, as_dtype
-from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, LogicalTensor, MemGraph,
-                                 OffloadNode, OutputRef, ReloadNode, Source, TensorInfo)
+from einpage.ir.memgraph import (
+    Access,
+    ApplyNode,
+    FreeNode,
+    InputNode,
+    MemGraph,
+    OffloadNode,
+    OutputRef,
+    ReloadNode,
+    Source,
+    TensorInfo,
+)
 from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, Piece
 from einpage.ir.spec import EinsumSpec
+from einpage.ir.tensors import LogicalTensor
 from einpage.runtime.executor import NumpyExecutor, node_order, random_topological_order
 
 SEEDS = range(8)

@@ -189,6 +189,23 @@ def test_every_topological_order_of_a_valid_plan_validates(make):
 
 
 # ------------------------------------------------------------------------- corruptions
+def test_errors_end_with_the_nodes_around_the_failing_one():
+    """verify, validate and the executor show the failing node in its neighbourhood (marked
+    `>`), torch.fx style; the command line prints only the first line."""
+    from einpage.runtime import run
+    message = rejects(replace_node(streaming_plan(), 3, deps=(1,)), "node %3 (apply)")
+    lines = message.splitlines()
+    assert lines[0].startswith("node %3 (apply)")
+    assert [line[:4] for line in lines[1:]] == ["  %1", "  %2", "> %3", "  %4", "  %5"]
+    with pytest.raises(PlanError) as info:  # MemGraph.verify
+        replace_node(streaming_plan(), 4, deps=(9,)).verify()
+    assert "> %4 = " in str(info.value) and "  %6 = " in str(info.value)
+    with pytest.raises(PlanError) as info:  # the executor (x is given no value)
+        run(streaming_plan())
+    assert str(info.value).startswith("while executing node %1 (input)")
+    assert "\n> %1 = input %t1" in str(info.value) and "\n  %3 = apply" in str(info.value)
+
+
 def test_dropped_data_edge():
     # %3 reads w, which %2 reloads; without the edge the read may run before the reload
     rejects(replace_node(streaming_plan(), 3, deps=(1,)),

@@ -31,8 +31,9 @@ def main(argv=None) -> int:
     handlers = {name: handler for group in GROUPS for name, handler in group.HANDLERS.items()}
     try:
         handlers[args.command](args)
-    except EinpageError as exc:
-        print(f"einpage: error: {exc}", file=sys.stderr)
+    except EinpageError as exc:  # one line: the context an API caller sees stays in the message
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"einpage: error: {first}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("einpage: interrupted", file=sys.stderr)

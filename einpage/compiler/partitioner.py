@@ -15,17 +15,28 @@ experiments (its operands are then regridded as needed).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from einpage.compiler.cuts import AxisClasses, CutOp, choose_class_parts
 from einpage.errors import BudgetError, GraphError
-from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
-                              Slice)
-from einpage.ir.memgraph import LogicalTensor, Source
+from einpage.ir.graph import (
+    Concat,
+    Einsum,
+    Fill,
+    Gather,
+    Graph,
+    Input,
+    Node,
+    Output,
+    Reshape,
+    Slice,
+)
 from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, Piece
 from einpage.ir.spec import EinsumSpec
 from einpage.ir.taskgraph import Block, OutputBlock, Task, TaskGraph
+from einpage.ir.tensors import LogicalTensor, Source
 from einpage.units import format_size
 
 Bounds = tuple[tuple[int, ...], ...]  # per dim: cut points 0 = c0 < c1 < ... < ck = size
@@ -157,9 +168,9 @@ class _Partitioner:
         planned = 0
         for node in self.g.nodes:
             if isinstance(node.op, Einsum):
-                planned += _prod(self._class_parts(node, self._einsum_letters(node)[0]).values())
+                planned += math.prod(self._class_parts(node, self._einsum_letters(node)[0]).values())
             elif isinstance(node.op, Gather):
-                planned += _prod(self._class_parts(node, self._gather_letters(node)[0]).values())
+                planned += math.prod(self._class_parts(node, self._gather_letters(node)[0]).values())
         if planned > self.opt.max_tasks:
             raise self._too_many(f"{planned} planned")
 
@@ -261,7 +272,7 @@ class _Partitioner:
 
     def concat(self, node: Node) -> None:
         axis = node.op.axis
-        row = node.dtype.itemsize * _prod(s for d, s in enumerate(node.shape) if d != axis)
+        row = node.dtype.itemsize * math.prod(s for d, s in enumerate(node.shape) if d != axis)
         axis_bounds, pieces_of, start = [0], [], 0
         for i in node.inputs:
             ext = self.g.nodes[i].shape[axis]
@@ -359,13 +370,6 @@ class _Partitioner:
                         for n in self.g.outputs)
         tg = TaskGraph(tuple(self.blocks), tuple(self.tasks), tuple(outputs), inputs, results)
         return tg
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
 
 
 def partition(graph: Graph, options: PartitionOptions) -> TaskGraph:

@@ -17,10 +17,10 @@ writes into its bytes).
 
 Invariants:
 
-1. Structure: `nodes[k].id == k`; every dep is an int id `< k` (duplicates allowed);
-   `tensors[k].id == k`; every tensor id a node or output names exists; a tensor's `bytes` is
-   `prod(shape) * dtype.itemsize`; `input.at` and `output.at` are `host` or `device`; an input
-   at device and an output at device carry an offset, an input at host carries none.
+1. Structure: `MemGraph.verify()` (ids are positions, deps name earlier ids, duplicates
+   allowed; tensor ids named exist; a tensor's `bytes` is `prod(shape) * dtype.itemsize`);
+   besides, `input.at` and `output.at` are `host` or `device`; an input at device and an
+   output at device carry an offset, an input at host carries none.
 2. Placement: every instance lies inside `[0, device_bytes)`, at an offset that is a multiple of
    `ALIGNMENT` (256).
 3. Reads: every read (an `apply` read, the instance an accumulating `apply` writes, an `offload`)
@@ -56,7 +56,6 @@ everything is found (see `_Ancestry`).
 """
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from dataclasses import dataclass
 
@@ -66,7 +65,6 @@ from einpage.ir.memgraph import (ALIGNMENT, ApplyNode, FreeNode, InputNode, MemG
 
 __all__ = ["ValidationReport", "validate"]
 
-_NODE_TYPES = (InputNode, ReloadNode, OffloadNode, FreeNode, ApplyNode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,33 +92,8 @@ class ValidationReport:
 def validate(mg: MemGraph) -> ValidationReport:
     """Check every invariant of the module docstring; raise `PlanError` at the first broken one
     (rule 1 over the whole plan first, then the others node by node, then the outputs)."""
-    _check_structure(mg)
+    mg.verify()
     return _Checker(mg).run()
-
-
-def _check_structure(mg: MemGraph) -> None:
-    """Rule 1, which the rest relies on."""
-    if not isinstance(mg.device_bytes, int) or mg.device_bytes <= 0:
-        raise PlanError(f"device_bytes is {mg.device_bytes!r}, expected a positive int")
-    for k, t in enumerate(mg.tensors):
-        if t.id != k:
-            raise PlanError(f"tensor %t{k}: id is {t.id}, expected its position {k}")
-        if any(not isinstance(s, int) or s < 0 for s in t.shape):
-            raise PlanError(f"tensor %t{k} ({t.name}): bad shape {t.shape}")
-        expected = math.prod(t.shape) * t.dtype.itemsize
-        if t.bytes != expected:
-            raise PlanError(f"tensor %t{k} ({t.name}): bytes is {t.bytes}, but "
-                            f"{t.dtype}{list(t.shape)} takes {expected}")
-    for k, node in enumerate(mg.nodes):
-        if not isinstance(node, _NODE_TYPES):
-            raise PlanError(f"node {k}: {type(node).__name__} is not a memgraph node")
-        if node.id != k:
-            raise PlanError(f"node %{node.id} ({node.kind}): id is {node.id}, expected its "
-                            f"position {k}")
-        for d in node.deps:
-            if not isinstance(d, int) or not 0 <= d < k:
-                raise PlanError(f"node %{k} ({node.kind}): dep {d!r} is not an earlier node id "
-                                f"(deps name ids < {k})")
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -272,9 +245,6 @@ class _Checker:
         self.host_nodes: dict[int, list[int]] = {}  # tensor -> nodes that made that host copy
         self.host_inputs: dict[int, list[int]] = {}  # tensor -> its inputs at host
         self.instances = 0
-        self.peak = 0
-        self.live_bytes = 0
-        self.live_peak = 0
         self.traffic = {"reload": [0, 0], "offload": [0, 0]}
 
     # ------------------------------------------------------------ driver
@@ -283,18 +253,17 @@ class _Checker:
                     "free": self._free, "apply": self._apply}
         for node in self.nodes:
             handlers[node.kind](node)
-            self.live_peak = max(self.live_peak, self.live_bytes)
         self._check_outputs()
         traffic = self.traffic
         return ValidationReport(
             device_bytes=self.mg.device_bytes, nodes=len(self.nodes), instances=self.instances,
-            peak_bytes=self.peak, live_peak_bytes=self.live_peak,
+            peak_bytes=self.mg.high_water(), live_peak_bytes=self.mg.live_peak(),
             reloads=traffic["reload"][0], reload_bytes=traffic["reload"][1],
             offloads=traffic["offload"][0], offload_bytes=traffic["offload"][1])
 
     # ------------------------------------------------------------ messages
     def _fail(self, node: MemNode, message: str):
-        raise PlanError(f"node %{node.id} ({node.kind}): {message}")
+        raise self.mg.error(node.id, f"node %{node.id} ({node.kind}): {message}")
 
     def _kind(self, k: int) -> str:
         return f"node %{k} ({self.nodes[k].kind})"
@@ -358,7 +327,6 @@ class _Checker:
         inst.ender = node.id
         del self.live[inst.tensor]
         self.last_end[inst.tensor] = node.id
-        self.live_bytes -= inst.nbytes
 
     def _create(self, node: MemNode, t: int, offset: object) -> _Instance:
         """Rules 2, 5 and 8 for a new instance of `t` created by `node`."""
@@ -389,8 +357,6 @@ class _Checker:
                              f"(a missing memory-reuse edge)")
         self.live[t] = inst
         self.instances += 1
-        self.peak = max(self.peak, offset + nbytes)
-        self.live_bytes += nbytes
         return inst
 
     def _host_copy(self, node: MemNode, t: int) -> None:
@@ -461,14 +427,11 @@ class _Checker:
             self._check_written(node, inst, "reads")
             read.append(inst)
         w = self._tensor(node, node.write.tensor)
-        lo = self._offset(node, w, node.write.offset)
-        hi = lo + self.tensors[w].bytes
+        self._offset(node, w, node.write.offset)
         target = None
         if node.accumulate:
             target = self._live(node, w, node.write.offset, "accumulates into")
             self._check_after_uses(node, target, "accumulates into")
-        live_before = self.live_bytes
-        overlap = 0
         for a in node.frees:
             inst = self._live(node, self._tensor(node, a.tensor), a.offset, "frees")
             if inst is target:
@@ -476,7 +439,6 @@ class _Checker:
                                  f"accumulates into")
             self._check_after_uses(node, inst, "frees")
             self._end(node, inst)
-            overlap += max(0, min(hi, inst.offset + inst.nbytes) - max(lo, inst.offset))
         missing = self.ancestry.missing(self.host_inputs.get(w, []), node.id)
         if missing:
             self._fail(node, f"writes {self._name(w)}, but its {self._kind(missing[0])} at host "
@@ -490,9 +452,6 @@ class _Checker:
             target.readers = []
         else:
             self._create(node, w, node.write.offset)
-            # While it runs, the apply's output and the instances it frees coexist, except
-            # where the output takes their bytes (consumed in place).
-            self.live_peak = max(self.live_peak, live_before + (hi - lo) - overlap)
 
     # ------------------------------------------------------------ the end
     def _check_outputs(self) -> None:

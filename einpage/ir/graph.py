@@ -6,6 +6,7 @@ computes (one frozen record per kind). Build graphs with `einpage.ir.builder.Gra
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Union
 
@@ -94,13 +95,6 @@ def _subs(value, sizes: Mapping[sympy.Symbol, int]):
         out = value.xreplace(sizes)
         return int(out) if out.is_Integer else out
     return value
-
-
-def numel(shape) -> Size:
-    n = 1
-    for s in shape:
-        n = n * s
-    return n
 
 
 @dataclass(frozen=True)
@@ -260,7 +254,7 @@ def verify_node(nodes, n: Node, names: set, outs: set) -> None:
                              f"{tuple(ids.shape)} gives {want}, node says {tuple(n.shape)}")
     elif isinstance(op, Reshape):
         _arity(n, 1)
-        a, b = numel(shapes[0]), numel(n.shape)
+        a, b = math.prod(shapes[0]), math.prod(n.shape)
         if sympy.simplify(a - b) != 0:
             raise ShapeError(f"{where}: reshape {tuple(shapes[0])} -> {tuple(n.shape)} changes "
                              f"the element count ({a} vs {b})")

@@ -9,27 +9,20 @@ alone must make every topological order correct (see `einpage.compiler.validator
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Union
 
 from einpage.errors import PlanError
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.ir.ops import BlockOp, op_from_json, op_text
+from einpage.ir.tensors import LogicalTensor, Source
 
 FORMAT = "einpage.memgraph"
 VERSION = 1
 ALIGNMENT = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Source:
-    """Where an input block's data comes from: graph input `input` (a weight's checkpoint tensor
-    is `checkpoint`), the box at `origin` of the logical tensor of shape `full_shape`."""
-    input: str
-    origin: tuple[int, ...]
-    full_shape: tuple[int, ...]
-    checkpoint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +92,24 @@ class ApplyNode:
 
 
 MemNode = Union[InputNode, ReloadNode, OffloadNode, FreeNode, ApplyNode]
+_NODE_TYPES = (InputNode, ReloadNode, OffloadNode, FreeNode, ApplyNode)
+
+
+def _tensor_ids(n: MemNode) -> list:
+    if isinstance(n, ApplyNode):
+        return [a.tensor for a in (*n.reads, n.write, *n.frees)]
+    return [n.tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """One device copy of a tensor: its bytes `[offset, offset + bytes)`, live from node `start`
+    (which creates it) to node `end` (which ends it; None: still live at the end)."""
+    tensor: int
+    offset: int
+    bytes: int
+    start: int
+    end: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,15 +122,6 @@ class OutputRef:
     origin: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class LogicalTensor:
-    """A whole graph input or output, for callers: name, role, shape, dtype."""
-    name: str
-    role: str
-    shape: tuple[int, ...]
-    dtype: DType
-
-
 @dataclass(frozen=True)
 class MemGraph:
     device_bytes: int
@@ -130,6 +132,65 @@ class MemGraph:
     results: tuple[LogicalTensor, ...] = ()
     meta: dict = field(default_factory=dict, compare=False)
 
+    # ------------------------------------------------------------ structure
+    def verify(self) -> None:
+        """Check the structure every reader of a plan relies on; raise `PlanError` naming the
+        first broken rule (and showing the nodes around it). Invariants:
+
+        - `device_bytes` is a positive int;
+        - `tensors[k].id == k`; every shape entry is a non-negative int; a tensor's `bytes` is
+          `prod(shape) * dtype.itemsize`;
+        - every node is one of the five kinds; `nodes[k].id == k`; every dep is an int id `< k`;
+        - every tensor id a node or an output names exists.
+
+        The rules of memory (liveness, overlap, host copies) are the validator's
+        (`einpage.compiler.validate`), which calls this first."""
+        if not isinstance(self.device_bytes, int) or self.device_bytes <= 0:
+            raise PlanError(f"device_bytes is {self.device_bytes!r}, expected a positive int")
+        for k, t in enumerate(self.tensors):
+            if t.id != k:
+                raise PlanError(f"tensor %t{k}: id is {t.id}, expected its position {k}")
+            if any(not isinstance(s, int) or s < 0 for s in t.shape):
+                raise PlanError(f"tensor %t{k} ({t.name}): bad shape {t.shape}")
+            expected = math.prod(t.shape) * t.dtype.itemsize
+            if t.bytes != expected:
+                raise PlanError(f"tensor %t{k} ({t.name}): bytes is {t.bytes}, but "
+                                f"{t.dtype}{list(t.shape)} takes {expected}")
+        count = len(self.tensors)
+        for k, node in enumerate(self.nodes):
+            if not isinstance(node, _NODE_TYPES):
+                raise PlanError(f"node {k}: {type(node).__name__} is not a memgraph node")
+            if node.id != k:
+                raise self.error(k, f"node %{node.id} ({node.kind}): id is {node.id}, expected "
+                                    f"its position {k}")
+            for d in node.deps:
+                if not isinstance(d, int) or not 0 <= d < k:
+                    raise self.error(k, f"node %{k} ({node.kind}): dep {d!r} is not an earlier "
+                                        f"node id (deps name ids < {k})")
+            for t in _tensor_ids(node):
+                if not isinstance(t, int) or not 0 <= t < count:
+                    raise self.error(k, f"node %{k} ({node.kind}): names tensor {t!r}, but the "
+                                        f"plan has tensors %t0..%t{count - 1}")
+        for o in self.outputs:
+            if not isinstance(o.tensor, int) or not 0 <= o.tensor < count:
+                raise PlanError(f"output {o.name!r}{list(o.origin)}: names tensor {o.tensor!r}, "
+                                "which does not exist")
+
+    def error(self, node_id: int, message: str) -> PlanError:
+        """A `PlanError` whose message ends with the nodes around `node_id` (torch.fx style)."""
+        return PlanError(f"{message}\n{self.around(node_id)}")
+
+    def around(self, node_id: int, radius: int = 2) -> str:
+        """The listing of the nodes within `radius` of `node_id`, that one marked with `>`."""
+        lines = []
+        for k in range(max(0, node_id - radius), min(len(self.nodes), node_id + radius + 1)):
+            try:
+                text = format_node(self, self.nodes[k])
+            except Exception:  # a node malformed enough not to print
+                text = repr(self.nodes[k])
+            lines.append(f"{'>' if k == node_id else ' '} {text}")
+        return "\n".join(lines)
+
     # ------------------------------------------------------------ summaries
     def count(self, kind: str) -> int:
         return sum(1 for n in self.nodes if n.kind == kind)
@@ -137,29 +198,76 @@ class MemGraph:
     def moved_bytes(self, kind: str) -> int:
         return sum(self.tensors[n.tensor].bytes for n in self.nodes if n.kind == kind)
 
-    def high_water(self) -> int:
-        """Highest byte any instance reaches (the arena the plan really needs)."""
-        top = 0
-        for n in self.nodes:
-            if isinstance(n, ApplyNode):
-                top = max(top, n.write.offset + self.tensors[n.write.tensor].bytes)
-            elif isinstance(n, (ReloadNode,)) or (isinstance(n, InputNode) and n.at == "device"):
-                top = max(top, n.offset + self.tensors[n.tensor].bytes)
-        return top
+    @cached_property
+    def instances(self) -> tuple[Instance, ...]:
+        """Every device instance, replayed once in node order: where it lies, the node that
+        creates it (`input` at device, `reload`, non-accumulating `apply`) and the node that ends
+        it (`free`, or an `apply` listing it in `frees`; None: live at the end). Nodes naming no
+        live instance are skipped (the validator reports them)."""
+        out: list[Instance] = []
+        live: dict[int, int] = {}  # tensor -> index in `out`
 
-    def live_peak(self) -> int:
-        """Most bytes live at once in the node order (instances from creation to free)."""
-        live = top = 0
+        def end(tensor: int, node: int) -> None:
+            k = live.pop(tensor, None)
+            if k is not None:
+                out[k] = replace(out[k], end=node)
+
+        def create(tensor: int, offset, node: int) -> None:
+            if isinstance(offset, int):
+                end(tensor, node)
+                live[tensor] = len(out)
+                out.append(Instance(tensor, offset, self.tensors[tensor].bytes, node, None))
+
         for n in self.nodes:
             if isinstance(n, ApplyNode):
                 for a in n.frees:
-                    live -= self.tensors[a.tensor].bytes
+                    end(a.tensor, n.id)
                 if not n.accumulate:
-                    live += self.tensors[n.write.tensor].bytes
+                    create(n.write.tensor, n.write.offset, n.id)
             elif isinstance(n, ReloadNode) or (isinstance(n, InputNode) and n.at == "device"):
-                live += self.tensors[n.tensor].bytes
+                create(n.tensor, n.offset, n.id)
             elif isinstance(n, FreeNode):
-                live -= self.tensors[n.tensor].bytes
+                end(n.tensor, n.id)
+        return tuple(out)
+
+    def high_water(self) -> int:
+        """Highest arena byte the plan names (the arena it really needs): every instance, and
+        every access and device output, so that a malformed plan is covered too."""
+        top = max((i.offset + i.bytes for i in self.instances), default=0)
+        for n in self.nodes:
+            accesses = (*n.reads, n.write, *n.frees) if isinstance(n, ApplyNode) else (
+                [Access(n.tensor, n.offset)] if n.offset is not None else [])
+            for a in accesses:
+                top = max(top, a.offset + self.tensors[a.tensor].bytes)
+        for o in self.outputs:
+            if o.at == "device" and o.offset is not None:
+                top = max(top, o.offset + self.tensors[o.tensor].bytes)
+        return top
+
+    def live_peak(self) -> int:
+        """Most bytes live at once in the node order: the lower bound that a perfect,
+        fragmentation-free placement of this order would need. While an `apply` runs, its output
+        and the instances it frees coexist, except for the bytes the output takes over (consumed
+        in place)."""
+        delta = [0] * (len(self.nodes) + 1)   # bytes created (+) and ended (-) by each node
+        during = [0] * len(self.nodes)        # extra bytes live only while the node runs
+        writes = {}
+        for n in self.nodes:
+            if isinstance(n, ApplyNode) and n.frees and not n.accumulate:
+                writes[n.id] = n.write
+        for i in self.instances:
+            delta[i.start] += i.bytes
+            if i.end is not None:
+                delta[i.end] -= i.bytes
+                w = writes.get(i.end)
+                if w is not None:  # freed by an apply: live until its write lands
+                    lo, hi = w.offset, w.offset + self.tensors[w.tensor].bytes
+                    overlap = max(0, min(hi, i.offset + i.bytes) - max(lo, i.offset))
+                    during[i.end] += i.bytes - overlap
+        live = top = 0
+        for k in range(len(self.nodes)):
+            top = max(top, live + delta[k] + during[k])
+            live += delta[k]
             top = max(top, live)
         return top
 

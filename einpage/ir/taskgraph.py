@@ -6,13 +6,14 @@ contracted index is cut. Task ids are a topological order; `deps` derives the ed
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from functools import cached_property
 
 from einpage.errors import GraphError
 from einpage.ir.dtypes import DType
-from einpage.ir.memgraph import LogicalTensor, Source
 from einpage.ir.ops import BlockOp, op_text
+from einpage.ir.tensors import LogicalTensor, Source
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +29,7 @@ class Block:
 
     @property
     def bytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +57,6 @@ class TaskGraph:
     outputs: tuple[OutputBlock, ...]
     inputs: tuple[LogicalTensor, ...]
     results: tuple[LogicalTensor, ...]
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @cached_property
     def writers(self) -> tuple[tuple[int, ...], ...]:
@@ -89,24 +86,40 @@ class TaskGraph:
         return [b for b in self.blocks if b.source is not None]
 
     def verify(self) -> None:
-        """Invariants: ids are positions; a task reads only input blocks or blocks written by
-        earlier tasks; each non-input block's first writer does not accumulate and later ones do;
-        input blocks are never written; every output block exists."""
-        writers = self.writers
+        """Invariants: ids are positions; every block id a task or an output names exists; a task
+        reads only input blocks or blocks whose every writer is an earlier task (never a block
+        still being accumulated); each non-input block's first writer does not accumulate and
+        later ones do; input blocks are never written; every output block is written or is an
+        input block."""
+        count = len(self.blocks)
         for k, b in enumerate(self.blocks):
             if b.id != k:
                 raise GraphError(f"block at position {k} has id {b.id}")
+        for k, t in enumerate(self.tasks):
+            if t.id != k:
+                raise GraphError(f"task at position {k} has id {t.id}")
+            for b in (*t.reads, t.write):
+                if not 0 <= b < count:
+                    raise GraphError(f"task {k} ({op_text(t.op)}) names block %b{b}, but the "
+                                     f"taskgraph has blocks %b0..%b{count - 1}")
+        for o in self.outputs:
+            if not 0 <= o.block < count:
+                raise GraphError(f"output {o.name} names block %b{o.block}, but the taskgraph "
+                                 f"has blocks %b0..%b{count - 1}")
+        writers = self.writers
+        for k, b in enumerate(self.blocks):
             if b.source is not None and writers[k]:
                 raise GraphError(f"input block %b{k} ({b.name}) is written by task {writers[k][0]}")
             for n, w in enumerate(writers[k]):
                 if self.tasks[w].accumulate != (n > 0):
                     raise GraphError(f"task {w}: accumulate flag wrong for writer {n} of %b{k}")
         for k, t in enumerate(self.tasks):
-            if t.id != k:
-                raise GraphError(f"task at position {k} has id {t.id}")
             for b in t.reads:
                 if self.blocks[b].source is None and (not writers[b] or writers[b][0] >= k):
                     raise GraphError(f"task {k} ({op_text(t.op)}) reads %b{b} before it is written")
+                if self.blocks[b].source is None and writers[b][-1] >= k:
+                    raise GraphError(f"task {k} ({op_text(t.op)}) reads %b{b} before its last "
+                                     f"write (task {writers[b][-1]})")
         for o in self.outputs:
             if self.blocks[o.block].source is None and not writers[o.block]:
                 raise GraphError(f"output {o.name} block %b{o.block} is never written")

@@ -15,6 +15,8 @@ RMSNorm and softmax run in float32 and cast back as transformers does.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import sympy
 
@@ -66,15 +68,8 @@ def hf_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
                                                                           "w_down")):
         return shape
     if name.endswith("wo"):
-        return (shape[0], _prod(shape[1:]))
-    return (_prod(shape[:-1]), shape[-1])
-
-
-def _prod(xs) -> int:
-    out = 1
-    for v in xs:
-        out *= v
-    return out
+        return (shape[0], math.prod(shape[1:]))
+    return (math.prod(shape[:-1]), shape[-1])
 
 
 class _Llama:
@@ -94,6 +89,19 @@ class _Llama:
         inv = g.einsum("bs->bs", ss, join=lambda a: scalar.rsqrt(a / cfg.hidden + cfg.rms_eps))
         normed = g.einsum("bsm,bs->bsm", x, inv, dtype=self.dt)
         return g.einsum("bsm,m->bsm", normed, w)
+
+    def add(self, x: Tensor, y: Tensor) -> Tensor:
+        """The residual add `x + y` of two [b, s, m] hidden states."""
+        return self.g.einsum("bsm,bsm->bsm", x, y, join=lambda a, c: a + c)
+
+    def softmax(self, scores: Tensor) -> Tensor:
+        """Softmax of float32 scores[b, n, g, s, t] over the key position t (max-subtracted),
+        cast back to the model dtype."""
+        g = self.g
+        top = g.einsum("bngst->bngs", scores, join=lambda a: a, agg="max")
+        e = g.einsum("bngst,bngs->bngst", scores, top, join=lambda a, c: scalar.exp(a - c))
+        total = g.einsum("bngst->bngs", e, join=lambda a: a, agg="sum")
+        return g.einsum("bngst,bngs->bngst", e, total, join=lambda a, c: a / c, dtype=self.dt)
 
     def rotary_table(self, seq) -> Tensor:
         """rot[s, u, r, j]: cos on the diagonal, -sin / +sin off it, at position s + past."""
@@ -132,10 +140,7 @@ class _Llama:
                           agg="sum", dtype=DType.f32)
         scores = g.einsum("bngst,st->bngst", scores, self.causal_mask(seq, keys),
                           join=lambda a, c: a + c)
-        top = g.einsum("bngst->bngs", scores, join=lambda a: a, agg="max")
-        e = g.einsum("bngst,bngs->bngst", scores, top, join=lambda a, c: scalar.exp(a - c))
-        total = g.einsum("bngst->bngs", e, join=lambda a: a, agg="sum")
-        probs = g.einsum("bngst,bngs->bngst", e, total, join=lambda a, c: a / c, dtype=self.dt)
+        probs = self.softmax(scores)
         out = g.einsum("bngst,btnrj->bsngrj", probs, v)
         return g.einsum("bsngrj,mngrj->bsm", out, self.weight(p + "wo")), new_k, new_v
 
@@ -162,9 +167,9 @@ class _Llama:
                              g.input(f"cache.{layer}.v", shape, self.dt, role="cache"))
                 a, k, v = self.attention(self.rms_norm(h, self.weight(p + "attn_norm")), layer,
                                          cache, seq)
-                h = g.einsum("bsm,bsm->bsm", h, a, join=lambda x0, x1: x0 + x1)
+                h = self.add(h, a)
                 f = self.feed_forward(self.rms_norm(h, self.weight(p + "ffn_norm")), layer)
-                h = g.einsum("bsm,bsm->bsm", h, f, join=lambda x0, x1: x0 + x1)
+                h = self.add(h, f)
                 new_cache.append((k, v))
         with g.stage(cfg.layers + 1):
             h = self.rms_norm(h, self.weight("norm"))

@@ -20,8 +20,7 @@ import numpy as np
 
 from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir import scalar
-from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, MemNode,
-                                 OffloadNode, OutputRef, ReloadNode, TensorInfo, format_node)
+from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode, OutputRef, ReloadNode, TensorInfo)
 from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text
 from einpage.runtime import kernels
 
@@ -38,13 +37,9 @@ WeightSource = Callable[[str], Any]
 
 def node_order(mg: MemGraph, order: str | int = "sequential") -> list[int]:
     """The node ids to run: the plan's list for "sequential", else a random topological order of
-    the edges drawn with seed `order`. Checks that ids are positions and deps name earlier ids."""
-    for k, n in enumerate(mg.nodes):
-        if n.id != k:
-            raise PlanError(f"node at position {k} has id {n.id}; ids must equal positions")
-        bad = [d for d in n.deps if not 0 <= d < k]
-        if bad:
-            raise PlanError(f"node %{k} ({n.kind}): dep {bad[0]} is not an earlier node")
+    the edges drawn with seed `order`. Verifies the plan's structure first (`MemGraph.verify`).
+    """
+    mg.verify()
     if isinstance(order, str) and order == "sequential":
         return list(range(len(mg.nodes)))
     if isinstance(order, (int, np.integer)) and not isinstance(order, bool):
@@ -110,7 +105,7 @@ class NumpyExecutor:
         sequence = node_order(mg, order)
         self.arena = np.zeros(mg.device_bytes, dtype=np.uint8)
         if poison_freed:  # only the bytes the plan touches: np.zeros pages in lazily
-            self.arena[:min(_high_water(mg), mg.device_bytes)] = POISON
+            self.arena[:min(mg.high_water(), mg.device_bytes)] = POISON
         self.host: dict[int, np.ndarray | None] = {}
         handlers = {"input": self._input, "reload": self._reload, "offload": self._offload,
                     "free": self._free, "apply": self._apply}
@@ -120,8 +115,8 @@ class NumpyExecutor:
                 handlers[node.kind](node)
             except Exception as exc:
                 cls = type(exc) if isinstance(exc, (InputError, CheckpointError)) else PlanError
-                raise cls(f"while executing node %{node.id} ({node.kind}): {exc} "
-                          f"[{_describe(mg, node)}]") from exc
+                raise cls(f"while executing node %{node.id} ({node.kind}): {exc}\n"
+                          f"{mg.around(node.id)}") from exc
         return self._results()
 
     # -------------------------------------------------------------- node kinds
@@ -356,22 +351,3 @@ def _assemble(name: str, shape: tuple[int, ...], dtype: np.dtype, parts) -> np.n
         raise PlanError(f"result {name!r}: blocks cover {int(seen.sum())} of {seen.size} "
                         f"elements")
     return whole
-
-
-def _high_water(mg: MemGraph) -> int:
-    """The highest arena byte the plan names (malformed accesses are skipped; they fail later)."""
-    accesses = [(o.tensor, o.offset) for o in mg.outputs if o.at == "device"]
-    for n in mg.nodes:
-        if isinstance(n, ApplyNode):
-            accesses += [(a.tensor, a.offset) for a in (*n.reads, n.write, *n.frees)]
-        else:
-            accesses.append((n.tensor, n.offset))
-    return max((off + mg.tensors[t].bytes for t, off in accesses
-                if off is not None and 0 <= t < len(mg.tensors)), default=0)
-
-
-def _describe(mg: MemGraph, n: MemNode) -> str:
-    try:
-        return format_node(mg, n)
-    except Exception:  # a node malformed enough not to print
-        return repr(n)

@@ -1,0 +1,26 @@
+"""Tensor records shared by the block-level IRs (`TaskGraph` and `MemGraph`): where an input
+block's data comes from, and the whole logical tensors a caller passes in and gets back."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from einpage.ir.dtypes import DType
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where an input block's data comes from: graph input `input` (a weight's checkpoint tensor
+    is `checkpoint`), the box at `origin` of the logical tensor of shape `full_shape`."""
+    input: str
+    origin: tuple[int, ...]
+    full_shape: tuple[int, ...]
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LogicalTensor:
+    """A whole graph input or output, for callers: name, role, shape, dtype."""
+    name: str
+    role: str
+    shape: tuple[int, ...]
+    dtype: DType

@@ -1,0 +1,337 @@
+"""Tests of `lower` (TaskGraph + order -> MemGraph) on small taskgraphs built by hand.
+
+Every block is f32 of shape (8, 8 * slots), so its size is a whole number of 256-byte slots (the
+memgraph ALIGNMENT) and budget arithmetic is exact. Tasks run in id order. Plans are compared by
+what happens to each tensor (its name), never by node ids or offsets, and every plan lowered here
+passes `validate`.
+"""
+from __future__ import annotations
+
+import pytest
+
+from einpage.compiler import validate
+from einpage.compiler.lowering import LowerOptions, lower, working_set
+from einpage.compiler.policies import get_policy
+from einpage.errors import BudgetError
+from einpage.ir import scalar
+from einpage.ir.dtypes import DType
+from einpage.ir.memgraph import (
+    ALIGNMENT,
+    ApplyNode,
+    FreeNode,
+    InputNode,
+    MemGraph,
+    OffloadNode,
+    ReloadNode,
+)
+from einpage.ir.ops import EinsumOp
+from einpage.ir.spec import EinsumSpec
+from einpage.ir.taskgraph import Block, OutputBlock, Task, TaskGraph
+from einpage.ir.tensors import LogicalTensor, Source
+
+SLOT = ALIGNMENT  # 256 bytes: one f32 block of 8 x 8
+
+
+# ------------------------------------------------------------------ helpers
+
+def elementwise(n: int) -> EinsumOp:
+    """The product of `n` same-shaped blocks."""
+    spec = EinsumSpec.parse(",".join(["ij"] * n) + "->ij")
+    return EinsumOp(spec, scalar.product(n), None, DType.f32)
+
+
+class Builder:
+    """A taskgraph written block by block: `weight` declares a weight input (at host), `task`
+    appends a task writing a new activation block; both return the block id."""
+
+    def __init__(self):
+        self.blocks: list[Block] = []
+        self.tasks: list[Task] = []
+        self.outputs: list[OutputBlock] = []
+        self.inputs: list[LogicalTensor] = []
+        self.results: list[LogicalTensor] = []
+
+    def _block(self, name: str, slots: int, role: str, source: bool) -> int:
+        bid, shape = len(self.blocks), (8, 8 * slots)
+        self.blocks.append(Block(bid, bid, (0, 0), shape, DType.f32, role, name,
+                                 Source(name, (0, 0), shape) if source else None))
+        return bid
+
+    def weight(self, name: str, slots: int = 1) -> int:
+        b = self._block(name, slots, "weight", source=True)
+        self.inputs.append(LogicalTensor(name, "weight", self.blocks[b].shape, DType.f32))
+        return b
+
+    def task(self, name: str, *reads: int, slots: int = 1) -> int:
+        w = self._block(name, slots, "activation", source=False)
+        self.tasks.append(Task(len(self.tasks), reads, w, False, elementwise(len(reads)), w, 0))
+        return w
+
+    def output(self, b: int) -> None:
+        blk = self.blocks[b]
+        self.outputs.append(OutputBlock(b, blk.name, blk.origin))
+        self.results.append(LogicalTensor(blk.name, "output", blk.shape, DType.f32))
+
+    def build(self) -> TaskGraph:
+        tg = TaskGraph(tuple(self.blocks), tuple(self.tasks), tuple(self.outputs),
+                       tuple(self.inputs), tuple(self.results))
+        tg.verify()
+        return tg
+
+
+def plan(tg: TaskGraph, slots: int, policy: str = "reuse-distance", **options) -> MemGraph:
+    """Lower `tg` in task order within `slots` slots, and check the plan is valid."""
+    mg = lower(tg, list(range(len(tg.tasks))),
+               LowerOptions(slots * SLOT, get_policy(policy), **options))
+    validate(mg)
+    return mg
+
+
+def events(mg: MemGraph) -> list[tuple[str, str]]:
+    """The plan as (kind, tensor name) in node order; an apply is named by the tensor it writes."""
+    out = []
+    for n in mg.nodes:
+        t = n.write.tensor if isinstance(n, ApplyNode) else n.tensor
+        out.append((n.kind, mg.tensors[t].name))
+    return out
+
+
+def node_of(mg: MemGraph, kind: str, name: str, nth: int = 0):
+    """The `nth` node of `kind` on tensor `name` (an apply: the one writing it)."""
+    found = [n for n, ev in zip(mg.nodes, events(mg)) if ev == (kind, name)]
+    return found[nth]
+
+
+def reloads(mg: MemGraph, name: str) -> int:
+    return events(mg).count(("reload", name))
+
+
+def weights_freed_before(mg: MemGraph, apply_of: str) -> set[str]:
+    """Weights with a free before the apply writing `apply_of`."""
+    stop = events(mg).index(("apply", apply_of))
+    return {name for kind, name in events(mg)[:stop]
+            if kind == "free" and mg.tensors[_tensor_id(mg, name)].role == "weight"}
+
+
+def _tensor_id(mg: MemGraph, name: str) -> int:
+    return next(t.id for t in mg.tensors if t.name == name)
+
+
+# ------------------------------------------------------------------ graphs
+
+def revisit_graph() -> TaskGraph:
+    """Weights A, B, C are loaded by tasks 0, 1, 2 and read again by tasks 4, 5, 6 (in that order,
+    so after task 3 A is needed soonest and C last); task 3 reads a fourth weight D once.
+
+        h1 = A; h2 = h1*B; h3 = h2*C; h4 = h3*D; h5 = h4*A; h6 = h5*B; h7 = h6*C  (output h7)
+
+    With 5 slots, task 3 needs h3, D and h4 beside A, B, C: 6 slots, so exactly one of A, B, C
+    (all unpinned, all clean) must be evicted to place h4; with 6 slots all fits."""
+    b = Builder()
+    A, B, C, D = (b.weight(n) for n in "ABCD")
+    h = b.task("h1", A)
+    for k, w in enumerate((B, C, D, A, B, C), start=2):
+        h = b.task(f"h{k}", h, w)
+    b.output(h)
+    return b.build()
+
+
+def spill_graph() -> TaskGraph:
+    """Activation `h` is written by task 0 and read only by the last task; tasks 1-3 are a chain
+    over weights used once. With 3 slots, task 2 (g1, W2 -> g2) finds only `h` evictable, and
+    `h` is dirty (written on the device, no host copy).
+
+        h = W0; g1 = W1; g2 = g1*W2; g3 = g2*W3; out = g3*h  (output out)"""
+    b = Builder()
+    W = [b.weight(f"W{k}") for k in range(4)]
+    h = b.task("h", W[0])
+    g = b.task("g1", W[1])
+    g = b.task("g2", g, W[2])
+    g = b.task("g3", g, W[3])
+    b.output(b.task("out", g, h))
+    return b.build()
+
+
+CHAIN = 6
+
+
+def chain_graph() -> TaskGraph:
+    """x1 = W0; x_{k+1} = x_k * W_k for k < 6: each task reads its own weight once. Task k
+    reserves exactly 2 slots (the reload of W_k and its output x_{k+1}; x_k is already there)."""
+    b = Builder()
+    x = b.task("x1", b.weight("W0"))
+    for k in range(1, CHAIN):
+        x = b.task(f"x{k + 1}", x, b.weight(f"W{k}"))
+    b.output(x)
+    return b.build()
+
+
+# ------------------------------------------------------------------ victim choice
+
+def test_reuse_distance_evicts_the_block_needed_farthest_ahead():
+    """With one eviction forced at task 3 and A, B, C evictable (next uses 4, 5, 6), reuse
+    distance frees C, the one needed last; A and B stay until their last use. C comes back by a
+    second reload before task 6; A and B are each reloaded once."""
+    mg = plan(revisit_graph(), 5, "reuse-distance")
+    assert weights_freed_before(mg, "h4") == {"C"}
+    assert weights_freed_before(mg, "h5") == {"C", "D"}  # D after its last use; A, B stayed
+    assert (reloads(mg, "A"), reloads(mg, "B"), reloads(mg, "C")) == (1, 1, 2)
+    ev = events(mg)
+    second = [k for k, e in enumerate(ev) if e == ("reload", "C")][1]
+    assert ev.index(("apply", "h4")) < second < ev.index(("apply", "h7"))
+
+
+def test_lru_evicts_the_least_recently_used_block_on_the_same_graph():
+    """Contrast: on the same graph and budget, `lru` frees A (last used by task 0), although A is
+    the very next weight needed, and must reload it for task 4; C stays."""
+    mg = plan(revisit_graph(), 5, "lru")
+    assert weights_freed_before(mg, "h4") == {"A"}
+    assert (reloads(mg, "A"), reloads(mg, "B"), reloads(mg, "C")) == (2, 1, 1)
+    ev = events(mg)
+    second = [k for k, e in enumerate(ev) if e == ("reload", "A")][1]
+    assert ev.index(("apply", "h4")) < second < ev.index(("apply", "h5"))
+
+
+def test_no_eviction_when_everything_fits():
+    """With 6 slots the same graph needs no eviction: each weight is reloaded once, no weight is
+    freed before its last use, and nothing is offloaded."""
+    mg = plan(revisit_graph(), 6, "reuse-distance")
+    assert weights_freed_before(mg, "h5") == {"D"}  # D's last use is task 3
+    assert all(reloads(mg, w) == 1 for w in "ABCD")
+    assert mg.count("offload") == 0
+
+
+# ------------------------------------------------------------------ clean and dirty eviction
+
+def test_evicting_a_weight_with_a_host_copy_is_a_free_without_offload():
+    """C is a weight input at host, never written: evicting it is a free and no offload (the whole
+    plan has none), and its reload reads the original host input again."""
+    mg = plan(revisit_graph(), 5, "reuse-distance")
+    assert mg.count("offload") == 0
+    ev = events(mg)
+    evict = ev.index(("free", "C"))
+    assert evict < ev.index(("apply", "h4"))
+    host_input = node_of(mg, "input", "C")
+    assert isinstance(host_input, InputNode) and host_input.at == "host"
+    again = node_of(mg, "reload", "C", nth=1)
+    assert host_input.id in again.deps and mg.nodes[evict].id in again.deps
+
+
+def test_evicting_a_dirty_activation_offloads_it_then_frees_then_reloads_it():
+    """`h` was written on the device and is read again later: evicting it emits an offload (after
+    the apply that wrote it), then its free (after the offload), and a reload from that offload
+    before the task that reads it. It is the only tensor offloaded."""
+    mg = plan(spill_graph(), 3, "reuse-distance")
+    ev = events(mg)
+    assert [e for e in ev if e[0] == "offload"] == [("offload", "h")]
+    wrote = ev.index(("apply", "h"))
+    off, free, back = ev.index(("offload", "h")), ev.index(("free", "h")), ev.index(("reload", "h"))
+    assert wrote < off < free < back < ev.index(("apply", "out"))
+    offload, freed, reload = mg.nodes[off], mg.nodes[free], mg.nodes[back]
+    assert isinstance(offload, OffloadNode) and mg.nodes[wrote].id in offload.deps
+    assert isinstance(freed, FreeNode) and offload.id in freed.deps
+    assert isinstance(reload, ReloadNode) and offload.id in reload.deps and freed.id in reload.deps
+    # the eviction happens while placing task 2 (g2), the first task that does not fit beside h
+    assert ev.index(("apply", "g1")) < off < ev.index(("apply", "g2"))
+
+
+# ------------------------------------------------------------------ look-ahead
+
+def tasks_ahead_at_each_apply(mg: MemGraph) -> list[int]:
+    """For each apply of the chain (task e), how many tasks are reserved but not yet applied,
+    task e included: task q is reserved when W_q has been reloaded (each weight is used once)."""
+    ahead, reloaded, applied = [], 0, 0
+    for kind, name in events(mg):
+        if kind == "reload":
+            assert name == f"W{reloaded}"  # reservations follow the order
+            reloaded += 1
+        elif kind == "apply":
+            ahead.append(reloaded - applied)
+            applied += 1
+    return ahead
+
+
+@pytest.mark.parametrize("limit, expected", [
+    (SLOT, [1] * CHAIN),                        # below one task: only the execution horizon
+    (4 * SLOT, [2, 2, 2, 2, 2, 1]),
+    (6 * SLOT, [3, 3, 3, 3, 2, 1]),
+    (None, [6, 5, 4, 3, 2, 1]),                 # no cap: everything is prefetched at once
+])
+def test_lookahead_bytes_caps_what_is_reserved_ahead_of_execution(limit, expected):
+    """`run()`: with execution horizon e and allocation horizon a, task a is reserved when a == e
+    (always allowed) or when the bytes already reserved for tasks [e, a) are < lookahead_bytes.
+    In the chain each task reserves 2 slots, so at the apply of task e with tasks [e, a) reserved,
+    tasks [e, a-1) hold < lookahead_bytes, and the reloads emitted for the tasks after e (a-1-e
+    weights of 1 slot) stay <= lookahead_bytes. The budget (64 slots) never limits."""
+    mg = plan(chain_graph(), 64, lookahead_bytes=limit)
+    ahead = tasks_ahead_at_each_apply(mg)
+    assert ahead == expected
+    if limit is not None:
+        for n in ahead:
+            assert n == 1 or (n - 1) * 2 * SLOT < limit
+            assert (n - 1) * SLOT <= limit  # reload bytes issued for tasks past the horizon
+    assert all(reloads(mg, f"W{k}") == 1 for k in range(CHAIN))
+    assert mg.count("offload") == 0
+
+
+def test_without_a_lookahead_limit_more_is_prefetched():
+    """The cap is what holds reloads back: uncapped, every weight is reloaded before the first
+    apply, more than a 4-slot cap allows."""
+    capped = plan(chain_graph(), 64, lookahead_bytes=4 * SLOT)
+    free = plan(chain_graph(), 64)
+    def before_first_apply(mg):
+        ev = events(mg)
+        return sum(mg.tensors[_tensor_id(mg, n)].bytes
+                   for k, n in ev[:ev.index(("apply", "x1"))] if k == "reload")
+    assert before_first_apply(free) == CHAIN * SLOT > 4 * SLOT
+    assert before_first_apply(capped) == 2 * SLOT
+
+
+# ------------------------------------------------------------------ budget errors
+
+def one_big_task() -> TaskGraph:
+    """y = W with W and y 4 slots each: a working set of 8 slots."""
+    b = Builder()
+    b.output(b.task("y", b.weight("W", slots=4), slots=4))
+    return b.build()
+
+
+def test_a_task_larger_than_the_budget_raises_budget_error():
+    """A task whose working set (8 slots) exceeds the budget (7 slots) raises BudgetError saying
+    what it needs and what there is; exactly its working set is enough."""
+    tg = one_big_task()
+    assert working_set(tg, 0) == 8 * SLOT
+    with pytest.raises(BudgetError) as info:
+        plan(tg, 7)
+    assert (info.value.needed, info.value.available) == (8 * SLOT, 7 * SLOT)
+    mg = plan(tg, 8)
+    assert [k for k, _ in events(mg)] == ["input", "reload", "apply", "free"]
+
+
+def test_policy_none_refuses_to_offload():
+    """`none` never evicts: on a graph that needs one eviction at 5 slots it raises BudgetError
+    (needed > available, the budget) where reuse distance succeeds; with 6 slots it fits."""
+    tg = revisit_graph()
+    with pytest.raises(BudgetError) as info:
+        plan(tg, 5, "none")
+    assert info.value.available == 5 * SLOT
+    assert info.value.needed == 6 * SLOT  # A, B, C, h3 live, plus D and h4
+    plan(tg, 5, "reuse-distance")
+    mg = plan(tg, 6, "none")
+    assert weights_freed_before(mg, "h5") == {"D"} and mg.count("offload") == 0
+
+
+# ------------------------------------------------------------------ determinism
+
+@pytest.mark.parametrize("policy", ["reuse-distance", "lru"])
+@pytest.mark.parametrize("graph, slots, options", [
+    (revisit_graph, 5, {}),
+    (spill_graph, 3, {}),
+    (chain_graph, 64, {"lookahead_bytes": 4 * SLOT}),
+])
+def test_lowering_is_deterministic(policy, graph, slots, options):
+    """Lowering the same taskgraph twice (built afresh each time) gives the same node list."""
+    first = plan(graph(), slots, policy, **options)
+    second = plan(graph(), slots, policy, **options)
+    assert first.nodes == second.nodes
+    assert str(first) == str(second)
