@@ -12,18 +12,8 @@ import sympy
 from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType, as_dtype
-from einpage.ir.memgraph import (
-    Access,
-    ApplyNode,
-    FreeNode,
-    InputNode,
-    MemGraph,
-    OffloadNode,
-    OutputRef,
-    ReloadNode,
-    Source,
-    TensorInfo,
-)
+from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
+                                 OutputRef, ReloadNode, Source, TensorInfo)
 from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, Piece
 from einpage.ir.spec import EinsumSpec
 from einpage.ir.tensors import LogicalTensor

@@ -15,15 +15,8 @@ from einpage.compiler.policies import get_policy
 from einpage.errors import BudgetError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType
-from einpage.ir.memgraph import (
-    ALIGNMENT,
-    ApplyNode,
-    FreeNode,
-    InputNode,
-    MemGraph,
-    OffloadNode,
-    ReloadNode,
-)
+from einpage.ir.memgraph import (ALIGNMENT, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
+                                 ReloadNode)
 from einpage.ir.ops import EinsumOp
 from einpage.ir.spec import EinsumSpec
 from einpage.ir.taskgraph import Block, OutputBlock, Task, TaskGraph

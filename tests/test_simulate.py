@@ -23,7 +23,8 @@ from einpage.ir.spec import EinsumSpec
 from einpage.predict import simulate
 from einpage.predict.cost import op_seconds, op_work
 from einpage.predict.devices import (PROFILES, DeviceProfile, get_device, load_device_file,
-                                     parse_rate, resolve_device)
+                                     with_overrides)
+from einpage.units import parse_rate
 
 MATMUL = EinsumOp(EinsumSpec.parse("ij,jk->ik"), scalar.product(2), "sum", DType.f32)
 GB = 10**9
@@ -246,7 +247,7 @@ def test_parse_rate_rejects(text):
 
 
 def test_overrides_and_bad_files(tmp_path):
-    p = resolve_device("a100-sxm", h2d_bandwidth="10GB/s", flops="100T")
+    p = with_overrides(get_device("a100-sxm"), h2d_bandwidth=10e9, flops=100e12)
     assert p.h2d_bandwidth == p.d2h_bandwidth == 10e9
     assert p.flops("f16", True) == 100e12 and p.flops("f32", False) == 19.5e12
     with pytest.raises(InputError, match="unknown device"):

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from einpage.errors import InputError
+from einpage.units import parse_rate
 
 
 def tokens_from_args(args) -> np.ndarray:
@@ -54,9 +55,18 @@ def add_device_args(p) -> None:
 
 
 def profile_from_args(args, default: str | None = None):
-    from einpage.predict import resolve_device
-    return resolve_device(args.device or (None if args.device_file else default),
-                          args.device_file, args.h2d_bandwidth, args.flops)
+    """The device profile the flags ask for: `--device` or `--device-file` (else `default`, else
+    the cost model's default), then `--h2d-bandwidth` (both directions) and `--flops`."""
+    from einpage.predict import DEFAULT_DEVICE, get_device, load_device_file, with_overrides
+    if args.device_file and args.device:
+        raise InputError("give --device or --device-file, not both")
+    profile = (load_device_file(args.device_file) if args.device_file
+               else get_device(args.device or default or DEFAULT_DEVICE))
+    return with_overrides(
+        profile,
+        h2d_bandwidth=(parse_rate(args.h2d_bandwidth, "--h2d-bandwidth", "B")
+                       if args.h2d_bandwidth is not None else None),
+        flops=parse_rate(args.flops, "--flops", "FLOPS") if args.flops is not None else None)
 
 
 def write_text(path: str, text: str) -> None:

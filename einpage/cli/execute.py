@@ -45,7 +45,7 @@ def _runner(args, weights):
     if args.gpu_mem is None:
         return runners.dense_runner(weights)
     from einpage.compiler import CompileOptions
-    options = CompileOptions(device_bytes=parse_size(args.gpu_mem), policy=args.policy)
+    options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"), policy=args.policy)
     return runners.paged_runner(weights, options)
 
 
@@ -71,6 +71,8 @@ def cmd_run(args) -> None:
 
 def cmd_generate(args) -> None:
     from einpage.models.generation import greedy
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     cfg, weights = _resolve(args)
     new = greedy(cfg, tokens_from_args(args), args.max_new_tokens, _runner(args, weights))
     if args.out:

@@ -9,7 +9,7 @@ from einpage.cli.common import add_device_args, profile_from_args, write_text
 from einpage.cli.report import print_prediction, print_report
 from einpage.errors import EinpageError, InputError
 from einpage.ir.dtypes import as_dtype
-from einpage.units import format_size, parse_size
+from einpage.units import format_size, parse_seconds, parse_size
 
 
 def add_commands(sub) -> None:
@@ -45,14 +45,10 @@ def _lookahead(text: str | None) -> dict:
         return {}
     if text.strip().lower() == "auto":
         return {"auto_lookahead": True}
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(us|ms|s)\s*", text)
-    if match:
-        value = float(match.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[match.group(2)]
-        if value <= 0:
-            raise InputError(f"bad --lookahead {text!r}: must be positive")
-        return {"lookahead_seconds": value}
+    if re.fullmatch(r"\s*[0-9.eE+-]+\s*(us|ms|s)\s*", text):
+        return {"lookahead_seconds": parse_seconds(text, "--lookahead")}
     try:
-        return {"lookahead_bytes": parse_size(text)}
+        return {"lookahead_bytes": parse_size(text, "--lookahead")}
     except EinpageError:
         raise InputError(f"bad --lookahead {text!r}: use bytes (2GB), predicted compute "
                          "(30ms, 0.5s) or auto") from None
@@ -80,12 +76,12 @@ def cmd_compile(args) -> None:
     from einpage.cli.progress import Progress
     from einpage.compiler import CompileOptions, compile_graph
     profile = profile_from_args(args)
-    device_bytes = parse_size(args.gpu_mem)
+    device_bytes = parse_size(args.gpu_mem, "--gpu-mem")
     cfg, graph, sources, tokens = _graph(args)
     progress = Progress(enabled=False if args.quiet else None)
     options = CompileOptions(
         device_bytes=device_bytes, policy=args.policy, device=profile,
-        block_bytes=parse_size(args.block_bytes) if args.block_bytes else None,
+        block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         sources=sources, progress=progress, **_lookahead(args.lookahead))
     try:
         compiled = compile_graph(graph, options)

@@ -21,18 +21,8 @@ from typing import Mapping
 
 from einpage.compiler.cuts import AxisClasses, CutOp, choose_class_parts
 from einpage.errors import BudgetError, GraphError
-from einpage.ir.graph import (
-    Concat,
-    Einsum,
-    Fill,
-    Gather,
-    Graph,
-    Input,
-    Node,
-    Output,
-    Reshape,
-    Slice,
-)
+from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
+                              Slice)
 from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, Piece
 from einpage.ir.spec import EinsumSpec
 from einpage.ir.taskgraph import Block, OutputBlock, Task, TaskGraph

@@ -37,7 +37,7 @@ def greedy(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner) -
     """`new_tokens` greedy tokens per row, int64 (batch, new_tokens): one prefill, then one decode
     step per further token with the KV cache."""
     if new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be at least 1, got {new_tokens}")
+        raise InputError(f"new_tokens must be at least 1, got {new_tokens}")
     prompt = check_tokens(cfg, prompt)
     out = prefill(cfg, prompt, run)
     batch, past = prompt.shape

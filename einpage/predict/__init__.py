@@ -9,7 +9,7 @@ from einpage._exports import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "DEFAULT_DEVICE": "devices", "DeviceProfile": "devices", "PROFILES": "devices",
-    "get_device": "devices", "load_device_file": "devices", "resolve_device": "devices",
+    "get_device": "devices", "load_device_file": "devices", "with_overrides": "devices",
     "task_seconds": "cost", "op_seconds": "cost",
     "Simulation": "simulator", "simulate": "simulator",
 })

@@ -9,13 +9,12 @@ Where the numbers come from: FLOP/s and HBM bandwidth are the vendor datasheet f
 structured sparsity). Host links are not measured on einpage's target machines (no GPU host was
 available to calibrate): they are the PCIe generation's per-direction raw rate times 0.8, the share
 that pinned copies reach in practice (about 24-26 of 31.5 GB/s on PCIe Gen4; see
-shared/reference/PEERS.md), except where a measured figure is cited. `--h2d-bandwidth`, `--flops`
-and `--device-file` override them; a profile measured on your own host is the better input.
+shared/reference/PEERS.md), except where a measured figure is cited. `with_overrides` (the command line's `--h2d-bandwidth`,
+`--flops`) and device files override them; a profile measured on your own host is the better input.
 """
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -189,38 +188,11 @@ def _rates(value, key: str) -> dict:
     return {d: rate for d in ("f16", "bf16", "f32", "f64")}
 
 
-_RATE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)(?:/s)?\s*")
-_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
-
-
-def parse_rate(text: str, what: str, unit: str) -> float:
-    """`25GB/s`, `25e9`, `756T`, `756TFLOPS` -> a positive float (decimal prefixes)."""
-    match = _RATE.fullmatch(str(text))
-    suffix = match.group(2).lower() if match else ""
-    if match and suffix.endswith(unit.lower()):
-        suffix = suffix[: -len(unit)]
-    if match and suffix == "b" and unit == "B":
-        suffix = ""
-    if not match or suffix not in _SCALE:
-        raise InputError(f"bad {what} {text!r}: use e.g. 25GB/s or 25e9" if unit == "B" else
-                         f"bad {what} {text!r}: use e.g. 756T, 756TFLOPS or 7.56e14")
-    value = float(match.group(1)) * _SCALE[suffix]
-    if value <= 0:
-        raise InputError(f"bad {what} {text!r}: must be positive")
-    return value
-
-
-def resolve_device(name: str | None = None, device_file: str | None = None,
-                   h2d_bandwidth: str | None = None, flops: str | None = None) -> DeviceProfile:
-    """The profile the command line asks for: a file or a named profile, then overrides.
-    `h2d_bandwidth` sets both link directions; `flops` sets the matmul peak of every dtype."""
-    if device_file and name:
-        raise InputError("give --device or --device-file, not both")
-    profile = load_device_file(device_file) if device_file else get_device(name or DEFAULT_DEVICE)
+def with_overrides(profile: DeviceProfile, h2d_bandwidth: float | None = None,
+                   flops: float | None = None) -> DeviceProfile:
+    """`profile` with a measured host link (both directions) or matmul peak (every dtype)."""
     if h2d_bandwidth is not None:
-        bw = parse_rate(h2d_bandwidth, "--h2d-bandwidth", "B")
-        profile = replace(profile, h2d_bandwidth=bw, d2h_bandwidth=bw)
+        profile = replace(profile, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=h2d_bandwidth)
     if flops is not None:
-        rate = parse_rate(flops, "--flops", "FLOPS")
-        profile = replace(profile, matmul_flops={d: rate for d in profile.matmul_flops})
+        profile = replace(profile, matmul_flops={d: flops for d in profile.matmul_flops})
     return profile

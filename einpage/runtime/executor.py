@@ -20,7 +20,8 @@ import numpy as np
 
 from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir import scalar
-from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode, OutputRef, ReloadNode, TensorInfo)
+from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
+                                 OutputRef, ReloadNode, TensorInfo)
 from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text
 from einpage.runtime import kernels
 
