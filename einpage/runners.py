@@ -9,6 +9,7 @@ import numpy as np
 
 from einpage.compiler import CompileOptions, compile_graph
 from einpage.ir.graph import Graph
+from einpage.ir.tensors import WeightSource
 from einpage.runtime.executor import run
 
 #: runs a concrete graph: (graph, inputs by name) -> outputs by name
@@ -16,25 +17,18 @@ Runner = Callable[[Graph, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
 
 
 def run_paged(graph: Graph, inputs: Mapping[str, np.ndarray],
-              weights: Callable, options: CompileOptions, order="sequential") -> dict:
+              weights: WeightSource, options: CompileOptions, order="sequential") -> dict:
     """Compile `graph` for the budget and run the plan on the NumPy executor."""
     compiled = compile_graph(graph, options)
-    return run(compiled.memgraph, inputs, _by_name(weights), order=order)
+    return run(compiled.memgraph, inputs, weights, order=order)
 
 
-def _by_name(weights) -> Callable[[str], np.ndarray]:
-    """Executor weight source (name -> array) from a model weight source."""
-    if hasattr(weights, "array"):
-        return weights.array
-    return weights
-
-
-def dense_runner(weights) -> Runner:
+def dense_runner(weights: WeightSource) -> Runner:
     """The dense reference on whole tensors."""
     from einpage.runtime.reference import evaluate
     return lambda graph, inputs: evaluate(graph, inputs, weights)
 
 
-def paged_runner(weights, options: CompileOptions) -> Runner:
+def paged_runner(weights: WeightSource, options: CompileOptions) -> Runner:
     """Compile every graph for `options.device_bytes` and execute the plan."""
     return lambda graph, inputs: run_paged(graph, inputs, weights, options)

@@ -91,11 +91,11 @@ def test_reads_files_written_by_the_safetensors_library(tmp_path):
 def test_weights_map_graph_names_to_hf_tensors(ckpt):
     weights = CheckpointWeights(Checkpoint(ckpt))
     weights.check()
-    wq = weights.array("layers.1.wq")
+    wq = weights("layers.1.wq")
     assert wq.shape == (2, 2, 2, 4, 32)  # (kv heads, group, rotary half, j, hidden)
     hf = Checkpoint(ckpt).array("model.layers.1.self_attn.q_proj.weight")
     np.testing.assert_array_equal(wq.reshape(32, 32), hf)
-    wo = weights.array("layers.0.wo")
+    wo = weights("layers.0.wo")
     assert wo.shape == (32, 2, 2, 2, 4)
 
 

@@ -71,7 +71,7 @@ def random_graphs(draw):
 
 
 def _reference(graph, arrays, weights):
-    return evaluate(graph, arrays, lambda n: weights[n.op.name], float64=True)
+    return evaluate(graph, arrays, weights.__getitem__, float64=True)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

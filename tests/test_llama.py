@@ -104,7 +104,7 @@ def test_bf16_checkpoint_runs_in_f32(checkpoint, record_error):
     path = checkpoint(dtype="bf16", seed=4)
     cfg, weights = resolve(str(path))
     assert cfg.dtype is DType.f32
-    assert weights.array("embed").dtype == np.dtype("bfloat16")
+    assert weights("embed").dtype == np.dtype("bfloat16")
     ids = tokens(cfg.vocab, (2, 9), seed=2)
     out = generation.prefill(cfg, ids, runner(weights))["logits"]
     err = max_err(out, oracle_logits(path, ids)[0])

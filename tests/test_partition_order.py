@@ -108,7 +108,7 @@ def test_cut_llama_plans_match_the_reference(batch, seq, budget):
     assert not [t for t in compiled.taskgraph.tasks if isinstance(t.op, CopyOp)]
     want = evaluate(graph, {"tokens": tokens}, weights)
     for order in ("sequential", 17):
-        got = run(compiled.memgraph, {"tokens": tokens}, weights.array, order=order)
+        got = run(compiled.memgraph, {"tokens": tokens}, weights, order=order)
         for name in want:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5,
                                        err_msg=f"{name} (order {order})")

@@ -49,7 +49,7 @@ def test_weight_input_comes_from_the_weight_source():
     g.output("y", g.input("w", (3, 2), "f64", role="weight"))
     graph = g.build()
     assert graph.input("w").op.role is Role.weight
-    out = evaluate(graph, {}, weights=lambda node: w if node.op.name == "w" else None)
+    out = evaluate(graph, {}, weights=lambda name: w if name == "w" else None)
     np.testing.assert_array_equal(out["y"], w)
     with pytest.raises(InputError, match="no weights given for weight input 'w'"):
         evaluate(graph, {})
@@ -133,10 +133,10 @@ def test_gather_rows():
     t = g.input("t", (5, 3), "f64", role="weight")
     i = g.input("ids", (2, 2), "i64")
     g.output("y", g.gather(t, i))
-    out = evaluate(g.build(), {"ids": ids}, weights=lambda node: table)
+    out = evaluate(g.build(), {"ids": ids}, weights=lambda name: table)
     np.testing.assert_array_equal(out["y"], table[ids])
     with pytest.raises(InputError, match="index 5 out of range for a table of 5 rows"):
-        evaluate(g.build(), {"ids": ids + 1}, weights=lambda node: table)
+        evaluate(g.build(), {"ids": ids + 1}, weights=lambda name: table)
 
 
 def test_reshape_split_and_merge():

@@ -1,8 +1,10 @@
 """Tensor records shared by the block-level IRs (`TaskGraph` and `MemGraph`): where an input
-block's data comes from, and the whole logical tensors a caller passes in and gets back."""
+block's data comes from, the whole logical tensors a caller passes in and gets back, and where
+weights come from."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from einpage.ir.dtypes import DType
 
@@ -24,3 +26,8 @@ class LogicalTensor:
     role: str
     shape: tuple[int, ...]
     dtype: DType
+
+
+#: Where weights come from, for every runtime: a weight input's name -> its whole logical array
+#: (anything with `.shape` and basic slicing; a memory map is read only where a block is sliced).
+WeightSource = Callable[[str], Any]

@@ -20,7 +20,6 @@ import numpy as np
 
 from einpage.errors import CheckpointError, ModelError, SpecError
 from einpage.ir.dtypes import DType
-from einpage.ir.graph import Node
 from einpage.models import llama
 from einpage.models.config import LlamaConfig
 
@@ -154,13 +153,14 @@ class Checkpoint:
 
 
 class CheckpointWeights:
-    """Weight source for LLaMA graphs: graph weight name -> checkpoint view of its logical shape."""
+    """Weight source for LLaMA graphs (`einpage.runtime.WeightSource`): graph weight name ->
+    a memory-mapped checkpoint view of its logical shape."""
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
         self.config = checkpoint.config
 
-    def array(self, name: str) -> np.ndarray:
+    def __call__(self, name: str) -> np.ndarray:
         hf = llama.hf_tensor(name)
         view = self.checkpoint.array(hf)
         want = llama.hf_shape(self.config, name)
@@ -172,20 +172,18 @@ class CheckpointWeights:
     def check(self) -> None:
         """Every weight the model needs is present with the right shape (reads no data)."""
         for name in llama.weight_shapes(self.config):
-            self.array(name)
-
-    def __call__(self, node: Node) -> np.ndarray:
-        return self.array(node.op.name)
+            self(name)
 
 
 class RandomWeights:
-    """Deterministic random weights for a preset, made on the fly per tensor (seed, name)."""
+    """Deterministic random weights for a preset, made on the fly per tensor (seed, name): a
+    `einpage.runtime.WeightSource`."""
 
     def __init__(self, config: LlamaConfig, seed: int = 0):
         self.config, self.seed = config, seed
         self.shapes = llama.weight_shapes(config)
 
-    def array(self, name: str) -> np.ndarray:
+    def __call__(self, name: str) -> np.ndarray:
         import zlib
         shape = self.shapes[name]
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
@@ -194,6 +192,3 @@ class RandomWeights:
         fan_in = shape[-1] if not name.endswith("wo") else int(np.prod(shape[1:]))
         std = 1.0 if name == "embed" else fan_in ** -0.5
         return (std * rng.standard_normal(shape)).astype(np.float32)
-
-    def __call__(self, node: Node) -> np.ndarray:
-        return self.array(node.op.name)

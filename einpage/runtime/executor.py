@@ -14,7 +14,7 @@ apply may write into the bytes of an input it consumes.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -23,15 +23,13 @@ from einpage.ir import scalar
 from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
                                  OutputRef, ReloadNode, TensorInfo)
 from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text
+from einpage.ir.tensors import WeightSource
 from einpage.runtime import kernels
 
 #: The byte freed (and not yet written) arena bytes hold with `poison_freed`: NaN in f16, bf16,
 #: f32 and f64; -1 in i64.
 POISON = 0xFF
 
-#: weight input name -> the whole logical array; anything with `.shape` and basic slicing (a
-#: memory map is read only where a block is sliced).
-WeightSource = Callable[[str], Any]
 
 
 # ------------------------------------------------------------------ orders

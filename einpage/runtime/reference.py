@@ -2,7 +2,7 @@
 other path is checked against."""
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -10,15 +10,14 @@ from einpage.errors import EinpageError, GraphError, InputError
 from einpage.ir import scalar
 from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
                               Role, Slice)
+from einpage.ir.tensors import WeightSource
 from einpage.runtime import kernels
-
-WeightSource = Callable[[Node], np.ndarray]
 
 
 def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray] | None = None,
              weights: WeightSource | None = None, float64: bool = False) -> dict[str, np.ndarray]:
     """Run `graph`; activation and cache inputs come from `inputs` (by name), weights from
-    `weights(node)`. Returns the outputs by name, stored in each node's dtype, or all in
+    `weights(name)`. Returns the outputs by name, stored in each node's dtype, or all in
     float64 with `float64=True` (integers stay int64)."""
     if not graph.is_concrete:
         raise GraphError("evaluate: bind the graph's size symbols first: "
@@ -66,7 +65,7 @@ def _run(node: Node, args, inputs, weights, float64) -> np.ndarray:
         if op.role is Role.weight:
             if weights is None:
                 raise InputError(f"no weights given for weight input {op.name!r}")
-            value = np.asarray(weights(node))
+            value = np.asarray(weights(op.name))
         else:
             if op.name not in inputs:
                 raise InputError(f"missing input {op.name!r} ({op.role.value}, shape "
