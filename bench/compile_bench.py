@@ -25,7 +25,7 @@ def compile_once(model, batch, seq, gpu_gb, policy="reuse-distance"):
     graph = llama.prefill_graph(cfg).bind(B=batch, S=seq)
     t0 = time.perf_counter()
     compiled = compile_graph(graph, CompileOptions(int(gpu_gb * GB), policy=policy))
-    return time.perf_counter() - t0, compiled.report
+    return time.perf_counter() - t0, compiled.report.to_json()
 
 
 def timing() -> None:

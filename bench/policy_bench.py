@@ -40,7 +40,7 @@ def run_row(model: str, gpu_gb: float, batch: int, seq: int, device) -> list[dic
                         "secs": time.perf_counter() - t0})
             continue
         out.append({"policy": policy, "feasible": True, "secs": time.perf_counter() - t0,
-                    **c.report})
+                    **c.report.to_json()})
     return out
 
 

@@ -30,7 +30,7 @@ def measure(model: str, batch: int, seq: int, gpu_gb: float = 16) -> str:
     graph = llama.prefill_graph(preset(model)).bind(B=batch, S=seq)
     t0 = time.perf_counter()
     try:
-        r = compile_graph(graph, CompileOptions(int(gpu_gb * GB))).report
+        r = compile_graph(graph, CompileOptions(int(gpu_gb * GB))).report.to_json()
     except BudgetError as exc:
         return f"| {model} | {batch} | {seq} | {gpu_gb:g} GB | failed: {str(exc)[:80]} |" + " |" * 5
     secs = time.perf_counter() - t0

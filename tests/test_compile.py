@@ -82,13 +82,13 @@ def _reference(graph, arrays, weights):
 def test_random_graphs_validate_and_match_reference(case, block, slack, policy, seed):
     graph, arrays, weights = case
     probe = compile_graph(graph, CompileOptions(1 << 30, block_bytes=block, validate=False))
-    budget = max(4096, int(probe.report["min_budget_bytes"] * slack))
+    budget = max(4096, int(probe.report.compiled.min_budget_bytes * slack))
     try:
         compiled = compile_graph(graph, CompileOptions(budget, policy=policy, block_bytes=block))
     except BudgetError:
         assume(policy == "layerwise")  # whole-layer streaming may not fit; the others must
         return
-    assert compiled.report["peak_bytes"] <= budget
+    assert compiled.report.peak_bytes <= budget
     want = _reference(graph, arrays, weights)
     for order in ("sequential", seed):
         got = run(compiled.memgraph, arrays, weights.__getitem__, order=order)
@@ -125,8 +125,8 @@ def test_everything_fits_means_no_transfers():
     w = g.input("w", (32, 32), "f64", role="weight")
     g.output("y", g.einsum("ab,bc->ac", x, w))
     c = compile_graph(g.build(), CompileOptions(1 << 20))
-    assert c.report["reload_count"] == 0 and c.report["offload_count"] == 0
-    assert c.report["resident_bytes"] == c.report["weight_bytes"]
+    assert c.report.traffic.reload_count == 0 and c.report.traffic.offload_count == 0
+    assert c.report.compiled.resident_bytes == c.report.compiled.weight_bytes
 
 
 def test_manual_cuts_are_used():
@@ -137,7 +137,7 @@ def test_manual_cuts_are_used():
     g.output("y", y)
     graph = g.build()
     c = compile_graph(graph, CompileOptions(1 << 20, cuts={y.id: {"a": 2, "b": 4, "c": 2}}))
-    assert c.report["tasks"] == 2 * 4 * 2
+    assert c.report.compiled.tasks == 2 * 4 * 2
     rng = np.random.default_rng(0)
     xs, ws = rng.standard_normal((8, 32)), rng.standard_normal((32, 16))
     got = run(c.memgraph, {"x": xs}, {"w": ws}.__getitem__, order=3)
@@ -148,7 +148,7 @@ def _fake_trial(makespan: float, compute: float, spill: int = 0):
     """A Trial whose simulation reports `makespan` with `compute` seconds of compute."""
     from types import SimpleNamespace
 
-    from einpage.compiler.driver import Trial
+    from einpage.compiler.search import Trial
     sim = SimpleNamespace(makespan_s=makespan, compute_s=compute)
     return Trial(None, frozenset(), None, sim, spill, 0)
 
@@ -164,7 +164,7 @@ def _fake_trial(makespan: float, compute: float, spill: int = 0):
     ((3.0, 3.1, 3.3, 3.6, 4.0), [2, 1], 0),
 ])
 def test_resident_search_finds_the_best_share_of_a_unimodal_makespan(makespans, probed, best):
-    from einpage.compiler.driver import RESIDENT_SHARES, _search_resident
+    from einpage.compiler.search import RESIDENT_SHARES, search_resident
     calls = []
 
     def trial_at(share):
@@ -172,13 +172,13 @@ def test_resident_search_finds_the_best_share_of_a_unimodal_makespan(makespans, 
         calls.append(i)
         return _fake_trial(makespans[i], 1.0)
 
-    _search_resident(trial_at, _fake_trial(makespans[0], 1.0))
+    search_resident(trial_at, _fake_trial(makespans[0], 1.0))
     assert calls == probed
     assert min([0, *calls], key=lambda i: makespans[i]) == best
 
 
 def test_resident_search_stops_at_compute_time_unless_the_plan_spills():
-    from einpage.compiler.driver import RESIDENT_SHARES, _search_resident
+    from einpage.compiler.search import RESIDENT_SHARES, search_resident
 
     def search(makespans, spills):
         calls = []
@@ -188,7 +188,7 @@ def test_resident_search_stops_at_compute_time_unless_the_plan_spills():
             calls.append(i)
             return _fake_trial(makespans[i], 2.0, spills[i])
 
-        _search_resident(trial_at, _fake_trial(makespans[0], 2.0, spills[0]))
+        search_resident(trial_at, _fake_trial(makespans[0], 2.0, spills[0]))
         return calls
 
     # the middle runs at its compute time and spills nothing: nothing can beat it by 0.5%

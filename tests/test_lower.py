@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from einpage.compiler import validate
-from einpage.compiler.lowering import LowerOptions, lower, working_set
+from einpage.compiler.lowering import LowerOptions, lower
+from einpage.compiler.resident import working_set
 from einpage.compiler.policies import get_policy
 from einpage.errors import BudgetError
 from einpage.ir import scalar

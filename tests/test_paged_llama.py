@@ -38,8 +38,8 @@ def test_prefill_under_a_fraction_of_the_weights(ckpt, fraction, policy):
     options = CompileOptions(budget, policy=policy)
     graph = llama.prefill_graph(cfg).bind(B=2, S=6)
     compiled = compile_graph(graph, options)
-    assert compiled.report["peak_bytes"] <= budget
-    assert compiled.report["reload_bytes"] > 0  # it really streams
+    assert compiled.report.peak_bytes <= budget
+    assert compiled.report.traffic.reload_bytes > 0  # it really streams
     for order in ("sequential", 11):
         got = run_paged(graph, {"tokens": tokens}, weights, options, order=order)
         np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
@@ -54,7 +54,7 @@ def test_layerwise_streams_whole_layers_or_says_it_cannot(ckpt):
     with pytest.raises(BudgetError, match="layerwise"):
         compile_graph(graph, CompileOptions(_weights_bytes(cfg) // 8, policy="layerwise"))
     options = CompileOptions(_weights_bytes(cfg) * 3 // 4, policy="layerwise")
-    assert compile_graph(graph, options).report["reload_bytes"] > 0
+    assert compile_graph(graph, options).report.traffic.reload_bytes > 0
     want = evaluate(graph, {"tokens": tokens}, weights)
     got = run_paged(graph, {"tokens": tokens}, weights, options, order=2)
     np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
@@ -75,7 +75,7 @@ def test_tiny_activation_budget_forces_offloads():
     graph = llama.prefill_graph(cfg).bind(B=2, S=16)
     options = CompileOptions(60_000)
     compiled = compile_graph(graph, options)
-    assert compiled.report["offload_count"] > 0
+    assert compiled.report.traffic.offload_count > 0
     want = evaluate(graph, {"tokens": tokens}, weights)
     got = run_paged(graph, {"tokens": tokens}, weights, options, order=5)
     np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-4, atol=1e-5)

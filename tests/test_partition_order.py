@@ -11,7 +11,7 @@ from einpage.compiler import (CompileOptions, PartitionOptions, compile_graph, m
 
                               partition)
 from einpage.compiler.cuts import AxisClasses, CutOp, choose_class_parts
-from einpage.compiler.lowering import working_set
+from einpage.compiler.resident import working_set
 from einpage.ir import GraphBuilder
 from einpage.ir.graph import Einsum
 from einpage.ir.ops import CopyOp
@@ -104,7 +104,7 @@ def test_cut_llama_plans_match_the_reference(batch, seq, budget):
     tokens = (np.arange(batch * seq).reshape(batch, seq) * 7) % cfg.vocab
     graph = llama.prefill_graph(cfg).bind(B=batch, S=seq)
     compiled = compile_graph(graph, CompileOptions(budget))
-    assert compiled.report["peak_bytes"] <= budget
+    assert compiled.report.peak_bytes <= budget
     assert not [t for t in compiled.taskgraph.tasks if isinstance(t.op, CopyOp)]
     want = evaluate(graph, {"tokens": tokens}, weights)
     for order in ("sequential", 17):

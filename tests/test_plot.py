@@ -114,7 +114,7 @@ def test_memory_timeline_empty_and_zero_duration():
 def streamed():
     """The tiny model at half its weight bytes: weights are reloaded."""
     g = llama.prefill_graph(preset("tiny")).bind(B=1, S=8)
-    weight_bytes = compile_graph(g, CompileOptions(device_bytes=10**9)).report["weight_bytes"]
+    weight_bytes = compile_graph(g, CompileOptions(device_bytes=10**9)).report.compiled.weight_bytes
     c = compile_graph(g, CompileOptions(device_bytes=weight_bytes // 2))
     assert c.memgraph.count("reload") > 0
     return c
@@ -126,7 +126,7 @@ def test_memory_timeline_compiled_plan_within_peak(streamed):
     times, _, by = memory_timeline(mg, sim)
     total = by.sum(axis=0)
     assert by.min() >= 0 and total.max() > 0
-    assert total.max() <= streamed.report["peak_bytes"] <= mg.device_bytes
+    assert total.max() <= streamed.report.peak_bytes <= mg.device_bytes
     assert times[-1] == pytest.approx(sim.makespan_s)
 
 

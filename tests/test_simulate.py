@@ -172,7 +172,7 @@ def test_elementwise_ops_run_on_vector_units():
 def test_lower_bound_never_exceeds_makespan(case, slack, policy, device):
     graph, _, _ = case
     probe = compile_graph(graph, CompileOptions(1 << 30, block_bytes=512, validate=False))
-    budget = max(4096, int(probe.report["min_budget_bytes"] * slack))
+    budget = max(4096, int(probe.report.compiled.min_budget_bytes * slack))
     try:
         c = compile_graph(graph, CompileOptions(budget, policy=policy, block_bytes=512,
                                                 device=get_device(device)))
@@ -180,7 +180,7 @@ def test_lower_bound_never_exceeds_makespan(case, slack, policy, device):
         assert policy == "layerwise", exc
         return
     sim = c.simulation
-    assert c.memgraph.live_peak() == c.report["live_peak_bytes"]  # the validator's count
+    assert c.memgraph.live_peak() == c.report.live_peak_bytes  # the validator's count
     assert 0 <= sim.lower_bound_s <= sim.makespan_s * (1 + 1e-12)
     assert sim.compute_s <= sim.makespan_s * (1 + 1e-12)
     assert sim.h2d_bytes >= sim.h2d_min_bytes
@@ -194,15 +194,15 @@ def test_auto_lookahead_reports_its_trials():
     from einpage.models.config import preset
     cfg = preset("tiny")
     graph = llama.prefill_graph(cfg).bind(B=1, S=8)
-    weights = compile_graph(graph, CompileOptions(1 << 30)).report["weight_bytes"]
+    weights = compile_graph(graph, CompileOptions(1 << 30)).report.compiled.weight_bytes
     c = compile_graph(graph, CompileOptions(weights // 3, auto_lookahead=True))
-    trials = c.report["trials"]
-    assert len(trials) >= 5 and c.report["lookahead"].startswith("auto: ")
-    best = min(t["makespan_s"] for t in trials)
-    assert c.report["makespan_s"] <= best * 1.005 + 1e-12
-    assert c.report["lookahead"] in {t["lookahead"] for t in trials}
-    near = [t for t in trials if t["makespan_s"] <= best * 1.005]
-    assert c.report["live_peak_bytes"] in {t["live_peak_bytes"] for t in near}
+    trials = c.report.compiled.trials
+    assert len(trials) >= 5 and c.report.compiled.lookahead.startswith("auto: ")
+    best = min(t.makespan_s for t in trials)
+    assert c.report.simulation.makespan_s <= best * 1.005 + 1e-12
+    assert c.report.compiled.lookahead in {t.lookahead for t in trials}
+    near = [t for t in trials if t.makespan_s <= best * 1.005]
+    assert c.report.live_peak_bytes in {t.live_peak_bytes for t in near}
 
 
 def test_time_lookahead_bounds_prefetch():
@@ -210,10 +210,10 @@ def test_time_lookahead_bounds_prefetch():
     from einpage.models import llama
     from einpage.models.config import preset
     graph = llama.prefill_graph(preset("tiny")).bind(B=1, S=8)
-    weights = compile_graph(graph, CompileOptions(1 << 30)).report["weight_bytes"]
+    weights = compile_graph(graph, CompileOptions(1 << 30)).report.compiled.weight_bytes
     wide = compile_graph(graph, CompileOptions(weights // 3))
     narrow = compile_graph(graph, CompileOptions(weights // 3, lookahead_seconds=1e-12))
-    assert narrow.report["live_peak_bytes"] <= wide.report["live_peak_bytes"]
+    assert narrow.report.live_peak_bytes <= wide.report.live_peak_bytes
     assert narrow.simulation.makespan_s >= wide.simulation.makespan_s * (1 - 1e-9)
 
 

@@ -1,12 +1,11 @@
 """`einpage compile` and `einpage inspect`: plans for a budget, and their predictions."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
 from einpage.cli.common import add_device_args, profile_from_args, write_text
-from einpage.cli.report import print_prediction, print_report
+from einpage.cli.report import print_report
 from einpage.errors import EinpageError, InputError
 from einpage.ir.dtypes import as_dtype
 from einpage.units import format_size, parse_seconds, parse_size
@@ -79,71 +78,58 @@ def cmd_compile(args) -> None:
     device_bytes = parse_size(args.gpu_mem, "--gpu-mem")
     cfg, graph, sources, tokens = _graph(args)
     progress = Progress(enabled=False if args.quiet else None)
+    workload = {"model": cfg.name, "phase": args.phase, "batch": args.batch,
+                "seq": args.seq if args.phase == "prefill" else 1, "past": args.past,
+                "dtype": cfg.dtype.value, "tokens": tokens}
     options = CompileOptions(
         device_bytes=device_bytes, policy=args.policy, device=profile,
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
-        sources=sources, progress=progress, **_lookahead(args.lookahead))
+        sources=sources, workload=workload, progress=progress, **_lookahead(args.lookahead))
     try:
         compiled = compile_graph(graph, options)
     finally:
         progress.close()
-    workload = {"model": cfg.name, "phase": args.phase, "batch": args.batch,
-                "seq": args.seq if args.phase == "prefill" else 1, "past": args.past,
-                "dtype": cfg.dtype.value, "tokens": tokens}
-    mg = dataclasses.replace(compiled.memgraph, meta={**compiled.memgraph.meta, **workload})
-    report = dict(compiled.report, **workload, policy=args.policy,
-                  **compiled.simulation.report(tokens))
+    report = compiled.report
     if device_bytes > profile.memory_bytes:
-        report["warning"] = (f"--gpu-mem {format_size(device_bytes)} is more than the "
-                             f"{format_size(profile.memory_bytes)} of a {profile.name}")
+        report = report.with_notes(warning=f"--gpu-mem {format_size(device_bytes)} is more than "
+                                           f"the {format_size(profile.memory_bytes)} of a "
+                                           f"{profile.name}")
     if args.output:
-        mg.save(args.output)
-        report["plan"] = args.output
+        compiled.memgraph.save(args.output)
+        report = report.with_notes(plan=args.output)
     if args.plot:
         from einpage.cli.plot import plot_timeline
-        plot_timeline(mg, compiled.simulation, args.plot)
-        report["plot"] = args.plot
-    if args.json:
-        print(json.dumps(report, sort_keys=True))
-    else:
-        print_report(report)
+        plot_timeline(compiled.memgraph, compiled.simulation, args.plot)
+        report = report.with_notes(plot=args.plot)
+    _show(report, args.json)
 
 
 def cmd_inspect(args) -> None:
-    from einpage.compiler import offloads, validate
+    from einpage.compiler import PlanReport, validate
     from einpage.ir.memgraph import MemGraph
     from einpage.predict import PROFILES, simulate
     mg = MemGraph.load(args.plan)
     saved = mg.meta.get("device")  # the plan's profile, when it is a registered one
     profile = profile_from_args(args, default=saved if saved in PROFILES else None)
-    v = validate(mg)
+    valid = validate(mg)
     sim = simulate(mg, profile)
-    report = {**mg.meta, "device_bytes": mg.device_bytes, "peak_bytes": v.peak_bytes,
-              "live_peak_bytes": v.live_peak_bytes, "nodes": len(mg.nodes),
-              "tensors": len(mg.tensors),
-              "reload_count": mg.count("reload"), "reload_bytes": mg.moved_bytes("reload"),
-              **offloads(mg),
-              **sim.report(mg.meta.get("tokens"))}
+    report = PlanReport.of_plan(mg, valid, sim)
     if args.dot:
         from einpage.cli.dot import to_dot
         write_text(args.dot, to_dot(mg))
-        report["dot"] = args.dot
+        report = report.with_notes(dot=args.dot)
     if args.plot:
         from einpage.cli.plot import plot_timeline
         plot_timeline(mg, sim, args.plot)
-        report["plot"] = args.plot
-    if args.json:
-        print(json.dumps(report, sort_keys=True))
-        return
-    print(f"einpage plan {args.plan}: {len(mg.nodes)} nodes, {len(mg.tensors)} tensors, valid")
-    print("  made for: " + ", ".join(f"{k}={mg.meta[k]}" for k in sorted(mg.meta)))
-    print(f"  peak {format_size(v.peak_bytes)} of budget {format_size(mg.device_bytes)} "
-          f"(live bytes peak {format_size(v.live_peak_bytes)})")
-    print(f"  reloads {report['reload_count']} ({format_size(report['reload_bytes'])}), "
-          f"offloads {report['offload_count']} ({format_size(report['offload_bytes'])}), "
-          f"outputs written back {report['writeback_count']} "
-          f"({format_size(report['writeback_bytes'])})")
-    print_prediction(report)
+        report = report.with_notes(plot=args.plot)
+    _show(report, args.json, source=args.plan)
+
+
+def _show(report, as_json: bool, source: str | None = None) -> None:
+    if as_json:
+        print(json.dumps(report.to_json(), sort_keys=True))
+    else:
+        print_report(report, source)
 
 
 HANDLERS = {"compile": cmd_compile, "inspect": cmd_inspect}

@@ -6,7 +6,9 @@
     lowering     `lower`: simulated execution with two horizons -> MemGraph (victims chosen by
                  `policies`, offsets by `allocator`)
     validator    `validate`: the plan's rules, checked on the edges alone
-    driver       `compile_graph`: the passes in order, look-ahead and resident search, report
+    search       the look-ahead windows and resident sets tried, and the fastest kept
+    report       `PlanReport`: what a plan needs, moves and is predicted to take
+    driver       `compile_graph`: the passes in order
 
 `compiler` imports `ir` and `predict` (the cost model prices look-ahead windows and trials); it
 never imports `runtime` or `cli`."""
@@ -14,7 +16,7 @@ from einpage._exports import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "CompileOptions": "driver", "Compiled": "driver", "compile_graph": "driver",
-    "offloads": "driver",
+    "PlanReport": "report", "Traffic": "report", "CompileFigures": "report",
     "PartitionOptions": "partitioner", "partition": "partitioner",
     "memory_aware_order": "order",
     "LowerOptions": "lowering", "lower": "lowering",

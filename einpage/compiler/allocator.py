@@ -49,6 +49,11 @@ class Allocator:
     def free_bytes(self) -> int:
         return self._free
 
+    def free_segments(self) -> list[tuple[int, int]]:
+        """The free byte ranges as kept, one per stamp, in address order (adjacent ones not
+        coalesced)."""
+        return list(zip(self._lo, self._hi))
+
     def segments(self) -> list[tuple[int, int]]:
         """The free byte ranges, coalesced, in address order."""
         return list(zip(self._run_lo, self._run_hi))

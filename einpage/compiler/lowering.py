@@ -9,8 +9,13 @@ policy (a contiguous address window, so fragmentation cannot block the allocatio
 clean for blocks with a valid host copy (weights, activations offloaded and unchanged since):
 a free with no transfer.
 
-In the thesis' terms: `_allocate` is simMalloc, a reload is simMallocForceReld, and `_make_room`
+In the thesis' terms: `reserve` is simMalloc, a reload is simMallocForceReld, and `_make_room`
 is simMallocOffld.
+
+Each block's state during the walk is one `BlockState` record. The policy chooses victims
+(`score`, `combine`) and may ask for groups of weights that stay on the device together
+(`Policy.groups`: layerwise streaming pins a whole stage's weights from its first task to its
+last); the allocator places the bytes.
 
 Resident blocks (weights that stay on the device for every pass) are placed at fixed offsets at
 the bottom of the arena as `input at device` and never freed or evicted.
@@ -18,10 +23,10 @@ the bottom of the arena as `input at device` and never freed or evicted.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from einpage.compiler.allocator import Allocation, Allocator, aligned
-from einpage.compiler.policies import Candidate, Policy
+from einpage.compiler.policies import Candidate, Group, Policy
 from einpage.errors import BudgetError
 from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
                                  OutputRef, ReloadNode, TensorInfo)
@@ -43,42 +48,48 @@ class LowerOptions:
     progress: object = None                      # callable(done_tasks, total_tasks) or None
 
 
-def working_set(tg: TaskGraph, task_id: int) -> int:
-    t = tg.tasks[task_id]
-    return sum(aligned(tg.blocks[b].bytes) for b in set(t.reads) | {t.write})
+@dataclass(slots=True)
+class BlockState:
+    """One block during the walk (mutable: this is the simulation's state)."""
+    size: int                       # aligned bytes
+    uses: list[int]                 # positions of the tasks that touch it, ascending
+    is_output: bool
+    offset: int | None = None       # its device instance (or reservation), if any
+    last_writer: int | None = None  # node that last wrote its device instance
+    accesses: list[int] = field(default_factory=list)    # nodes that touched the instance
+    since_write: list[int] = field(default_factory=list)  # reads since its last write
+    host_node: int | None = None    # node that made its host copy
+    host_valid: bool = False        # the host copy holds the current data
+    pins: int = 0                   # reasons it may not be evicted now
+    last_touch: int = -1            # position of the last task that touched it
+    last_free: int | None = None    # node that ended its previous instance
 
 
 class _Lowering:
     def __init__(self, tg: TaskGraph, order: list[int], opt: LowerOptions):
         self.tg, self.order, self.opt, self.policy = tg, order, opt, opt.policy
         self.n = len(order)
-        nb = len(tg.blocks)
         self.nodes: list = []
-        self.uses: list[list[int]] = [[] for _ in range(nb)]
+        uses: list[list[int]] = [[] for _ in tg.blocks]
         for p, tid in enumerate(order):
             t = tg.tasks[tid]
             for b in {*t.reads, t.write}:
-                self.uses[b].append(p)
-        self.is_output = [False] * nb
-        for o in tg.outputs:
-            self.is_output[o.block] = True
-        self.size = [aligned(b.bytes) for b in tg.blocks]
-        self.offset: list[int | None] = [None] * nb
-        self.last_writer: list[int | None] = [None] * nb
-        self.accesses: list[list[int]] = [[] for _ in range(nb)]
-        self.since_write: list[list[int]] = [[] for _ in range(nb)]
-        self.host_node: list[int | None] = [None] * nb
-        self.host_valid = [False] * nb
-        self.pins = [0] * nb
-        self.last_touch = [-1] * nb
-        self.last_free: list[int | None] = [None] * nb  # end of a block's previous instance
+                uses[b].append(p)
+        outputs = {o.block for o in tg.outputs}
+        self.blocks = [BlockState(aligned(blk.bytes), uses[blk.id], blk.id in outputs)
+                       for blk in tg.blocks]
         self.pending: dict[int, Allocation] = {}
         self.live: set[int] = set()  # blocks with a device instance (or reservation), not resident
-        self.stage_pins: dict[int, list[int]] = {}
-        self.stage_last: dict[int, int] = {}
-        for p, tid in enumerate(order):
-            self.stage_last[tg.tasks[tid].stage] = p
-        resident_bytes = sum(self.size[b] for b in opt.resident)
+        groups = opt.policy.groups(tg, order)
+        self.group_at: dict[int, list[Group]] = {}    # first position -> groups pinned there
+        self.group_until: dict[int, list[Group]] = {}  # last position -> groups released there
+        self.group_of_stage: dict[int, Group] = {}
+        for g in groups:
+            self.group_at.setdefault(g.start, []).append(g)
+            self.group_until.setdefault(g.end, []).append(g)
+            self.group_of_stage[g.stage] = g
+        self.pinned_groups: set[int] = set()  # stages whose group is pinned now or was
+        resident_bytes = sum(self.blocks[b].size for b in opt.resident)
         if resident_bytes > opt.device_bytes:
             raise BudgetError(f"resident weights need {format_size(resident_bytes)}, more than the "
                               f"budget {format_size(opt.device_bytes)}", resident_bytes,
@@ -95,7 +106,7 @@ class _Lowering:
         return len(self.nodes)
 
     def next_use(self, b: int, p: int) -> int:
-        uses = self.uses[b]
+        uses = self.blocks[b].uses
         k = bisect.bisect_left(uses, p)
         return uses[k] if k < len(uses) else self.n
 
@@ -104,53 +115,55 @@ class _Lowering:
         tg, opt = self.tg, self.opt
         at = 0
         for blk in tg.input_blocks:
-            b = blk.id
+            b, st = blk.id, self.blocks[blk.id]
             if b in opt.resident:
                 nid = self.emit(InputNode(self._next_id(), b, "device", at))
-                self.offset[b], at = at, at + self.size[b]
-                self.last_writer[b] = nid
-                self.accesses[b] = [nid]
-                self.host_valid[b] = True
-            elif opt.inputs_at_device and blk.role != "weight" and self.uses[b]:
-                a = self.alloc.allocate(self.size[b])
+                st.offset, at = at, at + st.size
+                st.last_writer = nid
+                st.accesses = [nid]
+                st.host_valid = True
+            elif opt.inputs_at_device and blk.role != "weight" and st.uses:
+                a = self.alloc.allocate(st.size)
                 if a is None:
-                    raise BudgetError("inputs do not fit on the device", self.size[b], 0)
+                    raise BudgetError("inputs do not fit on the device", st.size, 0)
                 nid = self.emit(InputNode(self._next_id(), b, "device", a.offset))
                 self._created(b, a.offset, nid)
             else:
                 nid = self.emit(InputNode(self._next_id(), b, "host"))
-                self.host_node[b], self.host_valid[b] = nid, True
+                st.host_node, st.host_valid = nid, True
 
     def _created(self, b: int, offset: int, nid: int) -> None:
-        self.offset[b] = offset
-        self.last_writer[b] = nid
-        self.accesses[b] = [nid]
-        self.since_write[b] = []
+        st = self.blocks[b]
+        st.offset = offset
+        st.last_writer = nid
+        st.accesses = [nid]
+        st.since_write = []
         self.live.add(b)
 
     # ------------------------------------------------------------ reservation
     def _needs(self, p: int) -> list[int]:
         t = self.tg.tasks[self.order[p]]
-        need = [b for b in dict.fromkeys((*t.reads, t.write)) if self.offset[b] is None]
-        if self.policy.whole_layer_weights and t.stage not in self.stage_pins:
-            layer = [b for q in range(p, self.stage_last[t.stage] + 1)
-                     for b in self.tg.tasks[self.order[q]].reads
-                     if self.tg.blocks[b].role == "weight"]
-            self.stage_pins[t.stage] = list(dict.fromkeys(layer))
-            for b in self.stage_pins[t.stage]:
-                self.pins[b] += 1
-            need += [b for b in self.stage_pins[t.stage] if self.offset[b] is None and b not in need]
-        return sorted(need, key=lambda b: (-self.size[b], b))
+        blocks = self.blocks
+        need = [b for b in dict.fromkeys((*t.reads, t.write)) if blocks[b].offset is None]
+        for g in self.group_at.get(p, ()):  # a group the policy keeps together starts here
+            if g.stage in self.pinned_groups:  # pinned at an earlier try to reserve `p`
+                continue
+            self.pinned_groups.add(g.stage)
+            for b in g.blocks:
+                blocks[b].pins += 1
+            need += [b for b in g.blocks if blocks[b].offset is None and b not in need]
+        return sorted(need, key=lambda b: (-blocks[b].size, b))
 
     def reserve(self, p: int, may_evict: bool) -> int | None:
         """Reserve task `p`'s memory; returns the bytes reserved, or None (nothing changed)."""
         t = self.tg.tasks[self.order[p]]
+        blocks = self.blocks
         for b in (*t.reads, t.write):
-            self.pins[b] += 1
+            blocks[b].pins += 1
         need = self._needs(p)
         got: list[tuple[int, Allocation]] = []
         for b in need:
-            a = self.alloc.allocate(self.size[b])
+            a = self.alloc.allocate(blocks[b].size)
             if a is None and may_evict:
                 a = self._make_room(b, p)
             if a is None:
@@ -158,45 +171,47 @@ class _Lowering:
                     self.alloc.rollback(done)
                 if not may_evict:
                     for x in (*t.reads, t.write):
-                        self.pins[x] -= 1
+                        blocks[x].pins -= 1
                     return None
                 got = self._compact(p, need)
                 break
             got.append((b, a))
         for b, a in got:
+            st = blocks[b]
             if b == t.write and not t.accumulate:
                 self.pending[b] = a
-                self.offset[b] = a.offset
+                st.offset = a.offset
                 self.live.add(b)
             else:
-                deps = {self.host_node[b], *a.deps}
-                if self.last_free[b] is not None:  # its previous instance ends first
-                    deps.add(self.last_free[b])
-                deps = tuple(sorted(deps))
-                nid = self.emit(ReloadNode(self._next_id(), b, a.offset, deps))
+                deps = {st.host_node, *a.deps}
+                if st.last_free is not None:  # its previous instance ends first
+                    deps.add(st.last_free)
+                nid = self.emit(ReloadNode(self._next_id(), b, a.offset, tuple(sorted(deps))))
                 self._created(b, a.offset, nid)
-            self.last_touch[b] = p
+            st.last_touch = p
         return sum(a.size for _, a in got)
 
-    def _candidates(self, p: int) -> list[tuple[int, int, int | None]]:
+    def _candidates(self) -> list[tuple[int, int, int | None]]:
         """Arena items by offset: (start, end, block or None for free bytes)."""
-        items = [(lo, hi, None) for lo, hi in zip(self.alloc._lo, self.alloc._hi)]
-        items += [(self.offset[b], self.offset[b] + self.size[b], b) for b in self.live]
+        blocks = self.blocks
+        items = [(lo, hi, None) for lo, hi in self.alloc.free_segments()]
+        items += [(blocks[b].offset, blocks[b].offset + blocks[b].size, b) for b in self.live]
         items.sort(key=lambda it: (it[0], -1 if it[2] is None else it[2]))
         return items
 
     def _make_room(self, block: int, p: int) -> Allocation | None:
-        """Evict the cheapest contiguous window that frees `size[block]` bytes."""
+        """Evict the cheapest contiguous window that frees `blocks[block].size` bytes."""
         if not self.policy.evicts:
             return None
-        need = self.size[block]
-        items = self._candidates(p)
+        blocks = self.blocks
+        need = blocks[block].size
+        items = self._candidates()
         cost_of = {}
         for _, _, b in items:
-            if b is not None and self.pins[b] == 0:
+            if b is not None and blocks[b].pins == 0:
+                st = blocks[b]
                 cost_of[b] = self.policy.score(Candidate(
-                    b, self.size[b], not self.host_valid[b], self.next_use(b, p),
-                    self.last_touch[b], p))
+                    b, st.size, not st.host_valid, self.next_use(b, p), st.last_touch, p))
         best = None
         combine = self.policy.combine
         for left in range(len(items)):
@@ -229,16 +244,17 @@ class _Lowering:
         """Last resort at the execution horizon: evict everything not pinned, then the task's own
         blocks too, and place its working set from scratch. A policy that never evicts fails."""
         t = self.tg.tasks[self.order[p]]
+        blocks = self.blocks
         if not self.policy.evicts:
-            live = sum(self.size[b] for b in self.live)
-            need_all = self.resident_bytes + live + sum(self.size[b] for b in need)
+            live = sum(blocks[b].size for b in self.live)
+            need_all = self.resident_bytes + live + sum(blocks[b].size for b in need)
             raise BudgetError(
                 f"budget {format_size(self.opt.device_bytes)} does not hold the pass without "
                 f"offloading (policy {self.policy.name}): task {t.id} ({op_text(t.op)}) needs "
                 f"{format_size(need_all)} beside what is live; choose an evicting policy",
                 need_all, self.opt.device_bytes)
         for b in sorted(self.live):
-            if self.pins[b] == 0:
+            if blocks[b].pins == 0:
                 self._evict(b)
         own = list(dict.fromkeys((*t.reads, t.write)))
         got = self._try_all(need)
@@ -246,20 +262,22 @@ class _Lowering:
             for b in own:
                 if b in self.live and b not in self.pending:
                     self._evict(b)
-            need = sorted({*need, *[b for b in own if self.offset[b] is None]},
-                          key=lambda b: (-self.size[b], b))
+            need = sorted({*need, *[b for b in own if blocks[b].offset is None]},
+                          key=lambda b: (-blocks[b].size, b))
             got = self._try_all(need)
         if got is None:
-            ws = sum(self.size[b] for b in own)
-            layer = [b for b in self.stage_pins.get(t.stage, ()) if b not in own]
-            if self.policy.whole_layer_weights and layer:
-                need_all = self.resident_bytes + ws + sum(self.size[b] for b in layer)
+            ws = sum(blocks[b].size for b in own)
+            group = self.group_of_stage.get(t.stage)
+            together = ([b for b in group.blocks if b not in own]
+                        if group is not None and t.stage in self.pinned_groups else [])
+            if together:
+                need_all = self.resident_bytes + ws + sum(blocks[b].size for b in together)
                 raise BudgetError(
-                    f"budget {format_size(self.opt.device_bytes)} is too small for layerwise "
-                    f"streaming: stage {t.stage}'s weights ({format_size(need_all - ws)}) must "
-                    f"stay on the device with task {t.id} ({op_text(t.op)}, "
-                    f"{format_size(ws)}); it needs at least {format_size(need_all)}",
-                    need_all, self.opt.device_bytes)
+                    f"budget {format_size(self.opt.device_bytes)} is too small for "
+                    f"{self.policy.name} streaming: stage {t.stage}'s weights "
+                    f"({format_size(need_all - ws)}) must stay on the device with task {t.id} "
+                    f"({op_text(t.op)}, {format_size(ws)}); it needs at least "
+                    f"{format_size(need_all)}", need_all, self.opt.device_bytes)
             raise BudgetError(
                 f"budget {format_size(self.opt.device_bytes)} is too small: task "
                 f"{t.id} ({op_text(t.op)}) needs {format_size(ws)} at once beside "
@@ -271,7 +289,7 @@ class _Lowering:
     def _try_all(self, need: list[int]):
         got = []
         for b in need:
-            a = self.alloc.allocate(self.size[b])
+            a = self.alloc.allocate(self.blocks[b].size)
             if a is None:
                 for _, done in reversed(got):
                     self.alloc.rollback(done)
@@ -280,56 +298,60 @@ class _Lowering:
         return got
 
     def _evict(self, b: int) -> None:
-        deps = list(self.accesses[b])
-        if not self.host_valid[b]:
-            oid = self.emit(OffloadNode(self._next_id(), b, self.offset[b],
-                                        (self.last_writer[b],)))
-            self.host_node[b], self.host_valid[b] = oid, True
+        st = self.blocks[b]
+        deps = list(st.accesses)
+        if not st.host_valid:
+            oid = self.emit(OffloadNode(self._next_id(), b, st.offset, (st.last_writer,)))
+            st.host_node, st.host_valid = oid, True
             deps.append(oid)
         self._free(b, deps)
 
     def _free(self, b: int, deps) -> None:
-        fid = self.emit(FreeNode(self._next_id(), b, self.offset[b], tuple(sorted(set(deps)))))
-        self.alloc.free(self.offset[b], self.size[b], fid)
-        self.last_free[b] = fid
-        self.offset[b] = None
-        self.accesses[b], self.since_write[b] = [], []
+        st = self.blocks[b]
+        fid = self.emit(FreeNode(self._next_id(), b, st.offset, tuple(sorted(set(deps)))))
+        self.alloc.free(st.offset, st.size, fid)
+        st.last_free = fid
+        st.offset = None
+        st.accesses, st.since_write = [], []
         self.live.discard(b)
 
     # ------------------------------------------------------------ execution
     def execute(self, p: int) -> None:
         t = self.tg.tasks[self.order[p]]
-        deps = {self.last_writer[b] for b in t.reads}
-        w = t.write
+        blocks = self.blocks
+        deps = {blocks[b].last_writer for b in t.reads}
+        w, ws = t.write, blocks[t.write]
         if t.accumulate:
-            deps.add(self.last_writer[w])
-            deps.update(self.since_write[w])
+            deps.add(ws.last_writer)
+            deps.update(ws.since_write)
         else:
             deps.update(self.pending.pop(w).deps)
-        reads = tuple(Access(b, self.offset[b]) for b in t.reads)
-        nid = self.emit(ApplyNode(self._next_id(), reads, Access(w, self.offset[w]),
+        reads = tuple(Access(b, blocks[b].offset) for b in t.reads)
+        nid = self.emit(ApplyNode(self._next_id(), reads, Access(w, ws.offset),
                                   t.accumulate, t.op, tuple(sorted(deps))))
         for b in dict.fromkeys(t.reads):
-            self.accesses[b].append(nid)
-            self.since_write[b].append(nid)
+            blocks[b].accesses.append(nid)
+            blocks[b].since_write.append(nid)
         if t.accumulate:
-            self.accesses[w].append(nid)
+            ws.accesses.append(nid)
         else:
-            self.accesses[w] = [nid]
-        self.since_write[w] = []
-        self.last_writer[w] = nid
-        self.host_valid[w] = False
+            ws.accesses = [nid]
+        ws.since_write = []
+        ws.last_writer = nid
+        ws.host_valid = False
         for b in (*t.reads, w):
-            self.pins[b] -= 1
-            self.last_touch[b] = p
-        if self.policy.whole_layer_weights and self.stage_last.get(t.stage) == p:
-            for b in self.stage_pins.get(t.stage, ()):
-                self.pins[b] -= 1
+            blocks[b].pins -= 1
+            blocks[b].last_touch = p
+        for g in self.group_until.get(p, ()):  # a group the policy kept together ends here
+            if g.stage in self.pinned_groups:
+                for b in g.blocks:
+                    blocks[b].pins -= 1
         for b in dict.fromkeys((*t.reads, w)):
-            if (self.uses[b][-1] == p and b not in self.opt.resident
-                    and self.offset[b] is not None and self.pins[b] == 0):
-                if not self.is_output[b]:
-                    self._free(b, self.accesses[b])
+            st = blocks[b]
+            if (st.uses[-1] == p and b not in self.opt.resident
+                    and st.offset is not None and st.pins == 0):
+                if not st.is_output:
+                    self._free(b, st.accesses)
                 elif self.opt.outputs_to_host:
                     self._evict(b)  # final: offload it (the d2h engine hides it) and free
 
@@ -366,8 +388,8 @@ class _Lowering:
         outputs = []
         for o in tg.outputs:
             b = o.block
-            if self.offset[b] is not None:
-                outputs.append(OutputRef(b, "device", self.offset[b], o.name, o.origin))
+            if self.blocks[b].offset is not None:
+                outputs.append(OutputRef(b, "device", self.blocks[b].offset, o.name, o.origin))
             else:
                 outputs.append(OutputRef(b, "host", None, o.name, o.origin))
         tensors = tuple(TensorInfo(b.id, b.bytes, b.dtype, b.shape, b.name, b.role, b.source)

@@ -11,8 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from einpage.compiler.allocator import aligned
-from einpage.compiler.lowering import working_set
 from einpage.ir.taskgraph import TaskGraph
+
+
+def working_set(tg: TaskGraph, task_id: int) -> int:
+    """The aligned bytes task `task_id` needs on the device at once: its reads and its write."""
+    t = tg.tasks[task_id]
+    return sum(aligned(tg.blocks[b].bytes) for b in set(t.reads) | {t.write})
 
 
 @dataclass(frozen=True)

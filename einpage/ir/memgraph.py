@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Union
+from types import MappingProxyType
+from typing import Mapping, Union
 
 from einpage.errors import PlanError
 from einpage.ir.dtypes import DType, as_dtype
@@ -130,7 +131,8 @@ class MemGraph:
     outputs: tuple[OutputRef, ...]
     inputs: tuple[LogicalTensor, ...] = ()
     results: tuple[LogicalTensor, ...] = ()
-    meta: dict = field(default_factory=dict, compare=False)
+    meta: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}),
+                                       compare=False)  # what the plan was made for; read-only
 
     # ------------------------------------------------------------ structure
     def verify(self) -> None:
@@ -290,7 +292,7 @@ class MemGraph:
                          "origin": list(o.origin)} for o in self.outputs],
             "inputs": [_logical_json(t) for t in self.inputs],
             "results": [_logical_json(t) for t in self.results],
-            "meta": self.meta,
+            "meta": dict(self.meta),
         }
 
     def save(self, path: str | Path) -> None:
@@ -320,7 +322,7 @@ class MemGraph:
             inputs = tuple(_logical_from(t) for t in data.get("inputs", ()))
             results = tuple(_logical_from(t) for t in data.get("results", ()))
             return MemGraph(int(data["device_bytes"]), tensors, tuple(nodes), outputs, inputs,
-                            results, dict(data.get("meta", {})))
+                            results, MappingProxyType(dict(data.get("meta", {}))))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

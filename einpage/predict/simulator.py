@@ -45,17 +45,6 @@ class Simulation:
     def efficiency(self) -> float:
         return self.lower_bound_s / self.makespan_s if self.makespan_s > 0 else 1.0
 
-    def report(self, tokens: int | None = None) -> dict:
-        """The report keys `einpage compile --json` adds."""
-        out = {"device": self.device, "makespan_s": self.makespan_s, "compute_s": self.compute_s,
-               "h2d_s": self.h2d_s, "d2h_s": self.d2h_s, "stall_s": self.stall_s,
-               "stall_h2d_s": self.stall_h2d_s, "late_reloads": self.late_reloads,
-               "lower_bound_s": self.lower_bound_s, "efficiency": round(self.efficiency, 4),
-               "h2d_bytes": self.h2d_bytes, "h2d_min_bytes": self.h2d_min_bytes,
-               "d2h_bytes": self.d2h_bytes}
-        if tokens:
-            out["tokens_per_s"] = tokens / self.makespan_s if self.makespan_s > 0 else None
-        return out
 
 
 def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:

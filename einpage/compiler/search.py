@@ -1,0 +1,156 @@
+"""The compiler's search: which look-ahead window and which resident weights make the fastest
+plan. Each candidate is a `Trial`: one lowering, simulated on the device profile; `Trials`
+keeps them and drops the plans that can no longer win. `search_resident` probes shares of the
+resident room; `best` picks the winner (least makespan, then least traffic, then least memory)."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from einpage.compiler.lowering import LowerOptions, lower
+from einpage.compiler.report import Traffic
+from einpage.errors import BudgetError
+from einpage.ir.memgraph import MemGraph
+from einpage.ir.taskgraph import TaskGraph
+from einpage.predict.devices import DeviceProfile
+from einpage.predict.simulator import Simulation, simulate
+from einpage.units import format_size
+
+# The automatic look-ahead tries memory-bound prefetch and windows of these shares of the pass's
+# predicted compute; above AUTO_MAX_TASKS it keeps memory-bound prefetch (each try is a lowering).
+AUTO_SHARES = (1 / 512, 1 / 128, 1 / 32, 1 / 8)
+AUTO_MAX_TASKS = 50_000
+AUTO_TOLERANCE = 0.005  # makespans within 0.5% of the best count as equal; the least peak wins
+# When the first plan spills activations or its efficiency is below RESIDENT_SEARCH_BELOW, shares
+# of the resident room on this grid are searched as well (and every weight, where they all fit).
+RESIDENT_SHARES = (1, 3 / 4, 1 / 2, 1 / 4, 0)
+RESIDENT_SEARCH_BELOW = 0.98
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One lowering: its look-ahead window, resident weights, plan and simulation. The plan and
+    the simulation's per-node times are dropped (None, empty) once another trial is faster
+    beyond AUTO_TOLERANCE: it can no longer win, and a plan of a million tasks is gigabytes."""
+    window: float | None
+    resident: frozenset
+    memgraph: MemGraph | None
+    simulation: Simulation
+    spill_bytes: int
+    live_peak: int
+
+
+class Trials:
+    """The lowerings tried for one taskgraph and order, each from `base` with its own resident
+    set and look-ahead window. Only trials that may still win keep their plan."""
+
+    def __init__(self, tg: TaskGraph, order: list[int], base: LowerOptions,
+                 profile: DeviceProfile, progress: Callable[[str, int, int], None] | None = None):
+        self.tg, self.order, self.base, self.profile = tg, order, base, profile
+        self.progress = progress
+        self.items: list[Trial] = []
+
+    def run(self, resident: frozenset, window: float | None) -> Trial:
+        """Lower and simulate; returns the trial without its plan (`items` alone holds plans)."""
+        progress = None
+        if self.progress is not None:
+            progress = functools.partial(self.progress, f"lowering {len(self.items) + 1}")
+        opts = replace(self.base, resident=resident, lookahead_seconds=window, progress=progress)
+        mg, resident = lower_shrinking(self.tg, self.order, opts)
+        self.items.append(Trial(window, resident, mg, simulate(mg, self.profile),
+                                Traffic.of(mg).offload_bytes, mg.live_peak()))
+        self._drop_losers()
+        return replace(self.items[-1], memgraph=None)
+
+    def try_run(self, resident: frozenset, window: float | None) -> None:
+        """A trial that may not fit at all (then it is not a candidate)."""
+        try:
+            self.run(resident, window)
+        except BudgetError:
+            pass
+
+    def _drop_losers(self) -> None:
+        fastest = min(t.simulation.makespan_s for t in self.items) * (1 + AUTO_TOLERANCE)
+        self.items = [t if t.memgraph is None or t.simulation.makespan_s <= fastest
+                      else replace(t, memgraph=None, simulation=replace(
+                          t.simulation, start=(), end=(), engine=())) for t in self.items]
+
+    def best(self) -> Trial:
+        return best(self.items)
+
+
+def search_resident(trial_at: Callable[[float], Trial], first: Trial) -> None:
+    """Search the share of the resident room on the RESIDENT_SHARES grid, from the first plan
+    (share 1). The makespan falls as fewer resident weights leave the pass more room, until the
+    extra streaming binds: it is taken as unimodal in the share. Probe the middle; if it beats
+    the first plan the best share may lie on either side of it, else it lies before it. Then
+    climb to the better neighbour while that improves, and stop once a plan spills nothing and
+    runs within AUTO_TOLERANCE of its compute time (the same for every share, unlike the h2d
+    term of each plan's own bound, so no other share can beat it by more than the tolerance):
+    two or three lowerings instead of five."""
+    shares = RESIDENT_SHARES
+    seen = {0: first}
+
+    def makespan(i: int) -> float:
+        if i not in seen:
+            seen[i] = trial_at(shares[i])
+        return seen[i].simulation.makespan_s
+
+    def done(i: int) -> bool:
+        t = seen[i]
+        return (t.spill_bytes == 0
+                and t.simulation.makespan_s <= (1 + AUTO_TOLERANCE) * t.simulation.compute_s)
+
+    i = len(shares) // 2
+    steps = (1, -1) if makespan(i) < makespan(0) else (-1,)
+    while not done(i):
+        for step in steps:
+            j = i + step
+            if 0 <= j < len(shares) and makespan(j) < makespan(i):
+                i, steps = j, (step,)  # unimodal: keep going this way
+                break
+        else:
+            return
+
+
+def windows(auto: bool, seconds: float | None, compute_s: float,
+            tasks: int) -> list[float | None]:
+    """Look-ahead windows (predicted compute seconds; None: bounded by memory only) to try."""
+    if not auto:
+        return [seconds]
+    if tasks > AUTO_MAX_TASKS or compute_s <= 0:
+        return [None]
+    return [None, *(compute_s * share for share in AUTO_SHARES)]
+
+
+def best(trials: list["Trial"]) -> "Trial":
+    """The trial of least makespan; among those within AUTO_TOLERANCE of it, the one that moves
+    the fewest bytes, then the one with the fewest bytes live at once (the same speed with less
+    traffic and less memory in flight)."""
+    fastest = min(t.simulation.makespan_s for t in trials)
+    near = [t for t in trials if t.simulation.makespan_s <= fastest * (1 + AUTO_TOLERANCE)]
+    return min(near, key=lambda t: (t.simulation.h2d_bytes + t.simulation.d2h_bytes,
+                                    t.live_peak, t.simulation.makespan_s))
+
+
+def describe(lookahead_bytes: int | None, window: float | None, auto: bool) -> str:
+    parts = []
+    if lookahead_bytes is not None:
+        parts.append(format_size(lookahead_bytes))
+    if window is not None:
+        parts.append(f"{window * 1e3:.3g} ms of compute")
+    text = " and ".join(parts) if parts else "memory-bound"
+    return f"auto: {text}" if auto else text
+
+
+def lower_shrinking(tg: TaskGraph, order, opts: LowerOptions) -> tuple[MemGraph, frozenset]:
+    """Lower; if the resident weights leave the pass too little room, keep fewer and retry."""
+    while True:
+        try:
+            return lower(tg, order, opts), opts.resident
+        except BudgetError:
+            if not opts.resident or not opts.policy.evicts:
+                raise
+            keep = len(opts.resident) // 2  # give the pass more room and try again
+            opts = replace(opts, resident=frozenset(sorted(opts.resident)[:keep]))
