@@ -4,10 +4,10 @@
 live device bytes per role; `plot_timeline` draws it above a Gantt chart of the compute, h2d and
 d2h streams into one PNG (needs matplotlib: `pip install 'einpage[plot]'`).
 
-Instances, in simulated time: an instance is created by an `input` at device (live from time 0),
-a `reload` or a non-accumulating `apply` write (live from that node's start) and ends at the end
-of the `free` node, or the `apply` listing it in `frees`, that ends it; an instance never ended
-stays live until the makespan. Where an apply writes its output over bytes of an instance it
+Instances (`MemGraph.instances`), in simulated time: an instance created by an `input` at device
+is live from time 0, one created by a `reload` or an `apply` from that node's start; it ends at
+the end of the `free`, or of the `apply` listing it in `frees`, that ends it; an instance never
+ended stays live until the makespan. Where an apply writes its output over bytes of an instance it
 frees (consumed in place), those overlapping bytes end at the apply's start so that no byte is
 counted twice. Roles: `weight`, `activation` and `cache` (the KV cache); `temp` and any other role
 count as `activation`.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from einpage.errors import InputError
-from einpage.ir.memgraph import ApplyNode, MemGraph
+from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph
 
 ROLES = ("weight", "activation", "cache")
 _ROLE_ROW = {"weight": 0, "activation": 1, "cache": 2}  # anything else (temp) -> activation
@@ -34,50 +34,29 @@ def memory_timeline(mg: MemGraph, sim) -> tuple[np.ndarray, list[str], np.ndarra
     `times[k]`). The last column is what stays live at the end.
     """
     tensors = mg.tensors
-    row_of = np.fromiter((_ROLE_ROW.get(t.role, 1) for t in tensors), dtype=np.int64,
-                         count=len(tensors))
-    size_of = np.fromiter((t.bytes for t in tensors), dtype=np.int64, count=len(tensors))
     start = np.asarray(sim.start, dtype=np.float64)
     end = np.asarray(sim.end, dtype=np.float64)
-
-    # One pass to collect events: (node, tensor) of every creation and ending, plus in-place
-    # overlaps of apply frees (bytes, role, node).
-    make_node, make_t, make_at0 = [], [], []
-    end_node, end_t = [], []
-    ov_node, ov_row, ov_bytes = [], [], []
-    for n in mg.nodes:
-        kind = n.kind
-        if kind == "free":
-            end_node.append(n.id)
-            end_t.append(n.tensor)
-        elif kind == "reload":
-            make_node.append(n.id)
-            make_t.append(n.tensor)
-            make_at0.append(False)
-        elif kind == "apply":
-            if not n.accumulate:
-                make_node.append(n.id)
-                make_t.append(n.write.tensor)
-                make_at0.append(False)
-            if n.frees:
-                _apply_frees(n, tensors, end_node, end_t, ov_node, ov_row, ov_bytes)
-        elif kind == "input" and n.at == "device":
-            make_node.append(n.id)
-            make_t.append(n.tensor)
-            make_at0.append(True)
-
-    make_t = np.asarray(make_t, dtype=np.int64)
-    end_t = np.asarray(end_t, dtype=np.int64)
-    make_time = np.where(np.asarray(make_at0, dtype=bool), 0.0,
-                         start[np.asarray(make_node, dtype=np.int64)])
-    end_time = end[np.asarray(end_node, dtype=np.int64)]
-    ov_node = np.asarray(ov_node, dtype=np.int64)
-    ov_row = np.asarray(ov_row, dtype=np.int64)
-    ov_bytes = np.asarray(ov_bytes, dtype=np.int64)
-    # An overlap moves those bytes' end from the apply's end to its start.
-    ev_time = np.concatenate([make_time, end_time, start[ov_node], end[ov_node]])
-    ev_row = np.concatenate([row_of[make_t], row_of[end_t], ov_row, ov_row])
-    ev_delta = np.concatenate([size_of[make_t], -size_of[end_t], -ov_bytes, ov_bytes])
+    ev_time, ev_row, ev_delta = [], [], []
+    for inst in mg.instances:  # the one replay of device instances (MemGraph.instances)
+        row = _ROLE_ROW.get(tensors[inst.tensor].role, 1)
+        creator = mg.nodes[inst.start]
+        ev_time.append(0.0 if isinstance(creator, InputNode) else start[inst.start])
+        ev_row.append(row)
+        ev_delta.append(inst.bytes)
+        if inst.end is None:
+            continue
+        ender = mg.nodes[inst.end]
+        overlap = 0
+        if isinstance(ender, ApplyNode) and not ender.accumulate:
+            # consumed in place: the bytes the output takes over end when the apply starts
+            lo, hi = ender.write.offset, ender.write.offset + tensors[ender.write.tensor].bytes
+            overlap = max(0, min(hi, inst.offset + inst.bytes) - max(lo, inst.offset))
+        ev_time += [start[inst.end], end[inst.end]]
+        ev_row += [row, row]
+        ev_delta += [-overlap, overlap - inst.bytes]
+    ev_time = np.asarray(ev_time, dtype=np.float64)
+    ev_row = np.asarray(ev_row, dtype=np.int64)
+    ev_delta = np.asarray(ev_delta, dtype=np.int64)
 
     makespan = float(sim.makespan_s)
     times = np.unique(np.concatenate([[0.0, makespan], ev_time]))
@@ -86,19 +65,6 @@ def memory_timeline(mg: MemGraph, sim) -> tuple[np.ndarray, list[str], np.ndarra
     np.add.at(out, (ev_row, slot), ev_delta)
     np.cumsum(out, axis=1, out=out)
     return times, list(ROLES), out
-
-
-def _apply_frees(n: ApplyNode, tensors, end_node, end_t, ov_node, ov_row, ov_bytes) -> None:
-    lo = n.write.offset
-    hi = lo + tensors[n.write.tensor].bytes
-    for a in n.frees:
-        end_node.append(n.id)
-        end_t.append(a.tensor)
-        overlap = min(hi, a.offset + tensors[a.tensor].bytes) - max(lo, a.offset)
-        if overlap > 0 and not n.accumulate:
-            ov_node.append(n.id)
-            ov_row.append(_ROLE_ROW.get(tensors[a.tensor].role, 1))
-            ov_bytes.append(overlap)
 
 
 def _unit(nbytes: int) -> tuple[str, float]:
