@@ -115,3 +115,15 @@ def test_the_checker_rejects_a_forbidden_import_and_a_cycle(tmp_path, monkeypatc
                                "(compiler -> runtime)"]
     cycle = {"einpage.cli.a": {"einpage.runners"}, "einpage.runners": {"einpage.cli.a"}}
     assert "import cycle: cli -> runners -> cli" in violations(cycle)
+
+
+def test_listing_models_imports_neither_sympy_nor_the_compiler():
+    """Commands import what they need when they need it (the re-exports are lazy)."""
+    import subprocess
+    import sys
+    code = ("import sys, io, contextlib\nfrom einpage.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    main(['models'])\n"
+            "print(sorted(m for m in ('sympy', 'einpage.compiler.driver', 'matplotlib') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

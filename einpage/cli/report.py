@@ -2,8 +2,12 @@
 figures) and `inspect` (a plan read from a file), both from a `PlanReport`."""
 from __future__ import annotations
 
-from einpage.compiler import PlanReport
+from typing import TYPE_CHECKING
+
 from einpage.units import format_size
+
+if TYPE_CHECKING:  # the report module pulls in the compiler: only when a report is printed
+    from einpage.compiler import PlanReport
 
 NOTES = (("plan", "plan written to"), ("plot", "timeline written to"),
          ("dot", "graph written to"), ("warning", "warning:"))
