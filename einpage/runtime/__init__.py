@@ -4,11 +4,14 @@
     kernels    the NumPy block kernels shared by the runtimes
     executor   the sequential NumPy executor of a `MemGraph`, in plan order or any random
                topological order of its edges
+    streams    the stream program: a `MemGraph` on compute / h2d / d2h queues with waits, and
+               its checker
 
 `runtime` imports only `ir`; it never imports `compiler` or `cli`."""
 from einpage._exports import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "evaluate": "reference",
-    "run": "executor", "NumpyExecutor": "executor", "random_topological_order": "executor",
+    "run": "executor",
+    "StreamProgram": "streams", "compile_streams": "streams", "check_program": "streams", "NumpyExecutor": "executor", "random_topological_order": "executor",
 })

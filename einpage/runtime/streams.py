@@ -1,0 +1,159 @@
+"""The stream program: a memgraph put on three in-order queues, the way the plan was priced.
+
+Every node that does work goes on one queue: `compute` (apply), `h2d` (reload, input at device),
+`d2h` (offload). `free` nodes and inputs at host move no byte: they only order, so they fold
+into the nodes that depend on them (a node's *queue deps* are its deps with every folded node
+replaced by that node's own queue deps, transitively). A queue runs its nodes in plan order, so
+a node needs at most one wait per other queue: on the latest node of that queue among its queue
+deps, and none where what the node's queue already knows implies it (tracked as a vector of the
+latest node known complete on each queue, merged along waits). Events are recorded only for
+nodes that something waits on. Every wait names an earlier node of the plan order, so running
+the queues can never deadlock: the plan order itself is a schedule that meets every wait.
+
+`check_program` proves, independently of how the waits were chosen, that every memgraph edge
+is ordered by the program (same queue in order, or a chain of waits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from einpage.errors import PlanError
+from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph, MemNode, OffloadNode, ReloadNode
+
+QUEUES = ("compute", "h2d", "d2h")
+
+
+def queue_of(n: MemNode) -> str | None:
+    """The queue a node runs on, or None for a node that only orders (free, input at host)."""
+    if isinstance(n, ApplyNode):
+        return "compute"
+    if isinstance(n, ReloadNode) or (isinstance(n, InputNode) and n.at == "device"):
+        return "h2d"
+    if isinstance(n, OffloadNode):
+        return "d2h"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One memgraph node on its queue, with the nodes of other queues it waits for."""
+    node: int
+    queue: str
+    waits: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StreamProgram:
+    steps: tuple[Step, ...]                 # in plan order
+    events: frozenset[int]                  # nodes that record an event (someone waits on them)
+
+    def queue(self, name: str) -> tuple[Step, ...]:
+        return tuple(s for s in self.steps if s.queue == name)
+
+    def report(self) -> dict:
+        """Nodes per queue, waits and events."""
+        out = {f"{q}_nodes": sum(1 for s in self.steps if s.queue == q) for q in QUEUES}
+        out.update(waits=sum(len(s.waits) for s in self.steps), events=len(self.events))
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"stream program: {len(self.steps)} steps, "
+                 + ", ".join(f"{k} {v}" for k, v in self.report().items())]
+        for s in self.steps:
+            wait = f" wait[{','.join(f'%{w}' for w in s.waits)}]" if s.waits else ""
+            record = " record" if s.node in self.events else ""
+            lines.append(f"{s.queue:<7} %{s.node}{wait}{record}")
+        return "\n".join(lines)
+
+
+def queue_deps(mg: MemGraph) -> list[frozenset[int]]:
+    """For every node, its deps with folded nodes replaced by their own queue deps."""
+    out: list[frozenset[int]] = []
+    for n in mg.nodes:
+        deps: set[int] = set()
+        for d in n.deps:
+            if queue_of(mg.nodes[d]) is None:
+                deps |= out[d]
+            else:
+                deps.add(d)
+        out.append(frozenset(deps))
+    return out
+
+
+def compile_streams(mg: MemGraph) -> StreamProgram:
+    """The stream program of `mg` (see the module docstring)."""
+    mg.verify()
+    qdeps = queue_deps(mg)
+    known: dict[int, dict[str, int]] = {}  # node -> latest node known complete on each queue
+    last: dict[str, int] = {}              # queue -> its latest node so far
+    steps, events = [], set()
+    for n in mg.nodes:
+        q = queue_of(n)
+        if q is None:
+            continue
+        clock: dict[str, int] = {}
+        if q in last:  # in order: the previous node of this queue, and all it knew, are done
+            _merge(clock, known[last[q]], q, last[q])
+        need = {}
+        for d in qdeps[n.id]:
+            dq = queue_of(mg.nodes[d])
+            if dq != q and d > need.get(dq, -1):
+                need[dq] = d
+        waits = []
+        for d in sorted(need.values(), reverse=True):  # later nodes imply more: try them first
+            dq = queue_of(mg.nodes[d])
+            if clock.get(dq, -1) >= d:
+                continue  # implied by an earlier wait or by this queue's order
+            waits.append(d)
+            events.add(d)
+            _merge(clock, known[d], dq, d)
+        known[n.id] = clock
+        last[q] = n.id
+        steps.append(Step(n.id, q, tuple(sorted(waits))))
+    return StreamProgram(tuple(steps), frozenset(events))
+
+
+def _merge(clock: dict[str, int], other: dict[str, int], queue: str, node: int) -> None:
+    """`clock` learns that `node` (on `queue`) and everything `other` knew are complete."""
+    for q, k in other.items():
+        if k > clock.get(q, -1):
+            clock[q] = k
+    if node > clock.get(queue, -1):
+        clock[queue] = node
+
+
+def check_program(mg: MemGraph, program: StreamProgram) -> None:
+    """Raise `PlanError` unless `program` runs every working node of `mg` once on its queue in
+    plan order, every wait names an earlier node of another queue that records an event (so no
+    wait can deadlock), and every memgraph edge is ordered by the program: for each queue dep u
+    of a node v, u is earlier on v's queue or reached by a chain of waits."""
+    want = [n.id for n in mg.nodes if queue_of(n) is not None]
+    if [s.node for s in program.steps] != want:
+        raise PlanError("stream program: its steps are not the plan's working nodes in order")
+    done: dict[int, dict[str, int]] = {}  # node -> latest node known complete on each queue
+    last: dict[str, int] = {}
+    for s in program.steps:
+        n = mg.nodes[s.node]
+        if s.queue != queue_of(n):
+            raise mg.error(s.node, f"stream program: node %{s.node} ({n.kind}) is on queue "
+                                   f"{s.queue}, expected {queue_of(n)}")
+        clock: dict[str, int] = {}
+        if s.queue in last:
+            _merge(clock, done[last[s.queue]], s.queue, last[s.queue])
+        for w in s.waits:
+            if not 0 <= w < s.node or w not in done or queue_of(mg.nodes[w]) == s.queue:
+                raise mg.error(s.node, f"stream program: node %{s.node} waits on %{w}, which is "
+                                       "not an earlier node of another queue")
+            if w not in program.events:
+                raise mg.error(s.node, f"stream program: node %{s.node} waits on %{w}, which "
+                                       "records no event")
+            _merge(clock, done[w], queue_of(mg.nodes[w]), w)
+        done[s.node] = clock
+        last[s.queue] = s.node
+    qdeps = queue_deps(mg)
+    for s in program.steps:
+        clock = done[s.node]
+        for u in sorted(qdeps[s.node]):
+            if clock.get(queue_of(mg.nodes[u]), -1) < u:
+                raise mg.error(s.node, f"stream program: the edge %{u} -> %{s.node} is not "
+                                       "ordered (no queue order or chain of waits)")
