@@ -9,12 +9,12 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_compile import random_graphs
+from test_compile import compile_at, random_graphs
 
 from einpage.compiler import CompileOptions, compile_graph
-from einpage.errors import BudgetError, PlanError
+from einpage.errors import PlanError
 from einpage.models import llama
 from einpage.models.config import preset
 from einpage.runtime.streams import (QUEUES, StreamProgram, check_program, compile_streams,
@@ -56,14 +56,10 @@ def llama_plan(budget=300_000, policy="reuse-distance"):
        policy=st.sampled_from(["reuse-distance", "lru", "layerwise"]),
        seed=st.integers(0, 1000))
 def test_random_plans_compile_to_programs_the_checker_accepts(case, block, slack, policy, seed):
-    graph, _, _ = case
-    probe = compile_graph(graph, CompileOptions(1 << 30, block_bytes=block, validate=False))
-    budget = max(4096, int(probe.report.compiled.min_budget_bytes * slack))
-    try:
-        mg = compile_graph(graph, CompileOptions(budget, policy=policy, block_bytes=block)).memgraph
-    except BudgetError:
-        assume(policy == "layerwise")
+    compiled = compile_at(case[0], block, slack, policy)
+    if compiled is None:
         return
+    mg = compiled.memgraph
     program = compile_streams(mg)
     check_program(mg, program)
     assert_edges_hold(mg, interleave(mg, program, seed))
