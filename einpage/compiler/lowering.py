@@ -343,9 +343,8 @@ class _Lowering:
             blocks[b].pins -= 1
             blocks[b].last_touch = p
         for g in self.group_until.get(p, ()):  # a group the policy kept together ends here
-            if g.stage in self.pinned_groups:
-                for b in g.blocks:
-                    blocks[b].pins -= 1
+            for b in g.blocks:  # pinned when its first task was reserved, before this one ran
+                blocks[b].pins -= 1
         for b in dict.fromkeys((*t.reads, w)):
             st = blocks[b]
             if (st.uses[-1] == p and b not in self.opt.resident

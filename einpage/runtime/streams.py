@@ -47,9 +47,6 @@ class StreamProgram:
     steps: tuple[Step, ...]                 # in plan order
     events: frozenset[int]                  # nodes that record an event (someone waits on them)
 
-    def queue(self, name: str) -> tuple[Step, ...]:
-        return tuple(s for s in self.steps if s.queue == name)
-
     def report(self) -> dict:
         """Nodes per queue, waits and events."""
         out = {f"{q}_nodes": sum(1 for s in self.steps if s.queue == q) for q in QUEUES}
