@@ -41,3 +41,16 @@ class BudgetError(EinpageError):
 
 class PlanError(EinpageError):
     """A memgraph (or plan file) that breaks a rule of the format."""
+
+
+class ExecutionError(EinpageError):
+    """A plan that failed while running: an error on one of the runtime's queues (a kernel, a
+    copy, a device error). Every queue has stopped and the runtime's memory is released."""
+
+
+class Interrupted(ExecutionError):
+    """A run stopped by the user (Ctrl-C); every queue has stopped and memory is released."""
+
+
+class BackendError(EinpageError):
+    """A runtime backend that cannot be used here (no GPU, CuPy missing) or an unknown one."""

@@ -138,3 +138,32 @@ def test_program_listing():
     text = str(compile_streams(mg))
     assert text.startswith("stream program: ")
     assert any(line.startswith("compute ") and "wait[" in line for line in text.splitlines())
+
+
+def test_preloaded_weights_fold_out_of_the_pass():
+    mg = llama_plan(budget=50_000_000)  # every weight resident
+    program = compile_streams(mg, preload=True)
+    check_program(mg, program)
+    assert program.preloaded and program.report()["preloaded"] == len(program.preloaded)
+    assert not any(s.node in program.preloaded for s in program.steps)
+    assert not any(w in program.preloaded for s in program.steps for w in s.waits)
+    for seed in range(3):
+        assert_edges_hold_after_preload(mg, program, interleave(mg, program, seed))
+
+
+def assert_edges_hold_after_preload(mg, program, order):
+    position = {n: k for k, n in enumerate(order)}
+    pre = frozenset(program.preloaded)
+    for v, deps in enumerate(queue_deps(mg, pre)):
+        if v in position:
+            for u in deps:
+                assert position[u] < position[v]
+
+
+def test_checker_rejects_preloading_a_node_with_deps():
+    mg = llama_plan()
+    program = compile_streams(mg, preload=True)
+    late = next(s.node for s in program.steps if s.queue == "h2d")
+    bad = dataclasses.replace(program, preloaded=program.preloaded + (late,))
+    with pytest.raises(PlanError, match="preloads a node"):
+        check_program(mg, bad)

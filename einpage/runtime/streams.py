@@ -10,6 +10,9 @@ latest node known complete on each queue, merged along waits). Events are record
 nodes that something waits on. Every wait names an earlier node of the plan order, so running
 the queues can never deadlock: the plan order itself is a schedule that meets every wait.
 
+Nodes that are complete before the pass starts (`preloaded`: the weights loaded with the model,
+`input at device` nodes without deps) fold like frees: nothing waits on them during the pass.
+
 `check_program` proves, independently of how the waits were chosen, that every memgraph edge
 is ordered by the program (same queue in order, or a chain of waits).
 """
@@ -46,11 +49,13 @@ class Step:
 class StreamProgram:
     steps: tuple[Step, ...]                 # in plan order
     events: frozenset[int]                  # nodes that record an event (someone waits on them)
+    preloaded: tuple[int, ...] = ()         # done before the pass, in plan order (see module doc)
 
     def report(self) -> dict:
         """Nodes per queue, waits and events."""
         out = {f"{q}_nodes": sum(1 for s in self.steps if s.queue == q) for q in QUEUES}
-        out.update(waits=sum(len(s.waits) for s in self.steps), events=len(self.events))
+        out.update(waits=sum(len(s.waits) for s in self.steps), events=len(self.events),
+                   preloaded=len(self.preloaded))
         return out
 
     def __str__(self) -> str:
@@ -63,13 +68,20 @@ class StreamProgram:
         return "\n".join(lines)
 
 
-def queue_deps(mg: MemGraph) -> list[frozenset[int]]:
+def preloadable(mg: MemGraph) -> tuple[int, ...]:
+    """The nodes a runtime may run before the pass: `input at device` nodes without deps (resident
+    weights, loaded once with the model, which the simulator prices at zero)."""
+    return tuple(n.id for n in mg.nodes
+                 if isinstance(n, InputNode) and n.at == "device" and not n.deps)
+
+
+def queue_deps(mg: MemGraph, preloaded: frozenset[int] = frozenset()) -> list[frozenset[int]]:
     """For every node, its deps with folded nodes replaced by their own queue deps."""
     out: list[frozenset[int]] = []
     for n in mg.nodes:
         deps: set[int] = set()
         for d in n.deps:
-            if queue_of(mg.nodes[d]) is None:
+            if queue_of(mg.nodes[d]) is None or d in preloaded:
                 deps |= out[d]
             else:
                 deps.add(d)
@@ -77,16 +89,19 @@ def queue_deps(mg: MemGraph) -> list[frozenset[int]]:
     return out
 
 
-def compile_streams(mg: MemGraph) -> StreamProgram:
-    """The stream program of `mg` (see the module docstring)."""
+def compile_streams(mg: MemGraph, preload: bool = False) -> StreamProgram:
+    """The stream program of `mg` (see the module docstring); with `preload`, the nodes of
+    `preloadable(mg)` run before the pass instead of on the h2d queue."""
     mg.verify()
-    qdeps = queue_deps(mg)
+    pre = preloadable(mg) if preload else ()
+    preloaded = frozenset(pre)
+    qdeps = queue_deps(mg, preloaded)
     known: dict[int, dict[str, int]] = {}  # node -> latest node known complete on each queue
     last: dict[str, int] = {}              # queue -> its latest node so far
     steps, events = [], set()
     for n in mg.nodes:
         q = queue_of(n)
-        if q is None:
+        if q is None or n.id in preloaded:
             continue
         clock: dict[str, int] = {}
         if q in last:  # in order: the previous node of this queue, and all it knew, are done
@@ -107,7 +122,7 @@ def compile_streams(mg: MemGraph) -> StreamProgram:
         known[n.id] = clock
         last[q] = n.id
         steps.append(Step(n.id, q, tuple(sorted(waits))))
-    return StreamProgram(tuple(steps), frozenset(events))
+    return StreamProgram(tuple(steps), frozenset(events), pre)
 
 
 def _merge(clock: dict[str, int], other: dict[str, int], queue: str, node: int) -> None:
@@ -124,7 +139,11 @@ def check_program(mg: MemGraph, program: StreamProgram) -> None:
     plan order, every wait names an earlier node of another queue that records an event (so no
     wait can deadlock), and every memgraph edge is ordered by the program: for each queue dep u
     of a node v, u is earlier on v's queue or reached by a chain of waits."""
-    want = [n.id for n in mg.nodes if queue_of(n) is not None]
+    preloaded = frozenset(program.preloaded)
+    if not preloaded <= frozenset(preloadable(mg)):
+        raise PlanError("stream program: it preloads a node that has deps or is not an input at "
+                        "device")
+    want = [n.id for n in mg.nodes if queue_of(n) is not None and n.id not in preloaded]
     if [s.node for s in program.steps] != want:
         raise PlanError("stream program: its steps are not the plan's working nodes in order")
     done: dict[int, dict[str, int]] = {}  # node -> latest node known complete on each queue
@@ -147,7 +166,7 @@ def check_program(mg: MemGraph, program: StreamProgram) -> None:
             _merge(clock, done[w], queue_of(mg.nodes[w]), w)
         done[s.node] = clock
         last[s.queue] = s.node
-    qdeps = queue_deps(mg)
+    qdeps = queue_deps(mg, preloaded)
     for s in program.steps:
         clock = done[s.node]
         for u in sorted(qdeps[s.node]):

@@ -1,0 +1,122 @@
+"""The one small interface a stream backend implements (DESIGN.md, "Stream program"): an arena,
+host buffers, a copy each way, running an op, and events. Everything else — which node runs on
+which queue, the waits, stopping every queue on an error, timing, assembling outputs — is the
+stream executor's (`einpage.runtime.stream_executor`), shared by every backend.
+
+The executor calls a backend from one worker thread per queue: `copy_h2d` only from the h2d
+thread, `copy_d2h` only from the d2h thread, `run` only from the compute thread. A call *issues*
+the node on its queue: the threads backend does the work before returning, the CUDA backend
+enqueues it on the queue's stream. `record(queue, node)` makes an event after what the queue has
+issued; the executor calls `wait(queue, node)` only after that node's `record` returned, and the
+wait makes later work of `queue` start after the event (a no-op where `record` is issued after
+completed work).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import numpy as np
+
+from einpage.ir.memgraph import (ALIGNMENT, ApplyNode, InputNode, MemGraph, OffloadNode, OutputRef,
+                                 ReloadNode)
+from einpage.runtime.planio import PlanIO
+
+
+class Backend(ABC):
+    """Runs the nodes of one memgraph on three queues. `open` before the pass, `close` after
+    (always, also after an error); a backend object runs one plan at a time."""
+
+    name: str = ""
+
+    @abstractmethod
+    def open(self, mg: MemGraph, io: PlanIO) -> None:
+        """Allocate the arena (`mg.device_bytes`) and host buffers for `mg`."""
+
+    def queue_context(self, queue: str) -> ContextManager:
+        """Entered by the worker thread of `queue` around all its calls (the CUDA backend makes
+        the device and the queue's stream current there)."""
+        return nullcontext()
+
+    @abstractmethod
+    def copy_h2d(self, n: ReloadNode | InputNode) -> None:
+        """Issue a block's copy into the arena: from its host copy (an earlier offload) or its
+        source (a weight block from the checkpoint, an activation input)."""
+
+    @abstractmethod
+    def copy_d2h(self, n: OffloadNode) -> None:
+        """Issue a copy of an instance into the tensor's host buffer."""
+
+    @abstractmethod
+    def run(self, n: ApplyNode) -> None:
+        """Issue an apply: read its instances, write (or accumulate into) its write."""
+
+    @abstractmethod
+    def record(self, queue: str, node: int) -> None:
+        """Make an event after what `queue` has issued, for others to wait on (`node` names it)."""
+
+    @abstractmethod
+    def wait(self, queue: str, node: int) -> None:
+        """Make what `queue` issues next start after the event recorded for `node`."""
+
+    @abstractmethod
+    def stamp(self, queue: str) -> Any:
+        """A time mark after what `queue` has issued (for timing)."""
+
+    @abstractmethod
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds between two stamps; called only after `finish`."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Block until every queue has completed what it issued (raises a device error here)."""
+
+    @abstractmethod
+    def output(self, ref: OutputRef) -> np.ndarray:
+        """An output block as a host array (after `finish`)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the arena and host buffers. Idempotent; called after an error too."""
+
+    def abort(self) -> None:
+        """Called from any thread when the pass must stop: stop blocking calls soon (optional)."""
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """Where each host-side tensor lives in one host buffer allocated once: offsets aligned to
+    `ALIGNMENT`, `nbytes` in all. `offloaded` holds every tensor some `offload` copies out (its
+    host copy); `streamed` every input block that a `reload` reads from its source (a weight block
+    that does not stay resident), for backends that stage those in (pinned) host memory."""
+    offsets: dict[int, int]
+    nbytes: int
+    offloaded: frozenset[int]
+    streamed: frozenset[int]
+
+
+def host_layout(mg: MemGraph, stage_sources: bool) -> HostLayout:
+    """The host buffer of `mg`: every offloaded tensor, and with `stage_sources` every input block
+    that a reload reads from its source, each once, in order of first use."""
+    offloaded = {n.tensor for n in mg.nodes if isinstance(n, OffloadNode)}
+    at_host = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at == "host"}
+    streamed = {n.tensor for n in mg.nodes
+                if isinstance(n, ReloadNode) and n.tensor in at_host and n.tensor not in offloaded}
+    wanted = offloaded | (streamed if stage_sources else set())
+    offsets, end = {}, 0
+    for n in mg.nodes:
+        tid = getattr(n, "tensor", None)
+        if tid in wanted and tid not in offsets:
+            offsets[tid] = end
+            end += -(-mg.tensors[tid].bytes // ALIGNMENT) * ALIGNMENT
+    return HostLayout(offsets, end, frozenset(offloaded), frozenset(streamed))
+
+
+def host_view(buffer: np.ndarray, mg: MemGraph, layout: HostLayout, tid: int) -> np.ndarray:
+    """The host copy of tensor `tid`: a typed view of `buffer` (a `uint8` host array)."""
+    t = mg.tensors[tid]
+    start = layout.offsets[tid]
+    nbytes = int(np.prod(t.shape, dtype=np.int64)) * t.dtype.itemsize
+    return buffer[start:start + nbytes].view(t.dtype.numpy).reshape(t.shape)

@@ -1,0 +1,90 @@
+"""One apply of a memgraph on NumPy arrays: the value a block op stores in its write.
+
+Shared by the sequential executor and the stream backends that compute on the host (threads):
+they differ in where the arrays live and when a node may run, not in what a node computes."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from einpage.errors import PlanError
+from einpage.ir import scalar
+from einpage.ir.memgraph import ApplyNode, TensorInfo
+from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text
+from einpage.runtime import kernels
+
+
+def apply_value(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],
+                write: np.ndarray) -> np.ndarray:
+    """The array an apply stores into `write` (its current instance): the op's block, folded into
+    `write` when accumulating, cast to the write's dtype. Never a view of `reads` or `write`, so
+    the caller may release consumed inputs (whose bytes the write may take) before storing it."""
+    info = tensors[n.write.tensor]
+    part, compute, agg = _compute(n.op, reads, [tensors[a.tensor] for a in n.reads], info)
+    if part.shape != write.shape:
+        raise PlanError(f"{op_text(n.op)} produced shape {part.shape}, but the write "
+                        f"%t{info.id} is {info.dtype}{list(info.shape)}")
+    if n.accumulate:
+        part = kernels.combine(agg, write.astype(compute), part.astype(compute, copy=False))
+    result = part.astype(info.dtype.numpy, copy=False)
+    if any(np.may_share_memory(result, a) for a in (write, *reads)):
+        result = result.copy()  # e.g. an identity einsum returns a view of its input
+    return result
+
+
+def _compute(op: BlockOp, reads: Sequence[np.ndarray], read_infos: Sequence[TensorInfo],
+             info: TensorInfo) -> tuple[np.ndarray, np.dtype, str | None]:
+    """(the op's block, the dtype to accumulate in, the aggregation that accumulates it)."""
+    if isinstance(op, EinsumOp):
+        compute = op.dtype.compute
+        return kernels.einsum(op.spec, op.join, op.agg, reads, compute), compute, op.agg
+    if isinstance(op, FillOp):
+        value = scalar.evaluate_fill(op.expr, op.origin, info.shape, info.dtype.numpy)
+        return value, info.dtype.compute, "sum"
+    if isinstance(op, GatherOp):
+        if len(reads) != 2:
+            raise PlanError(f"gather reads (table, ids), got {len(reads)} blocks")
+        return _gather(op, reads[0], reads[1], read_infos[0]), info.dtype.compute, "sum"
+    if isinstance(op, CopyOp):
+        return _copy(op, reads, info), info.dtype.compute, "sum"
+    raise PlanError(f"unknown op {type(op).__name__}")
+
+
+def _gather(op: GatherOp, table: np.ndarray, ids: np.ndarray, table_info: TensorInfo
+            ) -> np.ndarray:
+    """A table block that holds every row range-checks its ids; a row block of a table cut by
+    rows gives zeros for ids outside its rows (its partial results are summed)."""
+    src = table_info.source
+    whole = src is not None and len(src.full_shape) > 0 and src.full_shape[0] == table.shape[0]
+    return kernels.gather(table, ids, op.row_offset, partial=not whole)
+
+
+def _copy(op: CopyOp, reads: Sequence[np.ndarray], info: TensorInfo) -> np.ndarray:
+    out = np.zeros(info.shape, dtype=info.dtype.numpy)
+    target = out
+    if op.view is not None:
+        if math.prod(op.view) != out.size:
+            raise PlanError(f"copy view {list(op.view)} does not hold the {out.size} elements "
+                            f"of the write {list(info.shape)}")
+        target = out.reshape(op.view)
+    for k, p in enumerate(op.pieces):
+        if not 0 <= p.src < len(reads):
+            raise PlanError(f"copy piece {k} reads block {p.src}; the apply reads {len(reads)}")
+        src = reads[p.src][_slices(p.src_box, reads[p.src].shape, f"piece {k} source")]
+        dst = target[_slices(p.dst_box, target.shape, f"piece {k} destination")]
+        if src.shape != dst.shape:
+            if src.size != dst.size:
+                raise PlanError(f"copy piece {k}: source box {list(src.shape)} and destination "
+                                f"box {list(dst.shape)} differ in size")
+            src = src.reshape(dst.shape)
+        dst[...] = src
+    return out
+
+
+def _slices(box: Box, shape: tuple[int, ...], what: str) -> tuple[slice, ...]:
+    if len(box) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, shape)):
+        raise PlanError(f"copy {what} box {[list(b) for b in box]} does not fit a block of "
+                        f"shape {list(shape)}")
+    return tuple(slice(a, b) for a, b in box)

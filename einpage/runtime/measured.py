@@ -1,0 +1,78 @@
+"""What a measured pass of the stream runtime reports: the same figures the simulator predicts —
+wall time, busy time per queue, compute stall, bytes and achieved bandwidth each way — and the
+span of every node on its queue, for traces."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from einpage.runtime.streams import QUEUES
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One node on its queue, in seconds from the start of the pass."""
+    node: int
+    queue: str
+    start: float
+    end: float
+    nbytes: int   # bytes copied (h2d, d2h); 0 for compute
+
+
+@dataclass(frozen=True)
+class Measured:
+    backend: str
+    wall_s: float              # the pass: from issuing its first node to every queue drained
+    load_s: float              # before the pass: the weights loaded with the model
+    load_bytes: int
+    spans: tuple[Span, ...]    # every node of the pass (empty when timing was off)
+
+    def busy_s(self, queue: str) -> float:
+        return sum(s.end - s.start for s in self.spans if s.queue == queue)
+
+    def bytes(self, queue: str) -> int:
+        return sum(s.nbytes for s in self.spans if s.queue == queue)
+
+    @property
+    def compute_stall_s(self) -> float:
+        """Time the compute queue was idle during the pass (waiting on copies or its deps)."""
+        return max(0.0, self.wall_s - self.busy_s("compute"))
+
+    def rate(self, queue: str) -> float:
+        """Achieved bytes/s of a copy queue while it was busy (0 when it moved nothing)."""
+        busy = self.busy_s(queue)
+        return self.bytes(queue) / busy if busy > 0 else 0.0
+
+    def hidden_fraction(self, queue: str = "h2d") -> float:
+        """Share of a copy queue's busy time that overlapped compute work (1.0: fully hidden)."""
+        copies = [(s.start, s.end) for s in self.spans if s.queue == queue]
+        busy = sum(b - a for a, b in copies)
+        if busy <= 0:
+            return 1.0
+        compute = sorted((s.start, s.end) for s in self.spans if s.queue == "compute")
+        return _overlap(sorted(copies), compute) / busy
+
+    def to_json(self) -> dict:
+        out = {"backend": self.backend, "wall_s": self.wall_s, "load_s": self.load_s,
+               "load_bytes": self.load_bytes, "compute_stall_s": self.compute_stall_s}
+        for q in QUEUES:
+            out[f"{q}_busy_s"] = self.busy_s(q)
+        for q in ("h2d", "d2h"):
+            out[f"{q}_bytes"] = self.bytes(q)
+            out[f"{q}_bytes_per_s"] = self.rate(q)
+        out["h2d_hidden_fraction"] = self.hidden_fraction("h2d")
+        return out
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted lists of intervals (each list disjoint)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
