@@ -1,19 +1,28 @@
 """Graph runners: what turns a concrete graph and its inputs into outputs. The dense reference,
-or a plan compiled for a device budget and executed. This module joins the compiler and the
-runtime (which never import each other); the command line and user code build runners here."""
+or a plan compiled for a device budget and executed on a backend (the sequential NumPy executor,
+or the stream executor on threads or CuPy). This module joins the compiler and the runtime
+(which never import each other); the command line and user code build runners here."""
 from __future__ import annotations
 
+import os
+import time
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 import numpy as np
 
-from einpage.compiler import CompileOptions, compile_graph
+from einpage.compiler import CompileOptions, Compiled, compile_graph
+from einpage.errors import BudgetError
 from einpage.ir.graph import Graph
 from einpage.ir.tensors import WeightSource
 from einpage.runtime.executor import run
+from einpage.runtime.measured import Measured
 
 #: runs a concrete graph: (graph, inputs by name) -> outputs by name
 Runner = Callable[[Graph, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+
+#: the backends a plan runs on: the sequential executor and the stream backends
+BACKENDS = ("auto", "numpy", "threads", "cupy")
 
 
 def run_paged(graph: Graph, inputs: Mapping[str, np.ndarray],
@@ -32,3 +41,82 @@ def dense_runner(weights: WeightSource) -> Runner:
 def paged_runner(weights: WeightSource, options: CompileOptions) -> Runner:
     """Compile every graph for `options.device_bytes` and execute the plan."""
     return lambda graph, inputs: run_paged(graph, inputs, weights, options)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One plan run by a `PlanRunner`: the compiled plan and what its pass measured."""
+    compiled: Compiled
+    measured: Measured
+
+
+class PlanRunner:
+    """Compiles every graph for the budget and runs the plan on `backend` (`numpy`: the
+    sequential executor; `threads`, `cupy`: the stream executor; `auto`: cupy where a GPU is
+    usable, else threads), keeping each pass in `passes`. With `options.device_bytes` None the
+    budget is the backend's memory (`backend_memory`). On cupy the budget holds the backend's
+    workspace for temporaries too: the plan gets the rest."""
+
+    def __init__(self, weights: WeightSource, options: CompileOptions, backend: str = "auto",
+                 timing: bool = False):
+        from einpage.runtime.backends import resolve
+        self.weights, self.timing = weights, timing
+        self.backend = "numpy" if backend == "numpy" else resolve(backend)
+        if self.backend == "cupy":
+            from einpage.runtime.backends import make_backend
+            make_backend("cupy")  # fails here, with one line, where no GPU is usable
+        budget = options.device_bytes or backend_memory(self.backend)
+        self.options = replace(options, device_bytes=budget)
+        self.passes: list[Pass] = []
+
+    def __call__(self, graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict:
+        compiled, workspace = self._compile(graph)
+        mg = compiled.memgraph
+        if self.backend == "numpy":
+            t0 = time.perf_counter()
+            outputs = run(mg, inputs, self.weights, poison_freed=False)
+            measured = Measured("numpy", time.perf_counter() - t0, 0.0, 0, ())
+        else:
+            from einpage.runtime.backends import make_backend
+            from einpage.runtime.stream_executor import run_streams
+            backend = (make_backend("cupy", workspace_bytes=workspace) if self.backend == "cupy"
+                       else make_backend(self.backend))
+            result = run_streams(mg, inputs, self.weights, backend,
+                                 timing=self.timing or self.backend == "threads")
+            outputs, measured = result.outputs, result.measured
+        self.passes.append(Pass(compiled, measured))
+        return outputs
+
+    def _compile(self, graph: Graph) -> tuple[Compiled, int]:
+        """The plan, and on cupy the workspace it needs: compiled for the budget less a reserve
+        that grows to what the plan's kernels need (a couple of rounds at most)."""
+        budget = self.options.device_bytes
+        if self.backend != "cupy":
+            return compile_graph(graph, self.options), 0
+        from einpage.runtime.backends.cuda import workspace_bytes
+        reserve = max(budget // 64, 1 << 20)
+        for _ in range(4):
+            if reserve >= budget:
+                break
+            compiled = compile_graph(graph, replace(self.options, device_bytes=budget - reserve))
+            need = workspace_bytes(compiled.memgraph)
+            if need <= reserve:
+                return compiled, reserve
+            reserve = need
+        raise BudgetError(f"the budget of {budget} bytes cannot hold both a plan and the "
+                          f"{reserve} bytes of workspace its kernels need", reserve, budget)
+
+
+def backend_memory(backend: str) -> int:
+    """The budget a backend has when none is given: on cupy the device's free memory less a
+    tenth (the CUDA context and libraries live there too), otherwise half of the host memory
+    available now."""
+    if backend == "cupy":
+        import cupy
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        return int(free * 0.9)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 8 << 30
+    return int(available // 2)

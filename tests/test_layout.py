@@ -9,6 +9,7 @@ Allowed directions (an arrow means "may import"; every subpackage may import the
     runtime   -> ir
     models    -> ir
     runners   -> compiler, runtime, ir, models     (compile-and-run glue)
+    calibrate -> compiler, runtime, ir, predict    (measures a device profile through a backend)
     cli       -> everything
 
 So `compiler` never imports `runtime` or `cli`, `runtime` never imports `compiler` or `cli`,
@@ -34,8 +35,9 @@ ALLOWED = {
     "runtime": {"ir"},
     "models": {"ir"},
     "runners": {"compiler", "runtime", "ir", "models"},
+    "calibrate": {"compiler", "runtime", "ir", "predict"},
     "compile": {"compiler", "runners"},  # the deprecated shim
-    "cli": {"ir", "predict", "compiler", "runtime", "models", "runners"},
+    "cli": {"ir", "predict", "compiler", "runtime", "models", "runners", "calibrate"},
 }
 ROOT = Path(einpage.__file__).parent
 

@@ -1,5 +1,5 @@
-"""`einpage models` and `einpage devices`: the model presets and the cost model's device
-profiles."""
+"""`einpage models`, `einpage devices` and `einpage calibrate`: the model presets, the cost
+model's device profiles, and a profile measured on this machine."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,11 @@ def add_commands(sub) -> None:
     d = sub.add_parser("devices", help="list the device profiles of the cost model")
     d.add_argument("--json", action="store_true", help="print them as JSON (the --device-file "
                                                        "format)")
+    c = sub.add_parser("calibrate", help="measure this machine through a backend and write a "
+                                         "device profile (for --device-file)")
+    c.add_argument("--backend", default="threads", choices=("threads", "cupy"),
+                   help="measure the CPU through the threads backend, or the GPU through cupy")
+    c.add_argument("-o", "--output", help="write the profile here (JSON); default: print it")
 
 
 def cmd_models(args) -> None:
@@ -37,4 +42,25 @@ def cmd_devices(args) -> None:
               f"{p.h2d_bandwidth / 1e9:>8.2f} {format_size(p.memory_bytes):>9}  {p.source}")
 
 
-HANDLERS = {"models": cmd_models, "devices": cmd_devices}
+def cmd_calibrate(args) -> None:
+    import sys
+
+    from einpage.calibrate import calibrate
+    from einpage.cli.common import write_text
+    if args.output:
+        write_text(args.output, "")  # fail on an unwritable path before measuring
+    profile = calibrate(args.backend, progress=lambda what: print(f"measuring {what} ...",
+                                                                  file=sys.stderr))
+    text = json.dumps(profile.to_json(), indent=1)
+    if not args.output:
+        print(text)
+        return
+    write_text(args.output, text + "\n")
+    mm = profile.matmul_flops
+    print(f"wrote {args.output}: h2d {profile.h2d_bandwidth / 1e9:.2f} GB/s, d2h "
+          f"{profile.d2h_bandwidth / 1e9:.2f} GB/s, matmul f32 {mm['f32'] / 1e9:.1f} GFLOP/s, "
+          f"memory {profile.hbm_bandwidth / 1e9:.1f} GB/s, per node "
+          f"{profile.launch_overhead * 1e6:.0f} us")
+
+
+HANDLERS = {"models": cmd_models, "devices": cmd_devices, "calibrate": cmd_calibrate}

@@ -2,6 +2,7 @@
 writing a text output."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -62,15 +63,21 @@ def profile_from_args(args, default: str | None = None):
         raise InputError("give --device or --device-file, not both")
     profile = (load_device_file(args.device_file) if args.device_file
                else get_device(args.device or default or DEFAULT_DEVICE))
+    h2d, flops = getattr(args, "h2d_bandwidth", None), getattr(args, "flops", None)
     return with_overrides(
         profile,
-        h2d_bandwidth=(parse_rate(args.h2d_bandwidth, "--h2d-bandwidth", "B")
-                       if args.h2d_bandwidth is not None else None),
-        flops=parse_rate(args.flops, "--flops", "FLOPS") if args.flops is not None else None)
+        h2d_bandwidth=parse_rate(h2d, "--h2d-bandwidth", "B") if h2d is not None else None,
+        flops=parse_rate(flops, "--flops", "FLOPS") if flops is not None else None)
 
 
 def write_text(path: str, text: str) -> None:
+    """Write `text` to a temporary file beside `path` and rename it into place: a failed write
+    (a full disk, no permission) leaves no half-written file and ends with one line."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        Path(path).write_text(text)
+        tmp.write_text(text)
+        os.replace(tmp, target)
     except OSError as exc:
+        tmp.unlink(missing_ok=True)
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from einpage.cli.common import report_logits, tokens_from_args
+from einpage.cli.common import report_logits, tokens_from_args, write_text
 from einpage.errors import InputError
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.units import parse_size
@@ -24,9 +24,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=[d.value for d in DType if d is not DType.i64],
                    help="computation dtype (default: the checkpoint's; bf16 runs as f32 on NumPy)")
-    p.add_argument("--gpu-mem", help="device budget (e.g. 16GB, 512MiB): compile a paged plan "
-                                     "and run it on the executor")
-    p.add_argument("--policy", default="reuse-distance", help="eviction policy (with --gpu-mem)")
+    p.add_argument("--gpu-mem", help="device budget (e.g. 16GB, 512MiB) the plan is compiled "
+                                     "for (default: the backend's memory)")
+    p.add_argument("--policy", default="reuse-distance", help="eviction policy")
+    p.add_argument("--backend", default="auto", choices=("auto", "numpy", "threads", "cupy",
+                                                          "reference"),
+                   help="what runs the plan: cupy (an NVIDIA GPU), threads (a worker thread per "
+                        "queue, any machine), numpy (the sequential executor), reference (the "
+                        "dense reference, no plan); auto: cupy where a GPU is usable, else "
+                        "threads")
+    p.add_argument("--timing", action="store_true",
+                   help="print each measured pass next to its prediction")
+    p.add_argument("--trace", help="write the measured passes as a Chrome trace (Perfetto)")
+    p.add_argument("--device", help="device profile for the prediction --timing prints")
+    p.add_argument("--device-file", help="device profile as JSON (einpage calibrate -o)")
     p.add_argument("--out", help="save results to this .npy file")
 
 
@@ -40,13 +51,39 @@ def add_commands(sub) -> None:
 
 
 def _runner(args, weights):
-    """Graph runner: the dense reference, or compile under --gpu-mem and execute the plan."""
+    """Graph runner: the dense reference, or a plan per graph run on the chosen backend."""
     from einpage import runners
-    if args.gpu_mem is None:
+    if args.backend == "reference":
+        if args.gpu_mem or args.timing or args.trace:
+            raise InputError("--backend reference runs no plan: it takes no --gpu-mem, "
+                             "--timing or --trace")
         return runners.dense_runner(weights)
     from einpage.compiler import CompileOptions
-    options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"), policy=args.policy)
-    return runners.paged_runner(weights, options)
+    budget = parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
+    options = CompileOptions(device_bytes=budget, policy=args.policy, device=_profile(args))
+    return runners.PlanRunner(weights, options, args.backend,
+                              timing=bool(args.timing or args.trace))
+
+
+def _profile(args):
+    """The profile predictions are made with: --device / --device-file, else the default."""
+    if args.device or args.device_file:
+        from einpage.cli.common import profile_from_args
+        return profile_from_args(args)
+    return None
+
+
+def _after(args, runner) -> None:
+    """--timing and --trace for the passes `runner` ran."""
+    passes = getattr(runner, "passes", [])
+    if args.trace:
+        from einpage.cli.trace import measured_events, trace_text
+        write_text(args.trace, trace_text(measured_events(
+            [(p.compiled.memgraph, p.measured) for p in passes])))
+        print(f"wrote the measured trace of {len(passes)} pass(es) to {args.trace}")
+    if args.timing:
+        from einpage.cli.timing import print_timing
+        print_timing(passes, predicted=bool(args.device or args.device_file))
 
 
 def _resolve(args):
@@ -65,8 +102,11 @@ def cmd_run(args) -> None:
         return run_plan(args, tokens_from_args(args))
     from einpage.models.generation import prefill
     cfg, weights = _resolve(args)
-    out = prefill(cfg, tokens_from_args(args), _runner(args, weights))
+    tokens = tokens_from_args(args)
+    runner = _runner(args, weights)
+    out = prefill(cfg, tokens, runner)
     report_logits(out["logits"], args.out)
+    _after(args, runner)
 
 
 def cmd_generate(args) -> None:
@@ -74,13 +114,16 @@ def cmd_generate(args) -> None:
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     cfg, weights = _resolve(args)
-    new = greedy(cfg, tokens_from_args(args), args.max_new_tokens, _runner(args, weights))
+    tokens = tokens_from_args(args)
+    runner = _runner(args, weights)
+    new = greedy(cfg, tokens, args.max_new_tokens, runner)
     if args.out:
         np.save(args.out, new.astype(np.int64))
         print(f"saved new tokens {new.shape} to {args.out}")
     else:
         for row, ids in enumerate(new):
             print(f"row {row}: " + ",".join(str(int(t)) for t in ids))
+    _after(args, runner)
 
 
 def run_plan(args, tokens: np.ndarray) -> None:
@@ -88,7 +131,6 @@ def run_plan(args, tokens: np.ndarray) -> None:
     from einpage.compiler import validate
     from einpage.ir.memgraph import MemGraph
     from einpage.models.checkpoint import Checkpoint
-    from einpage.runtime.executor import run
     if not args.checkpoint:
         raise InputError("running a plan file needs --checkpoint DIR with its weights")
     mg = MemGraph.load(args.model)
@@ -109,8 +151,31 @@ def run_plan(args, tokens: np.ndarray) -> None:
     def weights(name: str) -> np.ndarray:
         return ckpt.array(by_source[name]).reshape(shapes[name])
 
-    out = run(mg, {"tokens": tokens}, weights)
+    out = _run_plan_on_backend(args, mg, {"tokens": tokens}, weights)
     report_logits(out["logits"], args.out)
+
+
+def _run_plan_on_backend(args, mg, inputs, weights) -> dict:
+    """A saved plan on --backend (the budget is the plan's; --gpu-mem does not apply)."""
+    if args.gpu_mem:
+        raise InputError("a plan file was compiled for its budget: drop --gpu-mem")
+    if args.backend == "reference":
+        raise InputError("--backend reference runs graphs, not plan files")
+    if args.backend == "numpy":
+        from einpage.runtime.executor import run
+        return run(mg, inputs, weights, poison_freed=False)
+    from einpage.runtime.backends import make_backend
+    from einpage.runtime.stream_executor import run_streams
+    result = run_streams(mg, inputs, weights, make_backend(args.backend),
+                         timing=bool(args.timing or args.trace))
+    if args.trace:
+        from einpage.cli.trace import measured_events, trace_text
+        write_text(args.trace, trace_text(measured_events([(mg, result.measured)])))
+        print(f"wrote the measured trace to {args.trace}")
+    if args.timing:
+        from einpage.cli.timing import print_measured
+        print_measured(result.measured, None)
+    return result.outputs
 
 
 HANDLERS = {"run": cmd_run, "generate": cmd_generate}

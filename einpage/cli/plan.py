@@ -29,11 +29,13 @@ def add_commands(sub) -> None:
     c.add_argument("-o", "--output", help="write the plan (JSON memgraph) here")
     c.add_argument("--json", action="store_true", help="print the report as one JSON object")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--trace", help="write the predicted pass as a Chrome trace (Perfetto)")
     add_device_args(c)
     i = sub.add_parser("inspect", help="report on a saved plan (validated and simulated)")
     i.add_argument("plan")
     i.add_argument("--json", action="store_true")
     i.add_argument("--dot", help="write the memgraph as Graphviz dot (small plans)")
+    i.add_argument("--trace", help="write the predicted pass as a Chrome trace (Perfetto)")
     add_device_args(i)
 
 
@@ -101,6 +103,7 @@ def cmd_compile(args) -> None:
         from einpage.cli.plot import plot_timeline
         plot_timeline(compiled.memgraph, compiled.simulation, args.plot)
         report = report.with_notes(plot=args.plot)
+    report = _trace(args, compiled.memgraph, compiled.simulation, report)
     _show(report, args.json)
 
 
@@ -122,7 +125,17 @@ def cmd_inspect(args) -> None:
         from einpage.cli.plot import plot_timeline
         plot_timeline(mg, sim, args.plot)
         report = report.with_notes(plot=args.plot)
+    report = _trace(args, mg, sim, report)
     _show(report, args.json, source=args.plan)
+
+
+def _trace(args, mg, sim, report):
+    """--trace: the predicted pass as a Chrome trace."""
+    if not args.trace:
+        return report
+    from einpage.cli.trace import predicted_events, trace_text
+    write_text(args.trace, trace_text(predicted_events(mg, sim)))
+    return report.with_notes(trace=args.trace)
 
 
 def _show(report, as_json: bool, source: str | None = None) -> None:

@@ -10,7 +10,8 @@ if TYPE_CHECKING:  # the report module pulls in the compiler: only when a report
     from einpage.compiler import PlanReport
 
 NOTES = (("plan", "plan written to"), ("plot", "timeline written to"),
-         ("dot", "graph written to"), ("warning", "warning:"))
+         ("dot", "graph written to"), ("trace", "predicted trace written to"),
+         ("warning", "warning:"))
 
 
 def print_report(r: PlanReport, source: str | None = None) -> None:

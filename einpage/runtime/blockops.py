@@ -5,15 +5,32 @@ they differ in where the arrays live and when a node may run, not in what a node
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from einpage.errors import PlanError
 from einpage.ir import scalar
-from einpage.ir.memgraph import ApplyNode, TensorInfo
+from einpage.ir.memgraph import Access, ApplyNode, TensorInfo
 from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text
 from einpage.runtime import kernels
+
+
+def apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],
+               write: np.ndarray, release: Callable[[Access], None] | None = None) -> None:
+    """Run an apply: store its value into `write`, releasing its consumed inputs (`frees`,
+    whose bytes the write may take) with `release` first. A contraction computed in the write's
+    own dtype goes straight into the write (no temporary) where it overlaps no input."""
+    op = n.op
+    if (not n.accumulate and isinstance(op, EinsumOp) and op.dtype.compute == write.dtype
+            and kernels.einsum_into(op.spec, op.join, op.agg, reads, write)):
+        for a in n.frees if release is not None else ():
+            release(a)
+        return
+    result = apply_value(n, tensors, reads, write)
+    for a in n.frees if release is not None else ():
+        release(a)
+    write[...] = result
 
 
 def apply_value(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],

@@ -21,7 +21,7 @@ from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
                                  OutputRef, ReloadNode)
 from einpage.ir.tensors import WeightSource
-from einpage.runtime.blockops import apply_value
+from einpage.runtime.blockops import apply_into
 from einpage.runtime.planio import PlanIO, arena_view
 
 #: The byte freed (and not yet written) arena bytes hold with `poison_freed`: NaN in f16, bf16,
@@ -138,10 +138,8 @@ class NumpyExecutor:
     def _apply(self, n: ApplyNode) -> None:
         reads = [self._view(a.tensor, a.offset) for a in n.reads]
         write = self._view(n.write.tensor, n.write.offset)
-        result = apply_value(n, self.mg.tensors, reads, write)
-        for a in n.frees:  # consumed in place: the write may take these bytes
-            self._release(a)
-        write[...] = result
+        # consumed inputs are released first: the write may take their bytes
+        apply_into(n, self.mg.tensors, reads, write, self._release)
 
     # -------------------------------------------------------------- memory
     def _view(self, tid: int, offset: int | None) -> np.ndarray:

@@ -30,6 +30,25 @@ def einsum(spec: EinsumSpec, join: sympy.Expr, agg: str | None, arrays: Sequence
     return _einsum_elementwise(spec, join, agg, arrays, compute)
 
 
+def einsum_into(spec: EinsumSpec, join: sympy.Expr, agg: str | None,
+                arrays: Sequence[np.ndarray], out: np.ndarray) -> bool:
+    """`einsum` written straight into `out` (no temporary for the result) where the join is a
+    scaled product summed, the operands and `out` share its dtype and `out` overlaps none of
+    them; returns False (and writes nothing) otherwise."""
+    factor = scalar.scaled_product_factor(join, len(arrays))
+    if factor is None or agg not in (None, "sum") or not out.flags.c_contiguous:
+        return False
+    if any(a.dtype != out.dtype or np.may_share_memory(a, out) for a in arrays):
+        return False
+    sizes = spec.sizes([a.shape for a in arrays])
+    if out.shape != tuple(sizes[c] for c in spec.output):
+        return False  # the caller reports the mismatch
+    np.einsum(str(spec), *arrays, out=out, optimize=len(arrays) > 1)
+    if factor != 1.0:
+        out *= out.dtype.type(factor)
+    return True
+
+
 def _einsum_elementwise(spec, join, agg, arrays, compute) -> np.ndarray:
     """General path: broadcast every operand over the join space, apply, reduce."""
     order = spec.join_indices

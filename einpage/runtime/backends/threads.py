@@ -13,7 +13,7 @@ import numpy as np
 
 from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph, OffloadNode, OutputRef, ReloadNode
 from einpage.runtime.backends.base import Backend, HostLayout, host_layout, host_view
-from einpage.runtime.blockops import apply_value
+from einpage.runtime.blockops import apply_into
 from einpage.runtime.planio import PlanIO, arena_view
 
 
@@ -30,11 +30,12 @@ class ThreadsBackend(Backend):
     def open(self, mg: MemGraph, io: PlanIO) -> None:
         self.mg, self.io = mg, io
         self.layout: HostLayout = host_layout(mg, stage_sources=False)
-        # np.empty: pages are touched when first written, not all up front
+        # the bytes the plan uses are touched here, so that the pass does not page-fault them in
+        # (what a long-lived process, holding its arena across passes, never pays per pass)
         self.arena = np.empty(mg.device_bytes, dtype=np.uint8)
-        self.host = np.empty(self.layout.nbytes, dtype=np.uint8)
-        if self.poison:
-            self.arena[:mg.high_water()] = 0xFF
+        self.arena[:mg.high_water()] = 0xFF if self.poison else 0
+        self.host = np.zeros(self.layout.nbytes, dtype=np.uint8)
+        self.host[:] = 0
 
     def _view(self, tid: int, offset: int | None) -> np.ndarray:
         return arena_view(self.arena, self.mg, tid, offset)
@@ -53,7 +54,7 @@ class ThreadsBackend(Backend):
     def run(self, n: ApplyNode) -> None:
         reads = [self._view(a.tensor, a.offset) for a in n.reads]
         write = self._view(n.write.tensor, n.write.offset)
-        write[...] = apply_value(n, self.mg.tensors, reads, write)
+        apply_into(n, self.mg.tensors, reads, write)
 
     def record(self, queue: str, node: int) -> None:
         pass  # the work is done when the call returns: the executor's flag is the event

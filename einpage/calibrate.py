@@ -1,0 +1,173 @@
+"""`einpage calibrate`: measure, on the machine at hand and through a stream backend's own paths,
+what the cost model uses, and make a device profile of it (`--device-file` reads it).
+
+What is measured, each a median of several repeats after a warm-up:
+- the h2d and d2h copies a backend issues, over sizes from 64 KB to 64 MB: on threads an h2d
+  is a read from a memory-mapped file in the page cache into the arena (what a weight reload
+  is), a d2h a copy from the arena into host memory; on cupy, pinned host <-> device copies.
+  The bandwidth is the rate of the largest copies, the latency what the smallest take beyond
+  their bytes at that rate;
+- matmul FLOP/s per dtype through the kernels a plan uses (f16 and bf16 are computed in f32 on
+  NumPy: their rate includes the conversion), elementwise FLOP/s, memory bandwidth (a large copy,
+  read plus write);
+- the per-node overhead: a plan of a few hundred tiny nodes run on the backend, wall time per
+  node (the thread hand-offs and dispatch the cost model calls launch overhead).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from einpage.predict.devices import DeviceProfile
+
+SIZES = tuple(1 << k for k in range(16, 27, 2))   # 64 KB .. 64 MB
+_REPEATS = 5
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = _REPEATS) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fit_link(seconds_by_size: dict[int, float]) -> tuple[float, float]:
+    """(bytes/s, latency s) of a copy: the rate of the largest copy, and what the smallest takes
+    beyond its bytes at that rate (never negative)."""
+    big, small = max(seconds_by_size), min(seconds_by_size)
+    rate = big / seconds_by_size[big]
+    return rate, max(0.0, seconds_by_size[small] - small / rate)
+
+
+class ThreadsProbe:
+    """The threads backend's paths on this CPU."""
+
+    name = "threads"
+
+    def __init__(self) -> None:
+        top = max(SIZES)
+        self.dir = tempfile.TemporaryDirectory(prefix="einpage-calibrate-")
+        path = Path(self.dir.name) / "blocks.bin"
+        np.random.default_rng(0).integers(0, 255, top, dtype=np.uint8).tofile(path)
+        self.file = np.memmap(path, dtype=np.uint8, mode="r")
+        self.arena = np.ones(top, dtype=np.uint8)
+        self.host = np.ones(top, dtype=np.uint8)
+
+    def h2d(self, n: int) -> float:
+        return median_seconds(lambda: np.copyto(self.arena[:n], self.file[:n]))
+
+    def d2h(self, n: int) -> float:
+        return median_seconds(lambda: np.copyto(self.host[:n], self.arena[:n]))
+
+    def memory_bandwidth(self) -> float:
+        n = max(SIZES)
+        return 2 * n / median_seconds(lambda: np.copyto(self.host, self.arena))
+
+    def matmul_flops(self, dtype: str, n: int = 1024) -> float:
+        from einpage.ir.spec import EinsumSpec
+        from einpage.runtime import kernels
+        rng = np.random.default_rng(0)
+        np_dtype = _numpy_dtype(dtype)
+        a = rng.standard_normal((n, n)).astype(np_dtype)
+        b = rng.standard_normal((n, n)).astype(np_dtype)
+        spec = EinsumSpec.parse("ij,jk->ik")
+        compute = np.dtype(np.float64 if dtype == "f64" else np.float32)
+        from einpage.ir import scalar
+        join = scalar.product(2)
+        return 2.0 * n ** 3 / median_seconds(
+            lambda: kernels.einsum(spec, join, "sum", [a, b], compute))
+
+    def vector_flops(self, n: int = 1 << 22) -> float:
+        from einpage.ir import scalar
+        from einpage.ir.spec import EinsumSpec
+        from einpage.runtime import kernels
+        rng = np.random.default_rng(0)
+        a, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+        join = scalar.x(0) + scalar.x(1)
+        spec = EinsumSpec.parse("i,i->i")
+        return 2.0 * n / median_seconds(
+            lambda: kernels.einsum(spec, join, None, [a, b], np.dtype(np.float32)))
+
+    def memory_bytes(self) -> int:
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return 0
+
+    def describe(self) -> str:
+        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+    def close(self) -> None:
+        del self.file
+        self.dir.cleanup()
+
+
+def _numpy_dtype(dtype: str) -> np.dtype:
+    from einpage.ir.dtypes import as_dtype
+    return np.dtype(as_dtype(dtype).numpy)
+
+
+def node_overhead(backend: str, nodes: int = 300) -> float:
+    """Wall seconds per node of a plan of `nodes` tiny elementwise applies on `backend`."""
+    from einpage.compiler import CompileOptions, compile_graph
+    from einpage.ir import GraphBuilder
+    from einpage.runtime.backends import make_backend
+    from einpage.runtime.stream_executor import run_streams
+    g = GraphBuilder()
+    x = g.input("x", (8,), "f32")
+    for _ in range(nodes):
+        x = g.einsum("i,i->i", x, x, join=lambda a, b: a * 0.5 + b * 0.5)
+    g.output("y", x)
+    mg = compile_graph(g.build(), CompileOptions(1 << 20)).memgraph
+    inputs = {"x": np.ones(8, dtype=np.float32)}
+    applies = mg.count("apply")
+    walls = [run_streams(mg, inputs, None, make_backend(backend), timing=False).measured.wall_s
+             for _ in range(_REPEATS)]
+    return statistics.median(walls) / applies
+
+
+def calibrate(backend: str = "threads", progress: Callable[[str], None] | None = None
+              ) -> DeviceProfile:
+    """A device profile measured through `backend`'s paths on this machine."""
+    say = progress or (lambda _: None)
+    probe = _probe(backend)
+    try:
+        say("copies host -> device")
+        h2d_rate, h2d_latency = fit_link({n: probe.h2d(n) for n in SIZES})
+        say("copies device -> host")
+        d2h_rate, d2h_latency = fit_link({n: probe.d2h(n) for n in SIZES})
+        say("matmul")
+        matmul = {d: probe.matmul_flops(d) for d in ("f16", "bf16", "f32", "f64")}
+        say("elementwise and memory")
+        vector = probe.vector_flops()
+        memory = probe.memory_bandwidth()
+        say("per-node overhead")
+        overhead = node_overhead(backend)
+        name = f"{backend}-calibrated"
+        source = (f"einpage calibrate --backend {backend} on {platform.node() or 'this host'} "
+                  f"({probe.describe()}), {date.today().isoformat()}")
+        return DeviceProfile(
+            name=name, matmul_flops=matmul, vector_flops={d: vector for d in matmul},
+            hbm_bandwidth=memory, h2d_bandwidth=h2d_rate, d2h_bandwidth=d2h_rate,
+            memory_bytes=probe.memory_bytes(), copy_latency=(h2d_latency + d2h_latency) / 2,
+            launch_overhead=overhead, source=source)
+    finally:
+        probe.close()
+
+
+def _probe(backend: str):
+    if backend == "threads":
+        return ThreadsProbe()
+    from einpage.runtime.backends.cuda import CupyProbe
+    return CupyProbe()

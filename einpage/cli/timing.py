@@ -1,0 +1,56 @@
+"""`--timing`: each measured pass next to its prediction, figure by figure — wall time, busy time
+per queue, compute stall, bytes and achieved rate each way, and how much of the h2d queue's time
+hid behind compute."""
+from __future__ import annotations
+
+from einpage.units import format_size
+
+
+def _secs(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.3f} s" if s >= 0.1 else f"{s * 1e3:.2f} ms"
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{format_size(nbytes / seconds)}/s" if seconds > 0 and nbytes else "-"
+
+
+def print_measured(m, sim, title: str = "pass") -> None:
+    """One pass: `m` a `Measured`, `sim` the `Simulation` of the same plan or None."""
+    have = bool(m.spans)
+    print(f"{title} on {m.backend}: measured" + (f" | predicted on {sim.device}" if sim else ""))
+    rows = [("wall", m.wall_s, sim.makespan_s if sim else None)]
+    if have:
+        rows += [("compute busy", m.busy_s("compute"), sim.compute_s if sim else None),
+                 ("compute stall", m.compute_stall_s, sim.stall_s if sim else None),
+                 ("h2d busy", m.busy_s("h2d"), sim.h2d_s if sim else None),
+                 ("d2h busy", m.busy_s("d2h"), sim.d2h_s if sim else None)]
+    for label, got, want in rows:
+        ratio = f"  ({got / want:.2f}x)" if want else ""
+        print(f"  {label:<14} {_secs(got):>10} | {_secs(want):>10}{ratio}")
+    if have:
+        for q in ("h2d", "d2h"):
+            nbytes = m.bytes(q)
+            pred = (sim.h2d_bytes if q == "h2d" else sim.d2h_bytes) if sim else None
+            print(f"  {q + ' bytes':<14} {format_size(nbytes):>10} | "
+                  f"{format_size(pred) if pred is not None else '-':>10}   achieved "
+                  f"{_rate(nbytes, m.busy_s(q))}")
+        if m.bytes("h2d"):
+            print(f"  h2d hidden behind compute: {m.hidden_fraction('h2d'):.0%}")
+    if m.load_bytes:
+        print(f"  before the pass: {format_size(m.load_bytes)} of resident weights loaded in "
+              f"{_secs(m.load_s)}")
+
+
+def print_timing(passes, predicted: bool) -> None:
+    """Every pass of a run (prefill, then decode steps); the prediction where a profile was
+    given (`--device` / `--device-file`)."""
+    if not passes:
+        return
+    for k, p in enumerate(passes):
+        title = "prefill pass" if k == 0 else f"decode step {k}"
+        print_measured(p.measured, p.compiled.simulation if predicted else None, title)
+    if not predicted:
+        print("  (no prediction: pass --device-file PROFILE, e.g. from "
+              "`einpage calibrate -o cpu.json`, or --device NAME)")
