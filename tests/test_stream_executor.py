@@ -22,7 +22,7 @@ from einpage.models import llama
 from einpage.models.checkpoint import RandomWeights
 from einpage.models.config import preset
 from einpage.runtime import evaluate
-from einpage.runtime.backends.inject import Delayed, Faulty, InjectedFault, Wrapped
+from einpage.runtime.backends.inject import Delayed, Faulty, Wrapped
 from einpage.runtime.backends.threads import ThreadsBackend
 from einpage.runtime.stream_executor import run_streams
 from einpage.runtime.streams import check_program, compile_streams

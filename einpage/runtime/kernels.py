@@ -32,18 +32,47 @@ def einsum(spec: EinsumSpec, join: sympy.Expr, agg: str | None, arrays: Sequence
 
 def einsum_into(spec: EinsumSpec, join: sympy.Expr, agg: str | None,
                 arrays: Sequence[np.ndarray], out: np.ndarray) -> bool:
-    """`einsum` written straight into `out` (no temporary for the result) where the join is a
-    scaled product summed, the operands and `out` share its dtype and `out` overlaps none of
-    them; returns False (and writes nothing) otherwise."""
+    """A two-operand contraction written straight into `out` as one (batched) BLAS matmul, with
+    no temporary for the result: where the join is a scaled product summed, the operands and
+    `out` share its dtype, `out` overlaps neither, and the output's indices run batch, rows,
+    columns (or batch, columns, rows). Returns False, having written nothing, otherwise."""
     factor = scalar.scaled_product_factor(join, len(arrays))
-    if factor is None or agg not in (None, "sum") or not out.flags.c_contiguous:
+    if (factor is None or agg not in (None, "sum") or len(arrays) != 2
+            or not out.flags.c_contiguous):
         return False
     if any(a.dtype != out.dtype or np.may_share_memory(a, out) for a in arrays):
         return False
+    (ta, tb), to = spec.inputs, spec.output
     sizes = spec.sizes([a.shape for a in arrays])
-    if out.shape != tuple(sizes[c] for c in spec.output):
+    if out.shape != tuple(sizes[c] for c in to):
         return False  # the caller reports the mismatch
-    np.einsum(str(spec), *arrays, out=out, optimize=len(arrays) > 1)
+    batch = [c for c in to if c in ta and c in tb]
+    rows = [c for c in to if c in ta and c not in tb]
+    cols = [c for c in to if c in tb and c not in ta]
+    inner = [c for c in ta if c in tb and c not in to]
+    if set(ta) | set(tb) != set(to) | set(inner) or len(set(ta)) != len(ta) \
+            or len(set(tb)) != len(tb) or not inner:
+        return False  # an index summed out of one operand alone, a repeated index: not a matmul
+    if list(to) == batch + rows + cols:
+        lhs, rhs, m, n = (arrays[0], ta, rows), (arrays[1], tb, cols), rows, cols
+    elif list(to) == batch + cols + rows:
+        lhs, rhs, m, n = (arrays[1], tb, cols), (arrays[0], ta, rows), cols, rows
+    else:
+        return False
+
+    def size(idx):
+        return int(np.prod([sizes[c] for c in idx], dtype=np.int64))
+
+    def matrix(array, term, outer, outer_first):
+        order = batch + (outer + inner if outer_first else inner + outer)
+        view = array.transpose([term.index(c) for c in order])
+        shape = (size(batch), size(outer), size(inner)) if outer_first else \
+            (size(batch), size(inner), size(outer))
+        return view.reshape(shape)  # a view where the layout allows, else a copy
+
+    target = out.reshape(size(batch), size(m), size(n))
+    np.matmul(matrix(lhs[0], lhs[1], lhs[2], True), matrix(rhs[0], rhs[1], rhs[2], False),
+              out=target)
     if factor != 1.0:
         out *= out.dtype.type(factor)
     return True

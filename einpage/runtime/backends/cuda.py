@@ -1,0 +1,464 @@
+"""The CuPy backend: the stream program on an NVIDIA GPU (DESIGN.md, "Stream program").
+
+Memory. One raw `cupy.cuda.Memory` allocation (outside CuPy's pool) holds the arena
+(`mg.device_bytes`), then the workspace (`workspace_bytes(mg)` unless given): the slots applies
+take for temporaries, and the status words a gather sets on an out-of-range id. Instances are
+`cupy.ndarray` views at their offsets, bounds-checked by `planio.instance_bytes`. The views go
+through an `UnownedMemory` over the allocation, so only the backend holds the allocation itself:
+`close` frees it at once, even while a traceback still refers to views (never used after close).
+
+Host memory. One pinned buffer (`cupy.cuda.PinnedMemory`, allocated once, not CuPy's
+power-of-two pinned pool) laid out by `host_layout(mg, stage_sources=True)`: each offloaded
+tensor's host copy, each streamed weight block (read from its source at `open`, so a reload is
+one async copy from pinned memory), then one staging slot as large as the largest `input at
+device` block: such a block (a resident weight loaded with the model, an activation) is read
+from its source into the slot and copied asynchronously; the next one waits on the host for
+that copy's event before reusing the slot.
+
+Streams. Three `Stream(non_blocking=True)`: compute, h2d, d2h; a queue's worker thread runs
+inside `queue_context`, which makes the device and the queue's stream current (cuBLAS and every
+kernel run on the current stream). `record` / `wait` use `Event(disable_timing=True)`;
+`stamp` a timing event on the queue's stream.
+
+Compute. `cuda_kernels.plan_apply` decides at `open` how each apply runs: a cuBLAS GEMM
+(`cupy.matmul(lhs, rhs, out=...)`) writing into the arena where the layout allows, operands
+transposed or converted into workspace slots by `cupy.copyto` or a generated kernel; everything
+else through `ElementwiseKernel` / `ReductionKernel`s generated once per distinct expression
+(compiled by CuPy on first use and cached on disk). The compute thread runs under
+`cupy.cuda.using_allocator`: any allocation CuPy makes is carved from the workspace (a bump
+allocator reset after each apply, safe because one stream runs the applies in order), and
+counted as `hidden_allocations`; a `MemoryHook` (`hook`) counts pool allocations on every queue.
+A pass that allocates nothing leaves both at zero.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import numpy as np
+
+from einpage.errors import BackendError, ExecutionError, InputError, PlanError
+from einpage.ir.memgraph import (ApplyNode, InputNode, MemGraph, OffloadNode, OutputRef,
+                                 ReloadNode)
+from einpage.runtime.backends.base import Backend, HostLayout, host_layout, host_view
+from einpage.runtime.backends.cuda_kernels import (DEVICE_DTYPE, STATUS_BYTES, CopyApply,
+                                                   ElementwiseSource, KernelApply, KernelSource,
+                                                   MatmulApply, MatmulOps, aligned,
+                                                   convert_kernel, execute_matmul, plan_applies,
+                                                   tag_of, workspace_bytes, workspace_for)
+from einpage.runtime.planio import PlanIO, instance_bytes
+
+__all__ = ["CupyBackend", "cuda_usable", "workspace_bytes"]
+
+
+def _unusable_reason(device: int = 0) -> str | None:
+    """Why CuPy cannot run on `device` here, or None where it can. Imports CuPy lazily."""
+    try:
+        import cupy
+    except Exception:  # ImportError, or a CuPy built for another CUDA failing to load
+        return "cupy not installed"
+    try:
+        if not cupy.cuda.is_available():
+            return "no CUDA driver"
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"CUDA unavailable: {type(exc).__name__}: {exc}"
+    if count < 1:
+        return "no CUDA device"
+    if not 0 <= device < count:
+        return f"device {device} not found; {count} device{'s' if count != 1 else ''}"
+    return None
+
+
+def cuda_usable() -> bool:
+    """Whether CuPy is importable and sees a CUDA device. Never raises."""
+    try:
+        return _unusable_reason() is None
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _hook_class():
+    import cupy
+
+    class WorkspaceHook(cupy.cuda.MemoryHook):
+        """Counts allocations from CuPy's memory pool (anything the workspace did not serve)
+        on every thread it is entered in."""
+        name = "einpage-workspace"
+
+        def __init__(self):
+            self.lock = threading.Lock()
+            self.allocations = 0
+            self.bytes = 0
+
+        def reset(self) -> None:
+            with self.lock:
+                self.allocations = self.bytes = 0
+
+        def malloc_preprocess(self, **kwargs):
+            with self.lock:
+                self.allocations += 1
+                self.bytes += int(kwargs.get("mem_size", kwargs.get("size", 0)))
+
+    return WorkspaceHook
+
+
+_KERNELS: dict[KernelSource, Any] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def _compiled(src: KernelSource) -> Any:
+    """The CuPy kernel object for a source, made once per process (CuPy compiles it on the
+    first call for each argument layout and caches the binary on disk)."""
+    kernel = _KERNELS.get(src)
+    if kernel is None:
+        import cupy
+        if isinstance(src, ElementwiseSource):
+            kernel = cupy.ElementwiseKernel(src.in_params, src.out_params, src.operation,
+                                            name=src.name, preamble=src.preamble, no_return=True)
+        else:
+            kernel = cupy.ReductionKernel(src.in_params, src.out_params, src.map_expr,
+                                          src.reduce_expr, src.post_map_expr, src.identity,
+                                          name=src.name, reduce_type=src.reduce_type,
+                                          preamble=src.preamble)
+        with _KERNELS_LOCK:
+            kernel = _KERNELS.setdefault(src, kernel)
+    return kernel
+
+
+class CupyBackend(Backend):
+    """Runs a memgraph's stream program on CUDA device `device`. `workspace_bytes`: the device
+    bytes reserved after the arena for temporaries (default: exactly what the plan needs,
+    `cuda_kernels.workspace_bytes(mg)`). Raises `BackendError` where no GPU is usable."""
+
+    name = "cupy"
+
+    def __init__(self, device: int = 0, workspace_bytes: int | None = None):
+        reason = _unusable_reason(device)
+        if reason is not None:
+            raise BackendError(f"--backend cupy: no usable CUDA GPU ({reason})")
+        if workspace_bytes is not None and workspace_bytes < 0:
+            raise BackendError(f"--backend cupy: workspace_bytes is {workspace_bytes}, "
+                               "expected a non-negative byte count")
+        import cupy
+        self._cp = cupy
+        self.device_id = device
+        self._device = cupy.cuda.Device(device)
+        self._workspace_request = workspace_bytes
+        self.hook = _hook_class()()
+        self.hidden_allocations = 0
+        self.hidden_bytes = 0
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self.arena: Any = None       # the arena as a cupy uint8 array (None once closed)
+        self.host: np.ndarray | None = None
+        self.workspace_bytes = 0
+        self._mem = None             # the raw allocation (the only owner)
+        self._base = None            # UnownedMemory over it: every view points through this
+        self._pinned = None
+        self._pinned_ptr = 0
+        self._streams: dict[str, Any] = {}
+        self._events: dict[int, Any] = {}
+        self._staged = None          # event of the last copy out of the staging slot
+        self._plans: dict = {}
+        self._top = 0                # bump pointer into the workspace slots (compute thread)
+
+    # ------------------------------------------------------------------ open / close
+    def open(self, mg: MemGraph, io: PlanIO) -> None:
+        cp = self._cp
+        self.mg, self.io = mg, io
+        self.hook.reset()
+        self.hidden_allocations = self.hidden_bytes = 0
+        plans = plan_applies(mg)
+        need = workspace_for(plans)
+        workspace = need if self._workspace_request is None else self._workspace_request
+        if workspace < need:
+            raise BackendError(f"--backend cupy: a workspace of {workspace} bytes is below the "
+                               f"{need} bytes this plan's applies need")
+        layout: HostLayout = host_layout(mg, stage_sources=True)
+        staging = max((aligned(mg.tensors[n.tensor].bytes) for n in mg.nodes
+                       if isinstance(n, InputNode) and n.at == "device"), default=0)
+        try:
+            with self._device:
+                self._open_device(cp, mg.device_bytes, workspace)
+                self._open_host(cp, layout.nbytes + staging)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, (BackendError, PlanError)):
+                raise
+            if isinstance(exc, Exception):
+                raise BackendError(f"--backend cupy: cannot allocate {mg.device_bytes} + "
+                                   f"{workspace} device bytes and {layout.nbytes + staging} "
+                                   f"pinned host bytes on device {self.device_id}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            raise
+        self.workspace_bytes = workspace
+        self._plans = plans
+        self.layout = layout
+        self._staging_at = layout.nbytes
+        try:
+            self._fill_host(mg, io)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_device(self, cp, device_bytes: int, workspace: int) -> None:
+        total = device_bytes + workspace
+        self._mem = cp.cuda.Memory(total)
+        self._base = cp.cuda.UnownedMemory(self._mem.ptr, total, None, self.device_id)
+        self.arena = cp.ndarray((device_bytes,), np.uint8, memptr=self._ptr(0))
+        self._ws_at = device_bytes
+        self._ws_size = workspace - STATUS_BYTES
+        self._status_at = device_bytes + self._ws_size
+        self._streams = {q: cp.cuda.Stream(non_blocking=True) for q in ("compute", "h2d", "d2h")}
+        self._ptr(self._status_at).memset_async(0, STATUS_BYTES, self._streams["compute"])
+        self._staged = cp.cuda.Event(block=True, disable_timing=True)
+
+    def _open_host(self, cp, nbytes: int) -> None:
+        if nbytes == 0:
+            self.host = np.zeros(0, np.uint8)
+            return
+        self._pinned = cp.cuda.PinnedMemory(nbytes)
+        self._pinned_ptr = int(self._pinned.ptr)
+        # a view that does not own the pinned memory: `close` releases it deterministically
+        self.host = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self._pinned_ptr))
+
+    def _fill_host(self, mg: MemGraph, io: PlanIO) -> None:
+        """Streamed weight blocks (and any offloaded input) start as their source's values."""
+        at_host = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at == "host"}
+        for tid in self.layout.offsets:
+            if tid in at_host:
+                io.read_into(tid, host_view(self.host, mg, self.layout, tid))
+
+    def close(self) -> None:
+        for stream in self._streams.values():
+            try:
+                stream.synchronize()  # nothing may still read or write what is freed below
+            except Exception:  # a device error is reported by finish(); release regardless
+                pass
+        self._reset_state()
+
+    def abort(self) -> None:
+        """Nothing to interrupt: a queue's calls only enqueue work (the staging wait is one
+        bounded copy), and `close` synchronizes before releasing."""
+
+    # ------------------------------------------------------------------ queues
+    def queue_context(self, queue: str):
+        return self._queue_context(queue)
+
+    @contextmanager
+    def _queue_context(self, queue: str) -> Iterator[None]:
+        with self._device, self._streams[queue], self.hook:
+            if queue == "compute":
+                self._cp.cuda.device.get_cublas_handle()  # created per thread: not mid-pass
+                with self._cp.cuda.using_allocator(self._allocate):
+                    yield
+            else:
+                yield
+
+    def record(self, queue: str, node: int) -> None:
+        event = self._cp.cuda.Event(disable_timing=True)
+        event.record(self._streams[queue])
+        self._events[node] = event
+
+    def wait(self, queue: str, node: int) -> None:
+        self._streams[queue].wait_event(self._events[node])
+
+    def stamp(self, queue: str) -> Any:
+        with self._device:
+            event = self._cp.cuda.Event()
+            event.record(self._streams[queue])
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return self._cp.cuda.get_elapsed_time(start, end) / 1000.0
+
+    def finish(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
+        status = np.zeros(3, np.int64)
+        compute = self._streams["compute"]
+        self._ptr(self._status_at).copy_to_host_async(status.ctypes.data, status.nbytes, compute)
+        compute.synchronize()
+        if status[0]:
+            self._ptr(self._status_at).memset_async(0, STATUS_BYTES, compute)
+            compute.synchronize()
+            raise InputError(f"gather: index {int(status[1])} out of range for a table of "
+                             f"{int(status[2])} rows")
+
+    # ------------------------------------------------------------------ device memory
+    def _ptr(self, offset: int):
+        return self._cp.cuda.MemoryPointer(self._base, offset)
+
+    def _instance(self, tid: int, offset: int | None) -> tuple[Any, int]:
+        start, nbytes = instance_bytes(self.mg, tid, offset)
+        return self._ptr(start), nbytes
+
+    def _array(self, tid: int, offset: int | None) -> Any:
+        """The instance of `tid` at `offset`: a C-contiguous view of the arena."""
+        ptr, _ = self._instance(tid, offset)
+        t = self.mg.tensors[tid]
+        return self._cp.ndarray(tuple(t.shape), DEVICE_DTYPE[t.dtype.value], memptr=ptr)
+
+    def _bump(self, nbytes: int):
+        size = aligned(max(int(nbytes), 1))
+        if self._top + size > self._ws_size:
+            raise ExecutionError(f"cupy workspace overflow: {self._top + size} bytes wanted, "
+                                 f"{self._ws_size} reserved (workspace_bytes(mg) plans them)")
+        ptr = self._ptr(self._ws_at + self._top)
+        self._top += size
+        return ptr
+
+    def _allocate(self, nbytes: int):
+        """CuPy's allocator in the compute thread: workspace, counted as hidden."""
+        self.hidden_allocations += 1
+        self.hidden_bytes += int(nbytes)
+        return self._bump(nbytes)
+
+    def _temp(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        dtype = np.dtype(dtype)
+        return self._cp.ndarray(tuple(shape), dtype,
+                                memptr=self._bump(math.prod(shape) * dtype.itemsize))
+
+    # ------------------------------------------------------------------ copies
+    def _host_ptr(self, tid: int) -> int:
+        return self._pinned_ptr + self.layout.offsets[tid]
+
+    def copy_h2d(self, n: ReloadNode | InputNode) -> None:
+        dst, nbytes = self._instance(n.tensor, n.offset)
+        h2d = self._streams["h2d"]
+        if isinstance(n, ReloadNode):
+            if n.tensor not in self.layout.offsets:
+                raise PlanError(f"reload %{n.id}: %t{n.tensor} has no host copy")
+            dst.copy_from_host_async(self._host_ptr(n.tensor), nbytes, h2d)
+            return
+        if n.at != "device":
+            raise PlanError(f"input %{n.id} at {n.at!r} is not copied to the device")
+        self._staged.synchronize()  # the staging slot is free again
+        t = self.mg.tensors[n.tensor]
+        slot = self.host[self._staging_at:self._staging_at + nbytes]
+        self.io.read_into(n.tensor, slot.view(t.dtype.numpy).reshape(t.shape))
+        dst.copy_from_host_async(self._pinned_ptr + self._staging_at, nbytes, h2d)
+        self._staged.record(h2d)
+
+    def copy_d2h(self, n: OffloadNode) -> None:
+        src, nbytes = self._instance(n.tensor, n.offset)
+        if n.tensor not in self.layout.offsets:
+            raise PlanError(f"offload %{n.id}: %t{n.tensor} has no host slot")
+        src.copy_to_host_async(self._host_ptr(n.tensor), nbytes, self._streams["d2h"])
+
+    def output(self, ref: OutputRef) -> np.ndarray:
+        t = self.mg.tensors[ref.tensor]
+        if ref.at == "device":
+            src, nbytes = self._instance(ref.tensor, ref.offset)
+            out = np.empty(t.shape, t.dtype.numpy)
+            compute = self._streams["compute"]
+            src.copy_to_host_async(out.ctypes.data, nbytes, compute)
+            compute.synchronize()
+            return out
+        if ref.tensor in self.layout.offloaded:
+            return host_view(self.host, self.mg, self.layout, ref.tensor).copy()
+        return self.io.source_block(ref.tensor)
+
+    # ------------------------------------------------------------------ compute
+    def run(self, n: ApplyNode) -> None:
+        plan = self._plans[n.id]
+        self._top = 0
+        try:
+            write = self._array(n.write.tensor, n.write.offset)
+            if isinstance(plan, MatmulApply):
+                a, b = (self._array(r.tensor, r.offset) for r in n.reads)
+                execute_matmul(plan.plan, _DeviceMatmulOps(self, plan), a, b, write)
+            elif isinstance(plan, KernelApply):
+                self._run_kernel(plan, n, write)
+            elif isinstance(plan, CopyApply):
+                self._run_copy(plan, n, write)
+            else:
+                raise PlanError(f"apply %{n.id}: no plan")
+        finally:
+            self._top = 0
+
+    def _view(self, read, shape, strides, offset: int = 0) -> Any:
+        ptr, _ = self._instance(read.tensor, read.offset)
+        tag = self.mg.tensors[read.tensor].dtype.value
+        return self._cp.ndarray(tuple(shape), DEVICE_DTYPE[tag], memptr=ptr + offset,
+                                strides=tuple(strides))
+
+    def _run_kernel(self, plan: KernelApply, n: ApplyNode, write: Any) -> None:
+        cp = self._cp
+        target = write
+        if plan.staged:
+            target = self._temp(write.shape, write.dtype)
+            if n.accumulate:
+                cp.copyto(target, write)
+        args = [self._view(n.reads[v.read], v.shape, v.strides) for v in plan.arrays]
+        args += list(plan.scalars)
+        out = cp.ndarray((target.size,), target.dtype, memptr=target.data) if plan.flat \
+            else target
+        kernel = _compiled(plan.kernel)
+        if plan.axes is not None:
+            kernel(*args, out=out, axis=plan.axes)
+        elif plan.status:
+            status = cp.ndarray((3,), np.int64, memptr=self._ptr(self._status_at))
+            kernel(*args, out, status)
+        else:
+            kernel(*args, out)
+        if plan.staged:
+            cp.copyto(write, target)
+
+    def _run_copy(self, plan: CopyApply, n: ApplyNode, write: Any) -> None:
+        cp = self._cp
+        target = self._temp(write.shape, write.dtype) if plan.staged else write
+        if plan.zero:
+            target.data.memset_async(0, target.nbytes)
+        wdt = write.dtype
+        for p in plan.pieces:
+            read = n.reads[p.src]
+            if p.src_view is None:
+                box = self._view(read, p.src_shape, p.src_strides, p.src_offset)
+                slot = self._temp(p.src_shape, box.dtype)
+                cp.copyto(slot, box)
+                src = cp.ndarray(p.dst_shape, box.dtype, memptr=slot.data)
+            else:
+                src = self._view(read, p.dst_shape, p.src_view, p.src_offset)
+            dst = cp.ndarray(p.dst_shape, wdt, memptr=target.data + p.dst_offset,
+                             strides=p.dst_strides)
+            if p.convert is not None:
+                _compiled(p.convert)(src, dst)
+            else:
+                cp.copyto(dst, src)
+        if plan.staged:
+            if plan.fold is not None:
+                _compiled(plan.fold)(target, write)
+            else:
+                cp.copyto(write, target)
+
+
+class _DeviceMatmulOps(MatmulOps):
+    """`execute_matmul` on the GPU: slots from the workspace, conversions by `copyto` or a
+    generated kernel, the apply's epilogue kernel."""
+
+    def __init__(self, backend: CupyBackend, apply: MatmulApply):
+        super().__init__(backend._cp, apply.plan)
+        self.backend, self.apply = backend, apply
+
+    def temp(self, shape, dtype):
+        return self.backend._temp(shape, dtype)
+
+    def copy(self, dst, src) -> None:
+        if dst.dtype == src.dtype:
+            self.xp.copyto(dst, src)
+        else:
+            _compiled(convert_kernel(tag_of(src.dtype), tag_of(dst.dtype)))(src, dst)
+
+    def matmul(self, lhs, rhs, out) -> None:
+        self.xp.matmul(lhs, rhs, out=out)  # f16 included: cuBLAS computes it in float32
+
+    def epilogue(self, dst, src) -> None:
+        _compiled(self.apply.epilogue)(src, dst)
