@@ -169,5 +169,5 @@ def calibrate(backend: str = "threads", progress: Callable[[str], None] | None =
 def _probe(backend: str):
     if backend == "threads":
         return ThreadsProbe()
-    from einpage.runtime.backends.cuda import CupyProbe
+    from einpage.runtime.backends.cuda_probe import CupyProbe
     return CupyProbe()

@@ -95,3 +95,9 @@ def test_reference_takes_no_budget(capsys, f32):
 def test_calibrate_to_an_unwritable_path_fails_before_measuring(capsys, tmp_path):
     code = cli("calibrate", "-o", tmp_path / "no" / "such" / "dir" / "p.json")
     assert_one_line_error(capsys, code, "cannot write")
+
+
+@pytest.mark.skipif(cuda_usable(), reason="a GPU is usable here")
+def test_calibrate_cupy_without_a_gpu_is_one_line(capsys):
+    code = cli("calibrate", "--backend", "cupy")
+    assert_one_line_error(capsys, code, "--backend cupy: no usable CUDA GPU (")

@@ -145,12 +145,20 @@ def test_ctrl_c_stops_every_queue_and_releases_memory():
     _, mg, inputs, weights = small_llama(300_000)
 
     class Interrupting(Wrapped):
+        """Sends Ctrl-C to the calling thread at one compute node, then holds that node until
+        the executor aborts (so the pass cannot end before the interrupt is seen)."""
+        aborted = threading.Event()
+
         def run(self, n):
             if n.id > 40 and not getattr(self, "sent", False):
                 self.sent = True
                 _thread.interrupt_main()  # what Ctrl-C does to the calling thread
-            time.sleep(1e-3)
+                assert self.aborted.wait(10), "the executor never aborted"
             super().run(n)
+
+        def abort(self):
+            self.aborted.set()
+            super().abort()
 
     inner = ThreadsBackend()
     with pytest.raises(Interrupted):

@@ -20,7 +20,7 @@ inside `queue_context`, which makes the device and the queue's stream current (c
 kernel run on the current stream). `record` / `wait` use `Event(disable_timing=True)`;
 `stamp` a timing event on the queue's stream.
 
-Compute. `cuda_kernels.plan_apply` decides at `open` how each apply runs: a cuBLAS GEMM
+Compute. `apply_plan.plan_apply` decides at `open` how each apply runs: a cuBLAS GEMM
 (`cupy.matmul(lhs, rhs, out=...)`) writing into the arena where the layout allows, operands
 transposed or converted into workspace slots by `cupy.copyto` or a generated kernel; everything
 else through `ElementwiseKernel` / `ReductionKernel`s generated once per distinct expression
@@ -44,12 +44,13 @@ import numpy as np
 from einpage.errors import BackendError, ExecutionError, InputError, PlanError
 from einpage.ir.memgraph import (ApplyNode, InputNode, MemGraph, OffloadNode, OutputRef,
                                  ReloadNode)
+from einpage.runtime.backends.apply_plan import (STATUS_BYTES, CopyApply, KernelApply,
+                                                 MatmulApply, aligned, plan_applies,
+                                                 workspace_bytes, workspace_for)
 from einpage.runtime.backends.base import Backend, HostLayout, host_layout, host_view
-from einpage.runtime.backends.cuda_kernels import (DEVICE_DTYPE, STATUS_BYTES, CopyApply,
-                                                   ElementwiseSource, KernelApply, KernelSource,
-                                                   MatmulApply, MatmulOps, aligned,
-                                                   convert_kernel, execute_matmul, plan_applies,
-                                                   tag_of, workspace_bytes, workspace_for)
+from einpage.runtime.backends.cuda_source import (DEVICE_DTYPE, ElementwiseSource, KernelSource,
+                                                  convert_kernel, tag_of)
+from einpage.runtime.backends.gemm_plan import MatmulOps, execute_matmul
 from einpage.runtime.planio import PlanIO, instance_bytes
 
 __all__ = ["CupyBackend", "cuda_usable", "workspace_bytes"]
@@ -134,7 +135,7 @@ def _compiled(src: KernelSource) -> Any:
 class CupyBackend(Backend):
     """Runs a memgraph's stream program on CUDA device `device`. `workspace_bytes`: the device
     bytes reserved after the arena for temporaries (default: exactly what the plan needs,
-    `cuda_kernels.workspace_bytes(mg)`). Raises `BackendError` where no GPU is usable."""
+    `apply_plan.workspace_bytes(mg)`). Raises `BackendError` where no GPU is usable."""
 
     name = "cupy"
 

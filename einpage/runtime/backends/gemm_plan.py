@@ -1,0 +1,283 @@
+"""How the CuPy backend runs a product contraction as one cuBLAS GEMM, planned without CuPy so
+that a CPU test checks it (DESIGN.md, "Stream program"), and the strided layouts its kernels read.
+
+A contraction whose join is a (scaled) product of two operands with `sum` runs as one GEMM
+(`xp.matmul(lhs, rhs, out=c)`; strided-batched when it has a batch): `matmul_plan` sorts its
+indices into batch / rows / cols / contracted groups, picks the group orders and the operand
+order (`A B` or `(B^T A^T)^T`) that copy the fewest bytes, and says which operands must first be
+materialised (transposed or converted) into workspace slots and whether the GEMM can write the
+output block itself. `execute_matmul` runs a plan on any array module through `MatmulOps`
+(`xp=numpy` in the tests).
+
+Layouts: `contiguous_strides`, `operand_layout` (an operand broadcast over a kernel's index
+space) and `nocopy_reshape_strides` (NumPy's and CuPy's rule for reshaping without a copy).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from einpage.errors import PlanError
+from einpage.ir.spec import EinsumSpec
+from einpage.runtime.backends.cuda_source import DEVICE_DTYPE, ITEMSIZE
+
+
+# ------------------------------------------------------------------ layouts
+
+def contiguous_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    out, step = [], itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def operand_layout(term: str, order: str, sizes: dict, itemsize: int
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`(shape, strides)` (bytes) of a C-contiguous operand with indices `term`, viewed over the
+    index space `order`: stride 0 along indices it lacks (broadcast)."""
+    own = dict(zip(term, contiguous_strides([sizes[c] for c in term], itemsize)))
+    return tuple(int(sizes[c]) for c in order), tuple(own.get(c, 0) for c in order)
+
+
+def nocopy_reshape_strides(shape: Sequence[int], strides: Sequence[int],
+                           newshape: Sequence[int], itemsize: int) -> tuple[int, ...] | None:
+    """Strides that view a strided array as `newshape` without copying, or None where no view
+    can (NumPy's and CuPy's rule: merge dims that are contiguous with each other, then split)."""
+    size = math.prod(shape)
+    if math.prod(newshape) != size:
+        raise PlanError(f"cannot view {list(shape)} as {list(newshape)}")
+    if size <= 1:
+        return contiguous_strides(newshape, itemsize)
+    dims: list[list[int]] = []
+    for n, s in zip(shape, strides):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == n * s:
+            dims[-1] = [dims[-1][0] * n, s]
+        else:
+            dims.append([n, s])
+    out, k = [], 0
+    last = dims[0][0] * dims[0][1]
+    for n in newshape:
+        if n <= 1:
+            out.append(last)
+            continue
+        if k >= len(dims) or dims[k][0] % n:
+            return None
+        dims[k][0] //= n
+        last = dims[k][0] * dims[k][1]
+        out.append(last)
+        if dims[k][0] == 1:
+            k += 1
+    return tuple(out)
+
+
+def _strip(indices: str, sizes: dict) -> str:
+    """`indices` without those of size 1 (which lie anywhere in a contiguous layout)."""
+    return "".join(c for c in indices if sizes[c] != 1)
+
+
+# ------------------------------------------------------------------ matmul plans
+
+@dataclass(frozen=True)
+class GemmOperand:
+    """One GEMM operand: its axes taken in `perm` order (its groups in GEMM order, giving
+    `shape`), materialised into a C-contiguous workspace slot of the GEMM dtype when `copy`,
+    then viewed as `gemm_shape` (`(batch, rows, cols)`, or `(rows, cols)` unbatched, where a
+    view may be a transposed, F-contiguous, matrix: cuBLAS reads it with a transpose flag)."""
+    perm: tuple[int, ...]
+    shape: tuple[int, ...]
+    gemm_shape: tuple[int, ...]
+    copy: bool
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """`out[o] (+)= factor * sum_k a[..] b[..]` as `c = lhs @ rhs` over `(batch, rows, k)` and
+    `(batch, k, cols)` (unbatched: `(rows, k)`, `(k, cols)`); with `swap` the left operand is
+    `b` and `c` the output transposed."""
+    spec: str
+    swap: bool
+    batched: bool
+    batch: str
+    rows: str
+    cols: str
+    k: str
+    left: GemmOperand
+    right: GemmOperand
+    direct: bool                 # the GEMM writes the output block itself
+    c_shape: tuple[int, ...]
+    c_full: tuple[int, ...]      # c with every index apart (batch + rows + cols)
+    c_perm: tuple[int, ...]      # axes of c_full in the output's order
+    dtype: np.dtype              # the GEMM's dtype: float32, float64, or float16 (unbatched,
+                                 # accumulated in float32 by cuBLAS)
+    factor: float
+    accumulate: bool
+    temps: tuple[int, ...]       # bytes of the workspace slots: left, right, c (those needed)
+
+
+def _groups(spec: EinsumSpec) -> tuple[str, str, str, str] | None:
+    a, b = spec.inputs
+    out = spec.output
+    if any(c not in out for c in set(a) ^ set(b)):
+        return None  # an index summed inside one operand: not a GEMM
+    batch = "".join(c for c in out if c in a and c in b)
+    m = "".join(c for c in out if c in a and c not in b)
+    n = "".join(c for c in out if c in b and c not in a)
+    k = "".join(c for c in a if c in b and c not in out)
+    return batch, m, n, k
+
+
+def _orders(group: str, *terms: str) -> list[str]:
+    """Distinct orders of `group`'s indices as they appear in each of `terms`."""
+    out = []
+    for t in terms:
+        o = "".join(c for c in t if c in group)
+        if o not in out:
+            out.append(o)
+    return out
+
+
+def _operand(term: str, groups: tuple[str, ...], sizes: dict, convert: bool,
+             batched: bool) -> GemmOperand:
+    """`groups`: (batch, outer, inner) indices in the order the GEMM takes the operand. A C
+    layout needs no copy; unbatched, neither does a transposed one (inner before outer)."""
+    order = "".join(groups)
+    perm = tuple(term.index(c) for c in order)
+    shape = tuple(int(sizes[c]) for c in order)
+    kept = groups if batched else groups[1:]
+    gemm_shape = tuple(math.prod(int(sizes[c]) for c in g) for g in kept)
+    fits = [order] if batched else [order, groups[0] + groups[2] + groups[1]]
+    copy = convert or all(_strip(f, sizes) != _strip(term, sizes) for f in fits)
+    return GemmOperand(perm, shape, gemm_shape, copy)
+
+
+def matmul_plan(spec: EinsumSpec, shapes: Sequence[Sequence[int]], in_tags: Sequence[str],
+                compute_tag: str, out_tag: str, factor: float, accumulate: bool,
+                staged: bool = False) -> MatmulPlan | None:
+    """The cheapest GEMM form of a two-operand product contraction, or None where there is none
+    (one operand sums an index alone, or the computation is not in floating point). `staged`:
+    the output block shares bytes with an operand, so the GEMM must not write it directly.
+
+    Unbatched GEMMs are 2-d (`cupy.matmul` then calls cuBLAS with transpose flags, so operands
+    stored transposed need no copy), except 1x1 outputs, which CuPy would reduce with a
+    temporary; batched ones are 3-d strided-batched GEMMs, whose operands must be C-contiguous."""
+    if len(spec.inputs) != 2 or not spec.contracted or compute_tag == "i64":
+        return None
+    groups = _groups(spec)
+    if groups is None:
+        return None
+    sizes = spec.sizes(shapes)
+    batch_set, m_set, n_set, k_set = groups
+    a, b = spec.inputs
+    out = spec.output
+
+    def size(indices: str) -> int:
+        return math.prod(int(sizes[c]) for c in indices)
+
+    batched = size(batch_set) > 1 or size(m_set) * size(n_set) == 1
+    # f16 x f16 -> f16 without a scale or a sum into the block: cuBLAS accumulates in float32
+    # and rounds once, as NumPy's float32 einsum cast to f16 does; no conversions needed
+    native = (compute_tag == "f16" and tuple(in_tags) == ("f16", "f16") and out_tag == "f16"
+              and factor == 1.0 and not accumulate and not staged and not batched)
+    for gemm_tag in (("f16",) if native else ()) + ("f64" if compute_tag == "f64" else "f32",):
+        best = None
+        for swap in (False, True):
+            first, second = (b, a) if swap else (a, b)
+            first_tag, second_tag = (in_tags[1], in_tags[0]) if swap else tuple(in_tags)
+            row_set, col_set = (n_set, m_set) if swap else (m_set, n_set)
+            for batch in _orders(batch_set, out, a, b):
+                for rows in _orders(row_set, out, first):
+                    for cols in _orders(col_set, out, second):
+                        for kk in _orders(k_set, first, second):
+                            left = _operand(first, (batch, rows, kk), sizes,
+                                            first_tag != gemm_tag, batched)
+                            right = _operand(second, (batch, kk, cols), sizes,
+                                             second_tag != gemm_tag, batched)
+                            c_order = batch + rows + cols
+                            direct = (not accumulate and not staged and out_tag == gemm_tag
+                                      and _strip(c_order, sizes) == _strip(out, sizes))
+                            cost = sum(math.prod(o.shape) for o in (left, right) if o.copy)
+                            cost += 0 if direct else size(out) * 2
+                            if best is None or cost < best[0]:
+                                best = (cost, swap, batch, rows, cols, kk, left, right, direct,
+                                        c_order)
+        if best[8] or gemm_tag != "f16":
+            break  # a native f16 GEMM only where it writes the block itself
+    itemsize = ITEMSIZE[gemm_tag]
+    _, swap, batch, rows, cols, kk, left, right, direct, c_order = best
+    c_shape = ((size(batch),) if batched else ()) + (size(rows), size(cols))
+    c_full = tuple(int(sizes[c]) for c in c_order)
+    c_perm = tuple(c_order.index(c) for c in out)
+    temps = tuple(math.prod(o.shape) * itemsize for o in (left, right) if o.copy)
+    if not direct:
+        temps += (math.prod(c_shape) * itemsize,)
+    return MatmulPlan(str(spec), swap, batched, batch, rows, cols, kk, left, right, direct,
+                      c_shape, c_full, c_perm, DEVICE_DTYPE[gemm_tag], float(factor), accumulate,
+                      temps)
+
+
+class MatmulOps:
+    """What `execute_matmul` needs of an array module: workspace slots, conversions, the
+    epilogue. This implementation is plain `xp` (fresh arrays; NumPy in the tests); the CUDA
+    backend's takes slots from its workspace and runs generated kernels."""
+
+    def __init__(self, xp: Any, plan: MatmulPlan):
+        self.xp, self.plan = xp, plan
+
+    def temp(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        return self.xp.empty(shape, dtype=dtype)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """`dst[...] = src`, converting the dtype."""
+        self.xp.copyto(dst, src, casting="unsafe")
+
+    def matmul(self, lhs: Any, rhs: Any, out: Any) -> None:
+        """`out = lhs @ rhs`, accumulated in float32 at least (as cuBLAS does for f16)."""
+        if np.dtype(out.dtype) == np.float16:
+            f32 = np.dtype(np.float32)
+            out[...] = self.xp.matmul(lhs.astype(f32), rhs.astype(f32)).astype(out.dtype)
+        else:
+            self.xp.matmul(lhs, rhs, out=out)
+
+    def epilogue(self, dst: Any, src: Any) -> None:
+        """`dst = cast(dst + src * factor)` (without `dst +` unless accumulating)."""
+        plan = self.plan
+        part = src.astype(plan.dtype)
+        if plan.factor != 1.0:
+            part = part * plan.dtype.type(plan.factor)
+        if plan.accumulate:
+            part = dst.astype(plan.dtype) + part
+        dst[...] = part.astype(dst.dtype)
+
+
+def execute_matmul(plan: MatmulPlan, ops: MatmulOps, a: Any, b: Any, out: Any) -> None:
+    """Run `plan` on operand blocks `a`, `b` (C-contiguous in their spec order) into `out`."""
+    first, second = (b, a) if plan.swap else (a, b)
+    lhs = _gemm_input(ops, first, plan.left, plan.dtype)
+    rhs = _gemm_input(ops, second, plan.right, plan.dtype)
+    if plan.direct:
+        ops.matmul(lhs, rhs, out.reshape(plan.c_shape))
+        if plan.factor != 1.0:
+            ops.epilogue(out, out)
+        return
+    c = ops.temp(plan.c_shape, plan.dtype)
+    ops.matmul(lhs, rhs, c)
+    ops.epilogue(out, c.reshape(plan.c_full).transpose(plan.c_perm))
+
+
+def _gemm_input(ops: MatmulOps, x: Any, operand: GemmOperand, dtype: np.dtype) -> Any:
+    view = x.transpose(operand.perm)
+    if operand.copy:
+        slot = ops.temp(operand.shape, dtype)
+        ops.copy(slot, view)
+        view = slot
+    return view.reshape(operand.gemm_shape)
+
+
+__all__ = ["GemmOperand", "MatmulOps", "MatmulPlan", "contiguous_strides", "execute_matmul",
+           "matmul_plan", "nocopy_reshape_strides", "operand_layout"]
