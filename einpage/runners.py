@@ -14,15 +14,13 @@ import numpy as np
 from einpage.compiler import CompileOptions, Compiled, compile_graph
 from einpage.errors import BudgetError
 from einpage.ir.graph import Graph
+from einpage.ir.memgraph import MemGraph
 from einpage.ir.tensors import WeightSource
 from einpage.runtime.executor import run
 from einpage.runtime.measured import Measured
 
 #: runs a concrete graph: (graph, inputs by name) -> outputs by name
 Runner = Callable[[Graph, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
-
-#: the backends a plan runs on: the sequential executor and the stream backends
-BACKENDS = ("auto", "numpy", "threads", "cupy")
 
 
 def run_paged(graph: Graph, inputs: Mapping[str, np.ndarray],
@@ -71,19 +69,8 @@ class PlanRunner:
 
     def __call__(self, graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict:
         compiled, workspace = self._compile(graph)
-        mg = compiled.memgraph
-        if self.backend == "numpy":
-            t0 = time.perf_counter()
-            outputs = run(mg, inputs, self.weights, poison_freed=False)
-            measured = Measured("numpy", time.perf_counter() - t0, 0.0, 0, ())
-        else:
-            from einpage.runtime.backends import make_backend
-            from einpage.runtime.stream_executor import run_streams
-            backend = (make_backend("cupy", workspace_bytes=workspace) if self.backend == "cupy"
-                       else make_backend(self.backend))
-            result = run_streams(mg, inputs, self.weights, backend,
-                                 timing=self.timing or self.backend == "threads")
-            outputs, measured = result.outputs, result.measured
+        outputs, measured = run_plan(compiled.memgraph, inputs, self.weights, self.backend,
+                                     self.timing, workspace)
         self.passes.append(Pass(compiled, measured))
         return outputs
 
@@ -105,6 +92,25 @@ class PlanRunner:
             reserve = need
         raise BudgetError(f"the budget of {budget} bytes cannot hold both a plan and the "
                           f"{reserve} bytes of workspace its kernels need", reserve, budget)
+
+
+def run_plan(mg: MemGraph, inputs: Mapping[str, np.ndarray], weights: WeightSource | None,
+             backend: str, timing: bool = False, workspace: int | None = None
+             ) -> tuple[dict[str, np.ndarray], Measured]:
+    """Run a plan once on a backend by name: `numpy` (the sequential executor: wall time only)
+    or a stream backend (`threads` always times its nodes, `cupy` with `timing`; `workspace`
+    sizes cupy's temporaries, default what the plan needs)."""
+    if backend == "numpy":
+        t0 = time.perf_counter()
+        outputs = run(mg, inputs, weights, poison_freed=False)
+        return outputs, Measured("numpy", time.perf_counter() - t0, 0.0, 0, ())
+    from einpage.runtime.backends import make_backend, resolve
+    from einpage.runtime.stream_executor import run_streams
+    name = resolve(backend)
+    made = (make_backend(name, workspace_bytes=workspace) if name == "cupy" and workspace
+            else make_backend(name))
+    result = run_streams(mg, inputs, weights, made, timing=timing or name == "threads")
+    return result.outputs, result.measured
 
 
 def backend_memory(backend: str) -> int:

@@ -75,15 +75,21 @@ def _profile(args):
 
 def _after(args, runner) -> None:
     """--timing and --trace for the passes `runner` ran."""
-    passes = getattr(runner, "passes", [])
+    predicted = bool(args.device or args.device_file)
+    _show_passes(args, [(p.compiled.memgraph, p.measured,
+                         p.compiled.simulation if predicted else None)
+                        for p in getattr(runner, "passes", [])])
+
+
+def _show_passes(args, passes, first: str = "prefill pass") -> None:
+    """--trace and --timing for `passes`: (memgraph, Measured, Simulation or None) each."""
     if args.trace:
         from einpage.cli.trace import measured_events, trace_text
-        write_text(args.trace, trace_text(measured_events(
-            [(p.compiled.memgraph, p.measured) for p in passes])))
+        write_text(args.trace, trace_text(measured_events([(mg, m) for mg, m, _ in passes])))
         print(f"wrote the measured trace of {len(passes)} pass(es) to {args.trace}")
     if args.timing:
         from einpage.cli.timing import print_timing
-        print_timing(passes, predicted=bool(args.device or args.device_file))
+        print_timing(passes, first)
 
 
 def _resolve(args):
@@ -161,21 +167,15 @@ def _run_plan_on_backend(args, mg, inputs, weights) -> dict:
         raise InputError("a plan file was compiled for its budget: drop --gpu-mem")
     if args.backend == "reference":
         raise InputError("--backend reference runs graphs, not plan files")
-    if args.backend == "numpy":
-        from einpage.runtime.executor import run
-        return run(mg, inputs, weights, poison_freed=False)
-    from einpage.runtime.backends import make_backend
-    from einpage.runtime.stream_executor import run_streams
-    result = run_streams(mg, inputs, weights, make_backend(args.backend),
-                         timing=bool(args.timing or args.trace))
-    if args.trace:
-        from einpage.cli.trace import measured_events, trace_text
-        write_text(args.trace, trace_text(measured_events([(mg, result.measured)])))
-        print(f"wrote the measured trace to {args.trace}")
-    if args.timing:
-        from einpage.cli.timing import print_measured
-        print_measured(result.measured, None)
-    return result.outputs
+    from einpage.runners import run_plan
+    outputs, measured = run_plan(mg, inputs, weights, args.backend,
+                                 timing=bool(args.timing or args.trace))
+    sim = None
+    if args.device or args.device_file:
+        from einpage.predict import simulate
+        sim = simulate(mg, _profile(args))
+    _show_passes(args, [(mg, measured, sim)], first="pass")
+    return outputs
 
 
 HANDLERS = {"run": cmd_run, "generate": cmd_generate}

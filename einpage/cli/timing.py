@@ -43,14 +43,12 @@ def print_measured(m, sim, title: str = "pass") -> None:
               f"{_secs(m.load_s)}")
 
 
-def print_timing(passes, predicted: bool) -> None:
-    """Every pass of a run (prefill, then decode steps); the prediction where a profile was
-    given (`--device` / `--device-file`)."""
-    if not passes:
-        return
-    for k, p in enumerate(passes):
-        title = "prefill pass" if k == 0 else f"decode step {k}"
-        print_measured(p.measured, p.compiled.simulation if predicted else None, title)
-    if not predicted:
+def print_timing(passes, first: str = "prefill pass") -> None:
+    """Every pass of a run (`first`, then decode steps): (memgraph, Measured, Simulation or
+    None) each; the prediction is there where a profile was given (`--device` /
+    `--device-file`)."""
+    for k, (_, measured, sim) in enumerate(passes):
+        print_measured(measured, sim, first if k == 0 else f"decode step {k}")
+    if passes and all(sim is None for _, _, sim in passes):
         print("  (no prediction: pass --device-file PROFILE, e.g. from "
               "`einpage calibrate -o cpu.json`, or --device NAME)")
