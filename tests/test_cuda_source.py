@@ -41,7 +41,7 @@ def llama_plan(dtype: DType = DType.f32, phase: str = "prefill", budget: int = 4
     """(config, graph, memgraph) of the tiny LLaMA's prefill or decode pass under `budget`."""
     cfg = preset("tiny").with_dtype(dtype)
     graph = (llama.prefill_graph(cfg).bind(B=2, S=5) if phase == "prefill"
-             else llama.decode_graph(cfg).bind(B=2, P=3))
+             else llama.decode_graph(cfg).bind(B=2, C=4))
     return cfg, graph, compile_graph(graph, CompileOptions(budget)).memgraph
 
 

@@ -13,6 +13,7 @@ from einpage.ir.dtypes import DType
 from einpage.ir.graph import Role
 from einpage.models import generation, llama, resolve
 from einpage.models.config import PRESETS, preset
+from einpage.models.kvstore import KVStore
 from einpage.runtime import reference
 
 # einpage in float32 against the float64 oracle: float32 rounding through two layers, with
@@ -150,27 +151,46 @@ def test_greedy_matches_oracle(checkpoint, variant):
 @pytest.mark.parametrize("float64", [False, True])
 def test_decode_step_matches_prefill(checkpoint, n, float64):
     """Prefill of n+1 tokens ends with the same logits as prefill of n, then one decode step
-    over its KV cache; the caches agree too."""
+    over its KV store (capacity above n: the unused slots are masked out); the store then holds
+    the whole prefill's keys and values."""
     cfg, weights = resolve(str(checkpoint(heads=4, kv_heads=2, seed=8)))
     run = runner(weights, float64)
     ids = tokens(cfg.vocab, (2, n + 1), seed=n)
     full = generation.prefill(cfg, ids, run)
     head = generation.prefill(cfg, ids[:, :n], run)
-    step_graph = llama.decode_graph(cfg).bind(B=2, P=n)
-    inputs = {"tokens": ids[:, n:]}
-    inputs.update({k: v for k, v in head.items() if k.startswith("cache.")})
-    step = run(step_graph, inputs)
+    store = KVStore(cfg, 2, n + 3, np.float64 if float64 else None)
+    store.fill(head)
+    store.arrays["cache.0.k"][:, n:] = 1e4  # stale slots beyond pos must not matter
+    step_graph = llama.decode_graph(cfg).bind(B=2, C=n + 3)
+    step = run(step_graph, {"tokens": ids[:, n:], "pos": store.pos.copy(), **store.view(n + 3)})
     atol = F64_ATOL if float64 else F32_ATOL
     assert step["logits"].shape == (2, 1, cfg.vocab)
     assert max_err(step["logits"][:, 0], full["logits"][:, -1]) < atol
-    cache = llama.append_to_cache(
-        {k: v for k, v in head.items() if k.startswith("cache.")}, step)
+    store.write(step)
+    assert store.pos.tolist() == [n + 1, n + 1]
     for layer in range(cfg.layers):
         for kv in "kv":
             assert step[f"new.{layer}.{kv}"].shape == (2, 1, 2, 2, 4)
             name = f"cache.{layer}.{kv}"
-            assert cache[name].shape == full[name].shape == (2, n + 1, 2, 2, 4)
-            assert max_err(cache[name], full[name]) < atol
+            assert full[name].shape == (2, n + 1, 2, 2, 4)
+            for b in range(2):
+                assert max_err(store.rows(name, b), full[name][b]) < atol
+
+
+def test_decode_rows_at_different_positions(checkpoint):
+    """One step of a batch whose rows are at different positions equals each row's own step."""
+    cfg, weights = resolve(str(checkpoint(heads=4, kv_heads=2, seed=8)))
+    run = runner(weights)
+    ids = tokens(cfg.vocab, (2, 7), seed=3)
+    lengths = np.array([6, 3])
+    store = KVStore(cfg, 2, 8)
+    store.fill(generation.prefill(cfg, ids[:, :6], run), lengths)
+    last = ids[np.arange(2), lengths]
+    step = run(llama.decode_graph(cfg).bind(B=2, C=8),
+               {"tokens": last[:, None], "pos": store.pos.copy(), **store.view(8)})
+    for b, n in enumerate(lengths):
+        alone = generation.prefill(cfg, ids[b:b + 1, :n + 1], run)["logits"][0, -1]
+        assert max_err(step["logits"][b, 0], alone) < F32_ATOL
 
 
 # ------------------------------------------------------------------ Hugging Face fixtures
@@ -247,13 +267,14 @@ def test_large_graphs_build_and_verify(name):
     assert {node.op.name: node.shape for node in weights} == llama.weight_shapes(cfg)
 
     decode = llama.decode_graph(cfg)
-    assert {s.name for s in decode.symbols} == {"B", "P"}
-    step = decode.bind(B=2, P=2047)
+    assert {s.name for s in decode.symbols} == {"B", "C"}
+    step = decode.bind(B=2, C=2048)
     outs = {o.op.name: o for o in step.outputs}
     assert outs["logits"].shape == (2, 1, v)
     assert outs["new.0.v"].shape == (2, 1, n, 2, j)  # only the step's rows go back
     caches = [node for node in step.inputs if node.op.role is Role.cache]
-    assert len(caches) == 2 * cfg.layers and caches[0].shape == (2, 2047, n, 2, j)
+    assert len(caches) == 2 * cfg.layers and caches[0].shape == (2, 2048, n, 2, j)
+    assert step.input("pos").shape == (2,) and step.input("pos").dtype is DType.i64
     assert max(node.stage for node in step.nodes) == cfg.layers + 1
 
 

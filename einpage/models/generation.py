@@ -1,8 +1,22 @@
-"""Prefill and greedy decoding with the KV cache, over any graph runner (the dense reference, or
-a compiled plan on an executor)."""
+"""Prefill and greedy decoding over any graph runner (the dense reference, or a compiled plan on a
+backend).
+
+A generation is one prefill, then decode steps that each run one plan per KV-store bucket: the
+positions are an input (`pos`), so the plan of a bucket serves every step until the positions
+outgrow it (`kvstore.step_capacities` says which buckets a generation uses, up front). The
+store's rows are written in place after each step (`KVStore.write`); nothing is concatenated.
+
+A runner is a callable `(graph, inputs) -> outputs`. One that also has `open(graph)` returns a
+*session*: the plan held open on its backend across steps (`run(inputs)`, `write(name, (b, slot),
+row)` for the store rows it keeps on the device, `close()`). A plain callable runs each step from
+the host store.
+"""
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -10,9 +24,39 @@ from einpage.errors import InputError
 from einpage.ir.graph import Graph
 from einpage.models import llama
 from einpage.models.config import LlamaConfig
+from einpage.models.kvstore import GRANULE, KVStore, capacity_for, step_capacities
 
 #: runs a concrete graph: (graph, inputs by name) -> outputs by name
 Runner = Callable[[Graph, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+
+
+class Session(Protocol):
+    def run(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]: ...
+
+    def write(self, name: str, lead: tuple[int, ...], values: np.ndarray) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _CallSession:
+    """A plain runner as a session: every step reads the host store."""
+
+    def __init__(self, run: Runner, graph: Graph):
+        self._run, self._graph = run, graph
+
+    def run(self, inputs):
+        return self._run(self._graph, inputs)
+
+    def write(self, name, lead, values) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_session(run: Runner, graph: Graph) -> Session:
+    opener = getattr(run, "open", None)
+    return opener(graph) if opener is not None else _CallSession(run, graph)
 
 
 def check_tokens(cfg: LlamaConfig, tokens: np.ndarray) -> np.ndarray:
@@ -33,20 +77,114 @@ def prefill(cfg: LlamaConfig, tokens: np.ndarray, run: Runner) -> dict[str, np.n
     return dict(run(graph, {"tokens": tokens}))
 
 
-def greedy(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner) -> np.ndarray:
-    """`new_tokens` greedy tokens per row, int64 (batch, new_tokens): one prefill, then one decode
-    step per further token with the KV cache."""
+@lru_cache(maxsize=32)
+def _decode_graph(cfg: LlamaConfig, batch: int, capacity: int) -> Graph:
+    return _unbound_decode(cfg).bind(B=batch, C=capacity)
+
+
+@lru_cache(maxsize=16)
+def _unbound_decode(cfg: LlamaConfig) -> Graph:
+    return llama.decode_graph(cfg)
+
+
+def decode_step_graph(cfg: LlamaConfig, batch: int, capacity: int) -> Graph:
+    """The decode step of `batch` rows over a store of `capacity` slots (built once per process
+    for each `(cfg, batch, capacity)`)."""
+    return _decode_graph(cfg, batch, capacity)
+
+
+def _argmax(logits: np.ndarray) -> np.ndarray:
+    last = logits[:, -1, :]
+    if not np.isfinite(last).all():
+        raise InputError("the model produced non-finite logits (NaN or inf): the weights or "
+                         "the computation dtype overflow")
+    return np.argmax(last, axis=-1).astype(np.int64)
+
+
+def decode(cfg: LlamaConfig, store: KVStore, last: np.ndarray, steps: int, run: Runner,
+           granule: int = GRANULE, on_token: Callable[[np.ndarray], None] | None = None
+           ) -> np.ndarray:
+    """`steps` greedy decode steps from each row's `last` token [B] and the store's positions
+    (rows may be at different positions): int64 [B, steps] tokens. Each step's rows go into the
+    store. One session per bucket capacity, opened when the positions reach it."""
+    last = np.asarray(last, np.int64)
+    if last.shape != (store.batch,):
+        raise InputError(f"{last.shape[0] if last.ndim else 0} last tokens for a batch of "
+                         f"{store.batch}")
+    picked = []
+    session, capacity = None, 0
+    try:
+        for _ in range(steps):
+            need = capacity_for(int(store.pos.max()) + 1, granule)
+            if need > store.capacity:
+                raise InputError(f"the KV store of {store.capacity} slots cannot take position "
+                                 f"{int(store.pos.max())}")
+            if need != capacity:
+                if session is not None:
+                    session.close()
+                capacity = need
+                session = open_session(run, decode_step_graph(cfg, store.batch, capacity))
+            out = session.run({"tokens": last[:, None], "pos": store.pos.copy(),
+                               **store.view(capacity)})
+            for name, lead, row in store.write(out):
+                session.write(name, lead, row)
+            last = _argmax(out["logits"])
+            picked.append(last)
+            if on_token is not None:
+                on_token(last)
+    finally:
+        if session is not None:
+            session.close()
+    return np.stack(picked, axis=1) if picked else np.zeros((store.batch, 0), np.int64)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A generation's new tokens [B, N] and where its time went."""
+    tokens: np.ndarray
+    prefill_s: float
+    decode_s: float
+    capacities: tuple[int, ...]   # the decode buckets, in order
+
+    @property
+    def decode_steps(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    def rates(self, prompt_len: int) -> dict[str, float | None]:
+        batch = self.tokens.shape[0]
+        return {"prefill_tokens_per_s": batch * prompt_len / self.prefill_s
+                if self.prefill_s > 0 else None,
+                "decode_tokens_per_s": batch * self.decode_steps / self.decode_s
+                if self.decode_s > 0 and self.decode_steps else None}
+
+
+def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
+             granule: int = GRANULE, on_token: Callable[[np.ndarray], None] | None = None
+             ) -> Generated:
+    """`new_tokens` greedy tokens per row: the prefill picks the first, each decode step one
+    more. The store is allocated once at the largest bucket the generation needs."""
     if new_tokens < 1:
         raise InputError(f"new_tokens must be at least 1, got {new_tokens}")
     prompt = check_tokens(cfg, prompt)
+    batch, length = prompt.shape
+    t0 = time.perf_counter()
     out = prefill(cfg, prompt, run)
-    batch, past = prompt.shape
-    picked = [np.argmax(out["logits"][:, -1, :], axis=-1).astype(np.int64)]
-    step = llama.decode_graph(cfg)
-    cache = {k: v for k, v in out.items() if k.startswith("cache.")}
-    for _ in range(new_tokens - 1):
-        out = dict(run(step.bind(B=batch, P=past), {"tokens": picked[-1][:, None], **cache}))
-        cache = llama.append_to_cache(cache, out)
-        past += 1
-        picked.append(np.argmax(out["logits"][:, -1, :], axis=-1).astype(np.int64))
-    return np.stack(picked, axis=1)
+    first = _argmax(out["logits"])
+    prefill_s = time.perf_counter() - t0
+    if on_token is not None:
+        on_token(first)
+    caps = step_capacities(length, new_tokens, granule)
+    t0 = time.perf_counter()
+    rest = np.zeros((batch, 0), np.int64)
+    if caps:
+        store = KVStore(cfg, batch, caps[-1])
+        store.fill(out)
+        rest = decode(cfg, store, first, new_tokens - 1, run, granule, on_token)
+    decode_s = time.perf_counter() - t0
+    return Generated(np.concatenate([first[:, None], rest], axis=1), prefill_s, decode_s, caps)
+
+
+def greedy(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
+           granule: int = GRANULE) -> np.ndarray:
+    """`new_tokens` greedy tokens per row, int64 (batch, new_tokens) (`generate`'s tokens)."""
+    return generate(cfg, prompt, new_tokens, run, granule).tokens

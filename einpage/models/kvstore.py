@@ -1,0 +1,112 @@
+"""The KV store a generation keeps: per layer, keys and values of every row's past, at a fixed
+capacity, written a row at a time.
+
+A decode plan reads the store in place (`view(C)`: the first `C` slots of each row) and returns
+the step's new rows; `write` puts them at each row's position. Capacities come in buckets
+(`capacity_for`), so one plan serves every step until the positions outgrow its bucket: the
+store on the host is allocated once at the largest bucket the generation will need, and a plan
+of a smaller bucket reads a prefix of it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+
+from einpage.errors import InputError
+from einpage.models.config import LlamaConfig
+
+#: the smallest step between bucket capacities
+GRANULE = 256
+
+
+def capacity_for(need: int, granule: int = GRANULE) -> int:
+    """The bucket capacity that holds `need` rows: `need` rounded up to a multiple of
+    `granule`, or of an eighth of the next power of two where that is coarser (so a bucket wastes
+    at most about 1/8 of its slots, and a generation of N tokens compiles O(log N) plans beyond
+    the first few)."""
+    if need < 1:
+        raise InputError(f"a KV store holds at least one row, asked for {need}")
+    if granule < 1:
+        raise InputError(f"the bucket granule must be at least 1, got {granule}")
+    step = max(granule, (1 << max(0, math.ceil(math.log2(need)))) // 8)
+    return -(-need // step) * step
+
+
+def step_capacities(prompt_len: int, new_tokens: int, granule: int = GRANULE) -> tuple[int, ...]:
+    """The bucket capacities the decode steps of a generation use, in order: after a prompt of
+    `prompt_len`, the step producing token k+1 (k = 1 .. new_tokens-1) runs at position
+    `prompt_len + k - 1` and writes its row there."""
+    caps: list[int] = []
+    for pos in range(prompt_len, prompt_len + new_tokens - 1):
+        cap = capacity_for(pos + 1, granule)
+        if not caps or caps[-1] != cap:
+            caps.append(cap)
+    return tuple(caps)
+
+
+def store_names(cfg: LlamaConfig) -> tuple[str, ...]:
+    return tuple(f"cache.{layer}.{kv}" for layer in range(cfg.layers) for kv in "kv")
+
+
+class KVStore:
+    """Keys and values of `batch` rows at `capacity` slots: `arrays[cache.<l>.k|v]` of shape
+    [batch, capacity, kv_heads, 2, head_dim/2] in the model dtype, and `pos[b]`, the rows row b
+    holds (its next position). `dtype` overrides the storage type (float64 for the reference's
+    float64 mode)."""
+
+    def __init__(self, cfg: LlamaConfig, batch: int, capacity: int, dtype=None):
+        if batch < 1 or capacity < 1:
+            raise InputError(f"a KV store needs batch and capacity of at least 1, got "
+                             f"{batch} and {capacity}")
+        self.cfg, self.batch, self.capacity = cfg, batch, capacity
+        shape = (batch, capacity, cfg.kv_heads, 2, cfg.head_dim // 2)
+        self.arrays = {name: np.zeros(shape, dtype or cfg.dtype.numpy) for name in store_names(cfg)}
+        self.pos = np.zeros(batch, np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def fill(self, cache: Mapping[str, np.ndarray], lengths: np.ndarray | None = None) -> None:
+        """Rows from a prefill's `cache.<l>.k|v` [B, S, ...]: row b's first `lengths[b]` (default
+        all S) positions, which become its past."""
+        first = cache[store_names(self.cfg)[0]]
+        batch, seq = first.shape[:2]
+        lengths = np.full(batch, seq, np.int64) if lengths is None else np.asarray(lengths)
+        if batch != self.batch or lengths.shape != (batch,):
+            raise InputError(f"prefill of {batch} rows for a store of {self.batch}")
+        if lengths.min() < 1 or lengths.max() > min(seq, self.capacity):
+            raise InputError(f"prefill lengths {lengths.tolist()} do not fit a store of "
+                             f"{self.capacity} slots from {seq} positions")
+        for name, array in self.arrays.items():
+            rows = cache[name]
+            for b, n in enumerate(lengths):
+                array[b, :n] = rows[b, :n]
+        self.pos = lengths.astype(np.int64).copy()
+
+    def view(self, capacity: int) -> dict[str, np.ndarray]:
+        """The first `capacity` slots of every row, by input name (views: no copy)."""
+        if capacity > self.capacity:
+            raise InputError(f"a plan of capacity {capacity} reads a store of {self.capacity}")
+        return {name: array[:, :capacity] for name, array in self.arrays.items()}
+
+    def write(self, step: Mapping[str, np.ndarray]) -> list[tuple[str, tuple[int, int], np.ndarray]]:
+        """Write a decode step's `new.<l>.k|v` [B, 1, ...] rows at `pos` and advance `pos`.
+        Returns the rows written, `(name, (b, slot), row)`, for copies elsewhere (a device)."""
+        if int(self.pos.max()) >= self.capacity:
+            raise InputError(f"the KV store is full: {self.capacity} slots")
+        written = []
+        for name, array in self.arrays.items():
+            new = step["new." + name[len("cache."):]]
+            for b in range(self.batch):
+                slot = int(self.pos[b])
+                array[b, slot] = new[b, 0]
+                written.append((name, (b, slot), array[b, slot]))
+        self.pos += 1
+        return written
+
+    def rows(self, name: str, b: int) -> np.ndarray:
+        """Row b's past in `name`: [pos[b], kv_heads, 2, head_dim/2]."""
+        return self.arrays[name][b, :int(self.pos[b])]
