@@ -10,6 +10,7 @@ Allowed directions (an arrow means "may import"; every subpackage may import the
     models    -> ir
     runners   -> compiler, runtime, ir, models     (compile-and-run glue)
     calibrate -> compiler, runtime, ir, predict    (measures a device profile through a backend)
+    forecast  -> compiler, models, ir, predict     (a whole generation's plans, predicted)
     cli       -> everything
 
 So `compiler` never imports `runtime` or `cli`, `runtime` never imports `compiler` or `cli`,
@@ -36,8 +37,10 @@ ALLOWED = {
     "models": {"ir"},
     "runners": {"compiler", "runtime", "ir", "models"},
     "calibrate": {"compiler", "runtime", "ir", "predict"},
+    "forecast": {"compiler", "models", "ir", "predict"},
     "compile": {"compiler", "runners"},  # the deprecated shim
-    "cli": {"ir", "predict", "compiler", "runtime", "models", "runners", "calibrate"},
+    "cli": {"ir", "predict", "compiler", "runtime", "models", "runners", "calibrate",
+            "forecast"},
 }
 ROOT = Path(einpage.__file__).parent
 

@@ -18,7 +18,13 @@ def add_commands(sub) -> None:
     c.add_argument("--batch", type=int, default=1)
     c.add_argument("--seq", type=int, default=2048, help="tokens per row (prefill)")
     c.add_argument("--phase", choices=["prefill", "decode"], default="prefill")
-    c.add_argument("--past", type=int, default=0, help="KV cache length (decode)")
+    c.add_argument("--past", type=int, help="decode: the step's position, i.e. the rows already "
+                                            "in the KV store (default: --seq)")
+    c.add_argument("--capacity", type=int, help="decode: slots of the KV store the plan reads "
+                                                "(default: the bucket that holds --past + 1)")
+    c.add_argument("--max-new-tokens", type=int,
+                   help="report the whole generation: the prefill of --seq tokens, then the "
+                        "decode steps, one plan per KV bucket")
     c.add_argument("--dtype", choices=["f16", "bf16", "f32"])
     c.add_argument("--policy", default="reuse-distance")
     c.add_argument("--block-bytes", help="target working set of one task (default: budget/8)")
@@ -56,21 +62,35 @@ def _lookahead(text: str | None) -> dict:
 
 
 def _graph(args):
+    """(config, bound graph, checkpoint sources, tokens per pass, workload) of the plan asked
+    for."""
     from einpage.models import llama, resolve
+    from einpage.models.kvstore import capacity_for
     cfg, _ = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None)
     for name, value in (("--batch", args.batch), ("--seq", args.seq)):
         if value < 1:
             raise InputError(f"{name} must be at least 1, got {value}")
-    if args.past < 0:
-        raise InputError(f"--past must be non-negative, got {args.past}")
+    workload = {"model": cfg.name, "phase": args.phase, "batch": args.batch,
+                "dtype": cfg.dtype.value}
     if args.phase == "prefill":
+        if args.past is not None or args.capacity is not None:
+            raise InputError("--past and --capacity describe a decode step: add --phase decode")
         graph = llama.prefill_graph(cfg).bind(B=args.batch, S=args.seq)
         tokens = args.batch * args.seq
+        workload.update(seq=args.seq, tokens=tokens)
     else:
-        graph = llama.decode_graph(cfg).bind(B=args.batch, P=args.past)
+        past = args.seq if args.past is None else args.past
+        if past < 0:
+            raise InputError(f"--past must be non-negative, got {past}")
+        capacity = capacity_for(past + 1) if args.capacity is None else args.capacity
+        if capacity < past + 1:
+            raise InputError(f"--capacity {capacity} cannot hold position {past}: the step "
+                             f"writes its row there (at least {past + 1})")
+        graph = llama.decode_graph(cfg).bind(B=args.batch, C=capacity)
         tokens = args.batch
+        workload.update(seq=1, past=past, capacity=capacity, tokens=tokens)
     sources = {name: llama.hf_tensor(name) for name in llama.weight_shapes(cfg)}
-    return cfg, graph, sources, tokens
+    return cfg, graph, sources, tokens, workload
 
 
 def cmd_compile(args) -> None:
@@ -78,11 +98,10 @@ def cmd_compile(args) -> None:
     from einpage.compiler import CompileOptions, compile_graph
     profile = profile_from_args(args)
     device_bytes = parse_size(args.gpu_mem, "--gpu-mem")
-    cfg, graph, sources, tokens = _graph(args)
+    if args.max_new_tokens is not None:
+        return _generation_report(args, profile, device_bytes)
+    cfg, graph, sources, tokens, workload = _graph(args)
     progress = Progress(enabled=False if args.quiet else None)
-    workload = {"model": cfg.name, "phase": args.phase, "batch": args.batch,
-                "seq": args.seq if args.phase == "prefill" else 1, "past": args.past,
-                "dtype": cfg.dtype.value, "tokens": tokens}
     options = CompileOptions(
         device_bytes=device_bytes, policy=args.policy, device=profile,
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
@@ -105,6 +124,49 @@ def cmd_compile(args) -> None:
         report = report.with_notes(plot=args.plot)
     report = _trace(args, compiled.memgraph, compiled.simulation, report)
     _show(report, args.json)
+
+
+def _generation_report(args, profile, device_bytes: int) -> None:
+    """`compile --max-new-tokens N`: the prefill of --seq tokens and every decode bucket,
+    predicted."""
+    from einpage.compiler import CompileOptions
+    from einpage.forecast import forecast_generation
+    from einpage.models import resolve
+    if args.phase != "prefill" or args.past is not None or args.capacity is not None:
+        raise InputError("--max-new-tokens reports a whole generation from a prompt of --seq "
+                         "tokens: drop --phase decode, --past and --capacity")
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    for flag, value in (("-o", args.output), ("--plot", args.plot), ("--trace", args.trace)):
+        if value:
+            raise InputError(f"{flag} writes one plan: compile --phase prefill or --phase "
+                             "decode for it (--max-new-tokens compiles several)")
+    cfg, _ = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None)
+    options = CompileOptions(
+        device_bytes=device_bytes, policy=args.policy, device=profile,
+        block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
+        **_lookahead(args.lookahead))
+    f = forecast_generation(cfg, args.batch, args.seq, args.max_new_tokens, options)
+    if args.json:
+        print(json.dumps(f.to_json(), sort_keys=True))
+        return
+    print(f"einpage generation: {cfg.name} batch={f.batch} prompt={f.prompt} "
+          f"new tokens={f.new_tokens} {cfg.dtype.value} policy={args.policy} budget "
+          f"{format_size(device_bytes)}  (sizes in GB = 10^9 bytes)")
+    print(f"  predicted on {profile.name}: {_s(f.total_s)} in all, {f.tokens_per_s:.3g} "
+          f"generated tokens/s; {f.plans} plans (1 prefill, {len(f.buckets)} decode)")
+    print(f"  prefill: {_s(f.prefill_s)} ({f.batch * f.prompt / f.prefill_s:.4g} tokens/s)"
+          if f.prefill_s > 0 else "  prefill: 0 s")
+    for b in f.buckets:
+        c = b.compiled.report.compiled
+        print(f"  decode, KV capacity {b.capacity}: {b.steps} steps of {_s(b.step_s)}; "
+              f"{format_size(b.step_bytes)} moved per step (at least "
+              f"{format_size(c.min_stream_bytes)}); KV {format_size(c.kv_bytes)}, "
+              f"{format_size(c.kv_resident_bytes)} resident; efficiency {b.efficiency:.3f}")
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.3f} s" if seconds >= 0.01 else f"{seconds * 1e3:.3f} ms"
 
 
 def cmd_inspect(args) -> None:

@@ -18,8 +18,10 @@ def print_report(r: PlanReport, source: str | None = None) -> None:
     """The text report; `source` names the plan file of an `inspect`."""
     w, c, t = r.workload, r.compiled, r.traffic
     if c is not None:
+        where = (f"past={w.get('past')} capacity={w.get('capacity')}" if w.get("phase") == "decode"
+                 else f"seq={w.get('seq', '?')}")
         print(f"einpage plan: {w.get('model', '?')} {w.get('phase', '')} "
-              f"batch={w.get('batch', '?')} seq={w.get('seq', '?')} past={w.get('past', 0)} "
+              f"batch={w.get('batch', '?')} {where} "
               f"{w.get('dtype', '')} policy={w.get('policy', '?')}  (sizes in GB = 10^9 bytes)")
         print(f"  tasks {c.tasks}, memgraph nodes {r.nodes}, compiled in "
               f"{c.compile_seconds:.2f} s")
@@ -28,6 +30,10 @@ def print_report(r: PlanReport, source: str | None = None) -> None:
               f"budget {_gb(c.min_budget_bytes)}")
         print(f"  weights {_gb(c.weight_bytes)}: resident {_gb(c.resident_bytes)}, streamed per "
               f"pass {_gb(c.streamed_weight_bytes)}")
+        if c.kv_bytes:
+            print(f"  KV store {_gb(c.kv_bytes)}: resident {_gb(c.kv_resident_bytes)}, streamed "
+                  f"per step {_gb(c.kv_streamed_bytes)}")
+        print(f"  a pass must move at least {_gb(c.min_stream_bytes)} (weights + KV - budget)")
     else:
         print(f"einpage plan {source}: {r.nodes} nodes, {r.tensors} tensors, valid")
         print("  made for: " + ", ".join(f"{k}={w[k]}" for k in sorted(w)))

@@ -17,7 +17,7 @@ Each block's state during the walk is one `BlockState` record. The policy choose
 (`Policy.groups`: layerwise streaming pins a whole stage's weights from its first task to its
 last); the allocator places the bytes.
 
-Resident blocks (weights that stay on the device for every pass) are placed at fixed offsets at
+Resident blocks (weights and KV-store blocks that stay on the device for every pass) are placed at fixed offsets at
 the bottom of the arena as `input at device` and never freed or evicted.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGrap
                                  OutputRef, ReloadNode, TensorInfo)
 from einpage.ir.ops import op_text
 from einpage.ir.taskgraph import TaskGraph
+from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.units import format_size
 
 
@@ -39,8 +40,8 @@ from einpage.units import format_size
 class LowerOptions:
     device_bytes: int
     policy: Policy
-    resident: frozenset[int] = frozenset()       # weight blocks kept on the device
-    inputs_at_device: bool = False               # activation/cache inputs start on the device
+    resident: frozenset[int] = frozenset()       # persistent blocks kept on the device
+    inputs_at_device: bool = False               # activation inputs start on the device
     outputs_to_host: bool = False                # write outputs back as soon as they are final
     lookahead_bytes: int | None = None           # cap on bytes reserved ahead of execution
     lookahead_seconds: float | None = None       # cap on predicted compute ahead of execution
@@ -122,7 +123,7 @@ class _Lowering:
                 st.last_writer = nid
                 st.accesses = [nid]
                 st.host_valid = True
-            elif opt.inputs_at_device and blk.role != "weight" and st.uses:
+            elif opt.inputs_at_device and blk.role not in PERSISTENT_ROLES and st.uses:
                 a = self.alloc.allocate(st.size)
                 if a is None:
                     raise BudgetError("inputs do not fit on the device", st.size, 0)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from einpage.compiler.resident import choose_resident, pass_needs, pass_reserve
+from einpage.compiler.resident import (choose_resident, pass_needs, pass_reserve,
+                                       persistent_blocks)
 from einpage.errors import EinpageError
 from einpage.ir.taskgraph import TaskGraph
 
@@ -33,7 +34,8 @@ class Group:
 
 @dataclass(frozen=True, slots=True)
 class Residency:
-    """The weight blocks a policy keeps on the device for every pass, and the room it chose
+    """The persistent blocks (weights, KV) a policy keeps on the device for every pass, and the
+    room it chose
     them in (0: no choice was made, so none is worth searching)."""
     blocks: frozenset[int]
     room: int = 0
@@ -62,9 +64,9 @@ class Policy:
 
     def resident(self, tg: TaskGraph, order: list[int], device_bytes: int,
                  fits: bool) -> Residency:
-        """Every weight where the whole pass fits (zero transfers per pass); none otherwise
-        (the reactive policies keep no weight from one pass to the next)."""
-        return Residency(_weights(tg) if fits else frozenset())
+        """Every weight and KV block where the whole pass fits (zero transfers per pass); none
+        otherwise (the reactive policies keep nothing from one pass to the next)."""
+        return Residency(persistent_blocks(tg) if fits else frozenset())
 
     def groups(self, tg: TaskGraph, order: list[int]) -> tuple[Group, ...]:
         return ()
@@ -82,7 +84,7 @@ class ReuseDistance(Policy):
         """What MIN keeps on the cyclic trace of repeated passes: the weights that fit beside
         the pass's own needs (`einpage.compiler.resident`)."""
         if fits:
-            return Residency(_weights(tg))
+            return Residency(persistent_blocks(tg))
         room = device_bytes - pass_reserve(pass_needs(tg, order, outputs_stay=False))
         return Residency(choose_resident(tg, order, room), room)
 
@@ -126,14 +128,10 @@ class NoEviction(Policy):
 
     def resident(self, tg: TaskGraph, order: list[int], device_bytes: int,
                  fits: bool) -> Residency:
-        return Residency(_weights(tg))  # nothing leaves the device: every weight stays
+        return Residency(persistent_blocks(tg))  # nothing leaves the device: all of it stays
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (ReuseDistance, LRU, Layerwise, NoEviction)}
-
-
-def _weights(tg: TaskGraph) -> frozenset[int]:
-    return frozenset(b.id for b in tg.input_blocks if b.role == "weight")
 
 
 def get_policy(name: str) -> Policy:

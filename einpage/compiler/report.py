@@ -51,11 +51,15 @@ class CompileFigures:
     """What only the compiler knows: the taskgraph, the pass's needs, the search."""
     tasks: int
     blocks: int
-    lower_bound_bytes: int        # resident weights + the largest task's working set
+    lower_bound_bytes: int        # resident weights and KV + the largest task's working set
     min_budget_bytes: int         # the largest task's working set
     weight_bytes: int
-    resident_bytes: int
+    resident_bytes: int           # weights kept on the device for every pass
     streamed_weight_bytes: int
+    kv_bytes: int                 # the KV store the pass reads (0 for a prefill)
+    kv_resident_bytes: int        # ... of which stays on the device across passes
+    kv_streamed_bytes: int        # ... of which streams in each pass
+    min_stream_bytes: int         # weights + KV - budget: what no plan can keep resident
     activation_peak_bytes: int
     compile_seconds: float
     tasks_per_second: float | None

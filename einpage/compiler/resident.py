@@ -1,10 +1,12 @@
-"""Which weights stay on the device for every pass.
+"""Which persistent blocks — weights and KV-store blocks — stay on the device for every pass.
 
-A plan is one pass run again and again, so a weight block kept resident is loaded once per model
-load and streams zero bytes per pass; every other weight block streams its bytes once per pass.
-The resident set is the largest set of weight bytes that fits beside the memory the pass itself
-needs (activations at their peak, the largest task's working set, and room to double-buffer the
-streamed weights), spread evenly over the pass so streaming overlaps compute throughout.
+A plan is one pass run again and again, so a block kept resident is loaded once (with the model,
+or when the store is opened) and streams zero bytes per pass; every other persistent block
+streams its bytes once per pass. A weight byte and a KV byte cost the same per pass, so both
+compete for one room: the resident set is the largest set of persistent bytes that fits beside
+the memory the pass itself needs (activations at their peak, the largest task's working set,
+and room to double-buffer the streamed blocks), spread evenly over the pass so streaming
+overlaps compute throughout.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 from einpage.compiler.allocator import aligned
 from einpage.ir.taskgraph import TaskGraph
+from einpage.ir.tensors import PERSISTENT_ROLES
 
 
 def working_set(tg: TaskGraph, task_id: int) -> int:
@@ -23,10 +26,15 @@ def working_set(tg: TaskGraph, task_id: int) -> int:
 @dataclass(frozen=True)
 class PassNeeds:
     weight_bytes: int          # all weight blocks, aligned
-    input_bytes: int           # activation and cache input blocks, aligned
+    kv_bytes: int              # all KV-store (cache) input blocks, aligned
+    input_bytes: int           # activation input blocks, aligned
     activation_peak: int       # peak of live produced blocks over the order
     max_working_set: int       # the largest task's blocks
-    max_task_weights: int      # the most weight bytes one task reads
+    max_task_weights: int      # the most persistent (weight, KV) bytes one task reads
+
+    @property
+    def persistent_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
 
 
 def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> PassNeeds:
@@ -50,19 +58,27 @@ def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> Pa
     for d in delta:
         live += d
         peak = max(peak, live)
-    weights = [b for b in tg.input_blocks if b.role == "weight"]
-    others = [b for b in tg.input_blocks if b.role != "weight"]
+    def total(role: str) -> int:
+        return sum(aligned(b.bytes) for b in tg.input_blocks if b.role == role)
+
     return PassNeeds(
-        weight_bytes=sum(aligned(b.bytes) for b in weights),
-        input_bytes=sum(aligned(b.bytes) for b in others),
+        weight_bytes=total("weight"), kv_bytes=total("cache"),
+        input_bytes=sum(aligned(b.bytes) for b in tg.input_blocks
+                        if b.role not in PERSISTENT_ROLES),
         activation_peak=peak,
         max_working_set=max((working_set(tg, t) for t in range(len(tg.tasks))), default=0),
         max_task_weights=max((sum(aligned(tg.blocks[b].bytes) for b in set(t.reads)
-                                  if tg.blocks[b].role == "weight") for t in tg.tasks), default=0))
+                                  if tg.blocks[b].role in PERSISTENT_ROLES) for t in tg.tasks),
+                             default=0))
+
+
+def persistent_blocks(tg: TaskGraph) -> frozenset[int]:
+    """Every weight and KV-store input block: the candidates to stay resident."""
+    return frozenset(b.id for b in tg.input_blocks if b.role in PERSISTENT_ROLES)
 
 
 def everything_fits(needs: PassNeeds, device_bytes: int) -> bool:
-    return (needs.weight_bytes + needs.input_bytes + needs.activation_peak * 1.05
+    return (needs.persistent_bytes + needs.input_bytes + needs.activation_peak * 1.05
             + needs.max_working_set) <= device_bytes
 
 
@@ -72,9 +88,10 @@ def pass_reserve(needs: PassNeeds) -> int:
 
 
 def choose_resident(tg: TaskGraph, order: list[int], budget: int) -> frozenset[int]:
-    """Weight blocks to keep resident within `budget` bytes, spread evenly over the pass.
+    """Persistent blocks (weights, KV) to keep resident within `budget` bytes, spread evenly over
+    the pass.
 
-    Walking the weights in order of first use, a block stays resident while the resident share so
+    Walking them in order of first use, a block stays resident while the resident share so
     far is below the share the budget allows overall (`budget / weight bytes`), so streamed
     blocks are interleaved with resident ones from the first layer to the last: the host->device
     engine has work from the start of the pass to its end while resident layers compute, instead
@@ -83,7 +100,7 @@ def choose_resident(tg: TaskGraph, order: list[int], budget: int) -> frozenset[i
     for p, tid in enumerate(order):
         for b in tg.tasks[tid].reads:
             first.setdefault(b, p)
-    weights = sorted((b for b in tg.input_blocks if b.role == "weight"),
+    weights = sorted((b for b in tg.input_blocks if b.role in PERSISTENT_ROLES),
                      key=lambda b: (first.get(b.id, len(order)), b.id))
     total = sum(aligned(b.bytes) for b in weights)
     if total == 0 or budget <= 0:

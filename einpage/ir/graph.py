@@ -23,7 +23,7 @@ Size = Union[int, sympy.Expr]
 class Role(enum.Enum):
     weight = "weight"          # starts in host storage; read-only
     activation = "activation"  # supplied by the caller for each pass
-    cache = "cache"            # KV cache supplied by the caller; may live in either tier
+    cache = "cache"            # KV store kept by the caller across passes; either tier
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,12 @@ from typing import Any, Callable
 from einpage.ir.dtypes import DType
 
 
+#: Roles of inputs that persist from pass to pass (weights, the KV store): their blocks may stay
+#: on the device for every pass (loaded once) or stream in each pass from their host copy, as
+#: the plan's resident choice says. Activations are supplied afresh for each pass.
+PERSISTENT_ROLES = frozenset({"weight", "cache"})
+
+
 @dataclass(frozen=True, slots=True)
 class Source:
     """Where an input block's data comes from: graph input `input` (a weight's checkpoint tensor

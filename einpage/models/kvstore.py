@@ -34,16 +34,24 @@ def capacity_for(need: int, granule: int = GRANULE) -> int:
     return -(-need // step) * step
 
 
-def step_capacities(prompt_len: int, new_tokens: int, granule: int = GRANULE) -> tuple[int, ...]:
-    """The bucket capacities the decode steps of a generation use, in order: after a prompt of
-    `prompt_len`, the step producing token k+1 (k = 1 .. new_tokens-1) runs at position
-    `prompt_len + k - 1` and writes its row there."""
-    caps: list[int] = []
+def bucket_steps(prompt_len: int, new_tokens: int, granule: int = GRANULE
+                 ) -> list[tuple[int, int]]:
+    """`(capacity, steps)` of the buckets the decode steps of a generation use, in order: after a
+    prompt of `prompt_len`, the step producing token k+1 (k = 1 .. new_tokens-1) runs at
+    position `prompt_len + k - 1` and writes its row there."""
+    out: list[tuple[int, int]] = []
     for pos in range(prompt_len, prompt_len + new_tokens - 1):
         cap = capacity_for(pos + 1, granule)
-        if not caps or caps[-1] != cap:
-            caps.append(cap)
-    return tuple(caps)
+        if out and out[-1][0] == cap:
+            out[-1] = (cap, out[-1][1] + 1)
+        else:
+            out.append((cap, 1))
+    return out
+
+
+def step_capacities(prompt_len: int, new_tokens: int, granule: int = GRANULE) -> tuple[int, ...]:
+    """The bucket capacities of `bucket_steps`."""
+    return tuple(cap for cap, _ in bucket_steps(prompt_len, new_tokens, granule))
 
 
 def store_names(cfg: LlamaConfig) -> tuple[str, ...]:

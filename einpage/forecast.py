@@ -1,0 +1,125 @@
+"""A whole generation, predicted: the prefill plan of the prompt, then one decode plan per KV-store
+bucket, each compiled for the budget and simulated on the profile, and the steps each bucket
+runs. This is what `einpage compile --max-new-tokens N` reports and what the generation
+benchmarks measure; no weights and no GPU are needed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from einpage.compiler import CompileOptions, Compiled, compile_graph
+from einpage.errors import InputError
+from einpage.models import llama
+from einpage.models.config import LlamaConfig
+from einpage.models.kvstore import GRANULE, bucket_steps
+from einpage.predict import DEFAULT_DEVICE, get_device
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The decode plan of one KV-store capacity and the steps that run it."""
+    capacity: int
+    steps: int
+    compiled: Compiled
+    h2d_bandwidth: float   # of the profile it was predicted on
+
+    @property
+    def step_s(self) -> float:
+        return self.compiled.simulation.makespan_s
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes one step moves across the host link, both ways."""
+        sim = self.compiled.simulation
+        return sim.h2d_bytes + sim.d2h_bytes
+
+    @property
+    def bound_s(self) -> float:
+        """The step's lower bound: its compute, or the bytes no plan can keep on the device
+        (weights + KV - budget) over the host->device bandwidth, whichever is more."""
+        sim = self.compiled.simulation
+        return max(sim.compute_s, self.compiled.report.compiled.min_stream_bytes
+                   / self.h2d_bandwidth)
+
+    @property
+    def efficiency(self) -> float:
+        return self.bound_s / self.step_s if self.step_s > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class GenerationForecast:
+    model: str
+    batch: int
+    prompt: int
+    new_tokens: int
+    prefill: Compiled
+    buckets: tuple[BucketPlan, ...]
+
+    @property
+    def plans(self) -> int:
+        return 1 + len(self.buckets)
+
+    @property
+    def prefill_s(self) -> float:
+        return self.prefill.simulation.makespan_s
+
+    @property
+    def decode_s(self) -> float:
+        return sum(b.steps * b.step_s for b in self.buckets)
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of the whole generation (FlexGen's throughput)."""
+        return self.batch * self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        steps = sum(b.steps for b in self.buckets)
+        return self.batch * steps / self.decode_s if self.decode_s > 0 else None
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model, "batch": self.batch, "prompt": self.prompt,
+            "new_tokens": self.new_tokens, "plans": self.plans, "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s, "total_s": self.total_s,
+            "tokens_per_s": self.tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
+            "device": self.prefill.simulation.device,
+            "device_bytes": self.prefill.memgraph.device_bytes,
+            "buckets": [{
+                "capacity": b.capacity, "steps": b.steps, "step_s": b.step_s,
+                "step_bytes": b.step_bytes, "bound_s": b.bound_s,
+                "efficiency": round(b.efficiency, 4),
+                "kv_bytes": b.compiled.report.compiled.kv_bytes,
+                "kv_resident_bytes": b.compiled.report.compiled.kv_resident_bytes,
+                "weight_resident_bytes": b.compiled.report.compiled.resident_bytes,
+                "min_stream_bytes": b.compiled.report.compiled.min_stream_bytes,
+                "compile_s": b.compiled.report.compiled.compile_seconds,
+            } for b in self.buckets],
+        }
+
+
+def forecast_generation(cfg: LlamaConfig, batch: int, prompt: int, new_tokens: int,
+                        options: CompileOptions, granule: int = GRANULE) -> GenerationForecast:
+    """Compile and simulate the prefill of `prompt` tokens and every decode bucket of
+    `new_tokens` greedy tokens for `batch` rows under `options` (its budget and profile)."""
+    if batch < 1 or prompt < 1 or new_tokens < 1:
+        raise InputError(f"a generation needs batch, prompt and new tokens of at least 1, got "
+                         f"{batch}, {prompt} and {new_tokens}")
+    sources = {name: llama.hf_tensor(name) for name in llama.weight_shapes(cfg)}
+    base = {"model": cfg.name, "batch": batch, "dtype": cfg.dtype.value}
+
+    def compile_for(graph, **workload) -> Compiled:
+        return compile_graph(graph, replace(options, sources=sources,
+                                            workload={**base, **workload}))
+
+    pre = compile_for(llama.prefill_graph(cfg).bind(B=batch, S=prompt), phase="prefill",
+                      seq=prompt, tokens=batch * prompt)
+    step = llama.decode_graph(cfg)
+    bandwidth = (options.device or get_device(DEFAULT_DEVICE)).h2d_bandwidth
+    buckets = tuple(BucketPlan(cap, steps, compile_for(
+        step.bind(B=batch, C=cap), phase="decode", seq=1, capacity=cap, tokens=batch), bandwidth)
+        for cap, steps in bucket_steps(prompt, new_tokens, granule))
+    return GenerationForecast(cfg.name, batch, prompt, new_tokens, pre, buckets)
