@@ -42,10 +42,11 @@ def arena_view(arena: np.ndarray, mg: MemGraph, tid: int, offset: int | None) ->
 
 
 class PlanIO:
-    """A plan's traffic with its caller. Checks on construction that every activation or cache
-    input the plan reads is given with its logical shape; reads weights lazily, each whole weight
-    once (`weights(name)` may return a memory map: only the blocks the plan reads are touched).
-    Safe to use from several threads."""
+    """A plan's traffic with its caller. Checks on construction (and at `set_inputs`, for the
+    next pass of a plan held open) that every activation or cache input the plan reads is given
+    with its logical shape; reads weights lazily, each whole weight once (`weights(name)` may
+    return a memory map: only the blocks the plan reads are touched). Safe to use from several
+    threads."""
 
     def __init__(self, mg: MemGraph, inputs: Mapping[str, np.ndarray] | None = None,
                  weights: WeightSource | None = None):
@@ -56,6 +57,20 @@ class PlanIO:
         self._whole: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._check_inputs()
+
+    def set_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
+        """The inputs of the next pass (between passes: no node is running)."""
+        fresh = {name: np.asarray(value) for name, value in inputs.items()}
+        saved = self.inputs
+        self.inputs = fresh
+        try:
+            self._check_inputs()
+        except InputError:
+            self.inputs = saved
+            raise
+        with self._lock:
+            self._whole = {name: whole for name, whole in self._whole.items()
+                           if self._roles.get(name) == "weight"}
 
     def _check_inputs(self) -> None:
         expected = {t.name: (t.role, tuple(t.shape)) for t in self.mg.inputs}

@@ -1,8 +1,13 @@
 """The stream executor: a memgraph run as it was priced, its stream program on a backend with one
 worker thread per queue (DESIGN.md, "Stream program").
 
-First the weights that stay on the device are loaded (the program's `preloaded` nodes, once per
-plan, timed apart: the simulator prices them at zero). Then the pass: each worker issues its
+A `StreamSession` holds a plan open on its backend for many passes (the decode steps of a
+generation): the arena, the host buffers and the blocks that stay on the device live from the
+first pass to `close`. The first pass loads the resident blocks (the program's `preloaded`
+nodes: weights and KV-store blocks, timed apart: the simulator prices them at zero); between
+passes the caller writes the KV store's new rows in place (`write`: into the device copy of a
+resident block, or the backend's host copy of a streamed one). `run_streams` is one pass of a
+session. Each pass: each worker issues its
 queue's steps in plan order; before a step it blocks until every node it waits on has been
 recorded (a host-side flag set after the backend's `record`), then has the backend wait on that
 node's event. The plan's edges, through the program's waits, are the only ordering there is.
@@ -24,7 +29,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from einpage.errors import EinpageError, ExecutionError, Interrupted
-from einpage.ir.memgraph import MemGraph
+from einpage.ir.memgraph import InputNode, MemGraph
 from einpage.ir.tensors import WeightSource
 from einpage.runtime.backends.base import Backend
 from einpage.runtime.measured import Measured, Span
@@ -46,23 +51,103 @@ def run_streams(mg: MemGraph, inputs: Mapping[str, np.ndarray] | None = None,
                 program: StreamProgram | None = None, timing: bool = True) -> StreamRun:
     """Execute `mg` once on `backend` (a `Backend` or a registered name) and return its outputs
     by name with the measured pass. `timing` off spares the CUDA backend two events per node."""
-    if isinstance(backend, str):
-        from einpage.runtime.backends import make_backend
-        backend = make_backend(backend)
-    program = program if program is not None else compile_streams(mg, preload=True)
-    io = PlanIO(mg, inputs, weights)
-    try:
-        backend.open(mg, io)
-        return _Pass(mg, program, backend, timing).run(io)
-    except KeyboardInterrupt:  # between the phases: no worker is running
-        raise Interrupted("interrupted: every queue stopped, memory released") from None
-    finally:
-        backend.close()
+    with StreamSession(mg, weights, backend, program, timing) as session:
+        return session.run(inputs or {})
+
+
+class StreamSession:
+    """`mg` held open on `backend` for many passes (see the module docstring): `run(inputs)` per
+    pass, `write(name, lead, values)` between passes, `close()` (or a `with` block) at the end.
+    Any error closes the session (memory released) before it reaches the caller."""
+
+    def __init__(self, mg: MemGraph, weights: WeightSource | None = None,
+                 backend: Backend | str = "threads", program: StreamProgram | None = None,
+                 timing: bool = True):
+        if isinstance(backend, str):
+            from einpage.runtime.backends import make_backend
+            backend = make_backend(backend)
+        self.mg, self.weights, self.backend, self.timing = mg, weights, backend, timing
+        self.program = program if program is not None else compile_streams(mg, preload=True)
+        self.io: PlanIO | None = None
+        self.closed = False
+        self.passes = 0
+        self._blocks = _store_blocks(mg)
+
+    def __enter__(self) -> "StreamSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> StreamRun:
+        """One pass with these activation inputs (and the current KV store)."""
+        if self.closed:
+            raise ExecutionError("this plan's session is closed")
+        try:
+            load_s = None
+            if self.io is None:
+                self.io = PlanIO(self.mg, inputs, self.weights)
+                self.backend.open(self.mg, self.io)
+                load_s = _Pass(self).preload()
+            else:
+                self.io.set_inputs(inputs)
+                self.backend.begin_pass()
+            result = _Pass(self).run(self.io, load_s)
+            self.passes += 1
+            return result
+        except KeyboardInterrupt:  # between the phases: no worker is running
+            self.close()
+            raise Interrupted("interrupted: every queue stopped, memory released") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, name: str, lead: tuple[int, ...], values: np.ndarray) -> None:
+        """Between passes: `values` over `input[name][lead]` (a KV-store row: `lead` = (row,
+        slot)) in every copy the backend holds of the blocks it falls in. The input array the
+        caller passes to `run` is the caller's to update."""
+        if self.io is None or self.closed:
+            return  # nothing is held yet: the next `run` reads the caller's input
+        values = np.asarray(values)
+        for tid, origin, shape, offset in self._blocks.get(name, ()):
+            k = len(lead)
+            if not all(o <= i < o + n for i, o, n in zip(lead, origin[:k], shape[:k])):
+                continue
+            part = values[tuple(slice(o, o + n) for o, n in zip(origin[k:], shape[k:]))]
+            local = tuple(i - o for i, o in zip(lead, origin))
+            dtype = self.mg.tensors[tid].dtype.numpy
+            try:
+                self.backend.write_input(tid, offset, local,
+                                         np.ascontiguousarray(part, dtype=dtype))
+            except BaseException:
+                self.close()
+                raise
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.backend.close()
+
+
+def _store_blocks(mg: MemGraph) -> dict[str, list[tuple[int, tuple, tuple, int | None]]]:
+    """KV-store input blocks by input name: (tensor, origin, shape, arena offset or None for a
+    block that streams from the host)."""
+    out: dict[str, list] = {}
+    for n in mg.nodes:
+        if isinstance(n, InputNode) and 0 <= n.tensor < len(mg.tensors):
+            t = mg.tensors[n.tensor]
+            if t.role == "cache" and t.source is not None:
+                out.setdefault(t.source.input, []).append(
+                    (n.tensor, tuple(t.source.origin), tuple(t.shape),
+                     n.offset if n.at == "device" else None))
+    return out
 
 
 class _Pass:
-    def __init__(self, mg: MemGraph, program: StreamProgram, backend: Backend, timing: bool):
-        self.mg, self.program, self.backend, self.timing = mg, program, backend, timing
+    def __init__(self, session: StreamSession):
+        self.mg, self.program = session.mg, session.program
+        self.backend, self.timing = session.backend, session.timing
+        program = self.program
         self.recorded = {node: threading.Event() for node in program.events}
         self.aborted = threading.Event()
         self.failure: tuple[str, int, BaseException] | None = None
@@ -71,12 +156,16 @@ class _Pass:
         self.current: dict[str, int] = {}  # queue -> the node it is issuing
 
     # ------------------------------------------------------------------ the two phases
-    def run(self, io: PlanIO) -> StreamRun:
-        mg, backend = self.mg, self.backend
+    def preload(self) -> float:
+        """Load the resident blocks (once per session); returns the seconds it took."""
         t0 = time.perf_counter()
         self._on_queues({"h2d": self._preload})
         self._finish()
-        load_s = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    def run(self, io: PlanIO, load_s: float | None) -> StreamRun:
+        """One pass; `load_s` the preload's seconds when this is the session's first pass."""
+        mg, backend = self.mg, self.backend
         steps_of = {q: [s for s in self.program.steps if s.queue == q] for q in QUEUES}
         self.origin = backend.stamp("compute") if self.timing else None
         t0 = time.perf_counter()
@@ -84,9 +173,10 @@ class _Pass:
         self._finish()
         wall = time.perf_counter() - t0
         spans = self._spans() if self.timing else ()
-        load_bytes = sum(mg.tensors[mg.nodes[i].tensor].bytes for i in self.program.preloaded)
+        load_bytes = (sum(mg.tensors[mg.nodes[i].tensor].bytes for i in self.program.preloaded)
+                      if load_s is not None else 0)
         outputs = io.results(backend.output)
-        return StreamRun(outputs, Measured(backend.name, wall, load_s, load_bytes, spans))
+        return StreamRun(outputs, Measured(backend.name, wall, load_s or 0.0, load_bytes, spans))
 
     def _preload(self) -> None:
         for nid in self.program.preloaded:

@@ -10,8 +10,10 @@ latest node known complete on each queue, merged along waits). Events are record
 nodes that something waits on. Every wait names an earlier node of the plan order, so running
 the queues can never deadlock: the plan order itself is a schedule that meets every wait.
 
-Nodes that are complete before the pass starts (`preloaded`: the weights loaded with the model,
-`input at device` nodes without deps) fold like frees: nothing waits on them during the pass.
+Nodes that are complete before the pass starts (`preloaded`: the weights loaded with the model
+and the KV-store blocks kept on the device — `input at device` nodes of persistent inputs
+without deps) fold like frees: nothing waits on them during the pass. A runtime that holds a
+plan open for many passes loads them once; activations come in on the h2d queue every pass.
 
 `check_program` proves, independently of how the waits were chosen, that every memgraph edge
 is ordered by the program (same queue in order, or a chain of waits).
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 from einpage.errors import PlanError
 from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph, MemNode, OffloadNode, ReloadNode
+from einpage.ir.tensors import PERSISTENT_ROLES
 
 QUEUES = ("compute", "h2d", "d2h")
 
@@ -69,10 +72,13 @@ class StreamProgram:
 
 
 def preloadable(mg: MemGraph) -> tuple[int, ...]:
-    """The nodes a runtime may run before the pass: `input at device` nodes without deps (resident
-    weights, loaded once with the model, which the simulator prices at zero)."""
+    """The nodes a runtime may run before the pass: `input at device` nodes of persistent inputs
+    (weights, KV store) without deps — resident blocks, loaded once, which the simulator prices at
+    zero."""
     return tuple(n.id for n in mg.nodes
-                 if isinstance(n, InputNode) and n.at == "device" and not n.deps)
+                 if isinstance(n, InputNode) and n.at == "device" and not n.deps
+                 and 0 <= n.tensor < len(mg.tensors)
+                 and mg.tensors[n.tensor].role in PERSISTENT_ROLES)
 
 
 def queue_deps(mg: MemGraph, preloaded: frozenset[int] = frozenset()) -> list[frozenset[int]]:
@@ -142,7 +148,7 @@ def check_program(mg: MemGraph, program: StreamProgram) -> None:
     preloaded = frozenset(program.preloaded)
     if not preloaded <= frozenset(preloadable(mg)):
         raise PlanError("stream program: it preloads a node that has deps or is not an input at "
-                        "device")
+                        "device of a weight or the KV store")
     want = [n.id for n in mg.nodes if queue_of(n) is not None and n.id not in preloaded]
     if [s.node for s in program.steps] != want:
         raise PlanError("stream program: its steps are not the plan's working nodes in order")

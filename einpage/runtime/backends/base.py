@@ -77,6 +77,19 @@ class Backend(ABC):
     def output(self, ref: OutputRef) -> np.ndarray:
         """An output block as a host array (after `finish`)."""
 
+    def begin_pass(self) -> None:
+        """Between passes of a plan held open: the activation inputs (`io.set_inputs`) changed;
+        refresh any copy of them the backend made. Nothing runs during the call."""
+
+    @abstractmethod
+    def write_input(self, tid: int, offset: int | None, lead: tuple[int, ...],
+                    values: np.ndarray) -> None:
+        """Between passes: write `values` over `block[lead]` of persistent input block `tid` (a
+        row of the KV store). `offset`: the block stays on the device there; None: it streams
+        from the host, where a backend that keeps its own host copy updates that copy (the
+        caller has already updated the input itself). `values` is C-contiguous, in the block's
+        dtype, of the shape `block.shape[len(lead):]`: one contiguous run of the block."""
+
     @abstractmethod
     def close(self) -> None:
         """Release the arena and host buffers. Idempotent; called after an error too."""

@@ -44,6 +44,7 @@ import numpy as np
 from einpage.errors import BackendError, ExecutionError, InputError, PlanError
 from einpage.ir.memgraph import (ApplyNode, InputNode, MemGraph, OffloadNode, OutputRef,
                                  ReloadNode)
+from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.runtime.backends.apply_plan import (STATUS_BYTES, CopyApply, KernelApply,
                                                  MatmulApply, aligned, plan_applies,
                                                  workspace_bytes, workspace_for)
@@ -230,12 +231,36 @@ class CupyBackend(Backend):
         # a view that does not own the pinned memory: `close` releases it deterministically
         self.host = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self._pinned_ptr))
 
-    def _fill_host(self, mg: MemGraph, io: PlanIO) -> None:
-        """Streamed weight blocks (and any offloaded input) start as their source's values."""
+    def _fill_host(self, mg: MemGraph, io: PlanIO, activations_only: bool = False) -> None:
+        """Streamed input blocks (weights, KV-store blocks, activations) start as their source's
+        values in pinned memory; between passes only the activations change."""
         at_host = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at == "host"}
         for tid in self.layout.offsets:
-            if tid in at_host:
+            if tid in at_host and not (activations_only
+                                       and mg.tensors[tid].role in PERSISTENT_ROLES):
                 io.read_into(tid, host_view(self.host, mg, self.layout, tid))
+
+    def begin_pass(self) -> None:
+        self._fill_host(self.mg, self.io, activations_only=True)
+
+    def write_input(self, tid: int, offset: int | None, lead: tuple[int, ...],
+                    values: np.ndarray) -> None:
+        t = self.mg.tensors[tid]
+        if offset is None:
+            if tid in self.layout.offsets:  # its pinned copy is what the reloads read
+                host_view(self.host, self.mg, self.layout, tid)[lead] = values
+            return
+        start, _ = instance_bytes(self.mg, tid, offset)
+        rest = math.prod(t.shape[len(lead):])
+        first = int(np.ravel_multi_index(lead, t.shape[:len(lead)])) if lead else 0
+        values = np.ascontiguousarray(values, dtype=t.dtype.numpy)
+        if values.size != rest:
+            raise PlanError(f"write into %t{tid}: {values.size} values for a run of {rest}")
+        h2d = self._streams["h2d"]
+        with self._device:
+            self._ptr(start + first * rest * t.dtype.itemsize).copy_from_host_async(
+                values.ctypes.data, values.nbytes, h2d)
+            h2d.synchronize()  # `values` is pageable and short-lived: done before returning
 
     def close(self) -> None:
         for stream in self._streams.values():

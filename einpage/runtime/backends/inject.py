@@ -59,6 +59,12 @@ class Wrapped(Backend):
     def output(self, ref: OutputRef) -> np.ndarray:
         return self.inner.output(ref)
 
+    def begin_pass(self) -> None:
+        self.inner.begin_pass()
+
+    def write_input(self, tid, offset, lead, values) -> None:
+        self.inner.write_input(tid, offset, lead, values)
+
     def close(self) -> None:
         self.inner.close()
 

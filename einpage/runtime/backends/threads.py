@@ -56,6 +56,11 @@ class ThreadsBackend(Backend):
         write = self._view(n.write.tensor, n.write.offset)
         apply_into(n, self.mg.tensors, reads, write)
 
+    def write_input(self, tid: int, offset: int | None, lead: tuple[int, ...],
+                    values: np.ndarray) -> None:
+        if offset is not None:  # a streamed block is read from the input at each reload
+            self._view(tid, offset)[lead] = values
+
     def record(self, queue: str, node: int) -> None:
         pass  # the work is done when the call returns: the executor's flag is the event
 
