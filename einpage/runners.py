@@ -53,7 +53,11 @@ class PlanRunner:
     sequential executor; `threads`, `cupy`: the stream executor; `auto`: cupy where a GPU is
     usable, else threads), keeping each pass in `passes`. With `options.device_bytes` None the
     budget is the backend's memory (`backend_memory`). On cupy the budget holds the backend's
-    workspace for temporaries too: the plan gets the rest."""
+    workspace for temporaries too: the plan gets the rest.
+
+    Plans are cached by graph for the life of the runner (a decode step's graph is the same for
+    every step of a KV bucket: one compile). `open(graph)` holds its plan open on the backend for
+    many passes (`PlanSession`): what a generation's decode steps run on."""
 
     def __init__(self, weights: WeightSource, options: CompileOptions, backend: str = "auto",
                  timing: bool = False):
@@ -66,13 +70,28 @@ class PlanRunner:
         budget = options.device_bytes or backend_memory(self.backend)
         self.options = replace(options, device_bytes=budget)
         self.passes: list[Pass] = []
+        self._plans: dict[Graph, tuple[Compiled, int]] = {}
+        self.compile_s = 0.0
+
+    @property
+    def plans_compiled(self) -> int:
+        return len(self._plans)
+
+    def plan(self, graph: Graph) -> tuple[Compiled, int]:
+        """The plan of `graph` (compiled once) and the cupy workspace it needs."""
+        if graph not in self._plans:
+            t0 = time.perf_counter()
+            self._plans[graph] = self._compile(graph)
+            self.compile_s += time.perf_counter() - t0
+        return self._plans[graph]
 
     def __call__(self, graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict:
-        compiled, workspace = self._compile(graph)
-        outputs, measured = run_plan(compiled.memgraph, inputs, self.weights, self.backend,
-                                     self.timing, workspace)
-        self.passes.append(Pass(compiled, measured))
-        return outputs
+        with self.open(graph) as session:
+            return session.run(inputs)
+
+    def open(self, graph: Graph) -> "PlanSession":
+        compiled, workspace = self.plan(graph)
+        return PlanSession(self, compiled, workspace)
 
     def _compile(self, graph: Graph) -> tuple[Compiled, int]:
         """The plan, and on cupy the workspace it needs: compiled for the budget less a reserve
@@ -92,6 +111,48 @@ class PlanRunner:
             reserve = need
         raise BudgetError(f"the budget of {budget} bytes cannot hold both a plan and the "
                           f"{reserve} bytes of workspace its kernels need", reserve, budget)
+
+
+class PlanSession:
+    """A compiled plan held open for many passes (`models.generation.Session`): on a stream
+    backend one `StreamSession` (the arena, and the weights and KV blocks that stay on the device,
+    from the first pass to `close`); on `numpy` each pass runs the sequential executor from the
+    host inputs. Every pass is appended to the runner's `passes`."""
+
+    def __init__(self, runner: PlanRunner, compiled: Compiled, workspace: int):
+        self.runner, self.compiled = runner, compiled
+        self._streams = None
+        if runner.backend != "numpy":
+            from einpage.runtime.backends import make_backend
+            from einpage.runtime.stream_executor import StreamSession
+            made = (make_backend("cupy", workspace_bytes=workspace) if runner.backend == "cupy"
+                    else make_backend(runner.backend))
+            self._streams = StreamSession(compiled.memgraph, runner.weights, made,
+                                          timing=runner.timing or runner.backend == "threads")
+
+    def __enter__(self) -> "PlanSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        mg, runner = self.compiled.memgraph, self.runner
+        if self._streams is None:
+            outputs, measured = run_plan(mg, inputs, runner.weights, "numpy")
+        else:
+            result = self._streams.run(inputs)
+            outputs, measured = result.outputs, result.measured
+        runner.passes.append(Pass(self.compiled, measured))
+        return outputs
+
+    def write(self, name: str, lead: tuple[int, ...], values: np.ndarray) -> None:
+        if self._streams is not None:
+            self._streams.write(name, lead, values)
+
+    def close(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
 
 
 def run_plan(mg: MemGraph, inputs: Mapping[str, np.ndarray], weights: WeightSource | None,

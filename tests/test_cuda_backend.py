@@ -422,3 +422,45 @@ def test_measured_timing_spans_every_node(device):
     spans = measured.spans
     assert {s.queue for s in spans} >= {"compute", "h2d"}
     assert all(s.end >= s.start >= 0 for s in spans)
+
+
+def test_decode_session_keeps_kv_rows_in_place(device):
+    """A decode plan held open across steps on cupy, with some KV blocks resident and some
+    streamed: each step's rows are written into the arena or the pinned copy, and the second
+    step's logits equal the threads backend's."""
+    from einpage.models.generation import decode_step_graph, prefill
+    from einpage.models.kvstore import KVStore
+    from einpage.runtime.backends.threads import ThreadsBackend
+    from einpage.runtime.stream_executor import StreamSession
+    cfg, weights = resolve("tiny", random_weights=True, seed=5)
+    prompt = np.array([[4, 8, 15, 16, 23], [42, 1, 2, 3, 5]]) % cfg.vocab
+    graph = decode_step_graph(cfg, 2, 8)
+    for divisor in (3, 4, 6, 8):
+        compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // divisor))
+        c = compiled.report.compiled
+        if 0 < c.kv_resident_bytes < c.kv_bytes:
+            break
+    else:
+        pytest.fail("no budget splits the KV store")
+    mg = compiled.memgraph
+    prepare(mg)
+
+    def two_steps(backend):
+        store = KVStore(cfg, 2, 8)
+        out = prefill(cfg, prompt, lambda g, i: evaluate(g, i, weights))
+        store.fill(out)
+        last = np.argmax(out["logits"][:, -1], axis=-1)
+        with StreamSession(mg, weights, backend) as session:
+            for _ in range(2):
+                step = session.run({"tokens": last[:, None], "pos": store.pos.copy(),
+                                    **store.view(8)}).outputs
+                for name, lead, row in store.write(step):
+                    session.write(name, lead, row)
+                last = np.argmax(step["logits"][:, -1], axis=-1)
+        return step["logits"]
+
+    want = two_steps(ThreadsBackend())
+    backend = CupyBackend()
+    got = two_steps(backend)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert backend.arena is None

@@ -48,6 +48,12 @@ def add_commands(sub) -> None:
     gen = sub.add_parser("generate", help="greedy decoding with the KV cache")
     _add_model_args(gen)
     gen.add_argument("--max-new-tokens", type=int, required=True)
+    gen.add_argument("--kv-granule", type=int, default=256,
+                     help="KV-store capacities come in multiples of this (coarser past 2048: "
+                          "at most 1/8 of a bucket is unused); one decode plan per bucket")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object: tokens, plans_compiled, prefill_s, decode_s, "
+                          "decode_tokens_per_s, ...")
 
 
 def _runner(args, weights):
@@ -116,20 +122,52 @@ def cmd_run(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    from einpage.models.generation import greedy
+    """Greedy generation: the prefill, then decode steps on one plan per KV bucket, each held
+    open on the backend across its steps. Prints the new ids and the measured rates."""
+    import json
+
+    from einpage.models.generation import generate
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.kv_granule < 1:
+        raise InputError(f"--kv-granule must be at least 1, got {args.kv_granule}")
     cfg, weights = _resolve(args)
     tokens = tokens_from_args(args)
     runner = _runner(args, weights)
-    new = greedy(cfg, tokens, args.max_new_tokens, runner)
+    done = generate(cfg, tokens, args.max_new_tokens, runner, granule=args.kv_granule)
+    new = done.tokens
+    rates = done.rates(tokens.shape[1])
+    summary = {"tokens": new.tolist(), "batch": int(new.shape[0]), "prompt": int(tokens.shape[1]),
+               "new_tokens": int(new.shape[1]), "plans_compiled": getattr(runner,
+                                                                         "plans_compiled", 0),
+               "kv_capacities": list(done.capacities), "prefill_s": done.prefill_s,
+               "decode_s": done.decode_s, "decode_steps": done.decode_steps, **rates,
+               "compile_s": getattr(runner, "compile_s", 0.0), "backend": getattr(
+                   runner, "backend", "reference")}
     if args.out:
         np.save(args.out, new.astype(np.int64))
-        print(f"saved new tokens {new.shape} to {args.out}")
+        summary["out"] = args.out
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
     else:
-        for row, ids in enumerate(new):
-            print(f"row {row}: " + ",".join(str(int(t)) for t in ids))
+        if args.out:
+            print(f"saved new tokens {new.shape} to {args.out}")
+        else:
+            for row, ids in enumerate(new):
+                print(f"row {row}: " + ",".join(str(int(t)) for t in ids))
+        _print_rates(summary)
     _after(args, runner)
+
+
+def _print_rates(s: dict) -> None:
+    """The measured generation: prefill and decode tokens/s (plan compiles included in the
+    phase that made them), and the plans compiled."""
+    def rate(key: str) -> str:
+        return f"{s[key]:.4g} tokens/s" if s.get(key) else "-"
+    print(f"prefill: {s['batch']}x{s['prompt']} tokens in {s['prefill_s']:.3f} s "
+          f"({rate('prefill_tokens_per_s')}); decode: {s['decode_steps']} steps in "
+          f"{s['decode_s']:.3f} s ({rate('decode_tokens_per_s')}); {s['plans_compiled']} plans "
+          f"compiled in {s['compile_s']:.2f} s on {s['backend']}")
 
 
 def run_plan(args, tokens: np.ndarray) -> None:

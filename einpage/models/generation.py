@@ -53,8 +53,15 @@ class _CallSession:
     def close(self) -> None:
         pass
 
+    def __enter__(self) -> "_CallSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def open_session(run: Runner, graph: Graph) -> Session:
+    """`run.open(graph)` where the runner holds plans open, else `run` called per step."""
     opener = getattr(run, "open", None)
     return opener(graph) if opener is not None else _CallSession(run, graph)
 

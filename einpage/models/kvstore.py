@@ -9,7 +9,6 @@ of a smaller bucket reads a prefix of it.
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping
 
 import numpy as np
@@ -23,14 +22,14 @@ GRANULE = 256
 
 def capacity_for(need: int, granule: int = GRANULE) -> int:
     """The bucket capacity that holds `need` rows: `need` rounded up to a multiple of
-    `granule`, or of an eighth of the next power of two where that is coarser (so a bucket wastes
-    at most about 1/8 of its slots, and a generation of N tokens compiles O(log N) plans beyond
-    the first few)."""
+    `granule`, or of an eighth of the largest power of two not above `need` where that is coarser
+    (so past 8 granules a bucket leaves at most 1/8 of its slots unused, and a generation of N
+    tokens compiles at most 8 decode plans per doubling of its length)."""
     if need < 1:
         raise InputError(f"a KV store holds at least one row, asked for {need}")
     if granule < 1:
         raise InputError(f"the bucket granule must be at least 1, got {granule}")
-    step = max(granule, (1 << max(0, math.ceil(math.log2(need)))) // 8)
+    step = max(granule, (1 << (need.bit_length() - 1)) // 8)
     return -(-need // step) * step
 
 

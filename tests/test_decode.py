@@ -1,0 +1,249 @@
+"""Generation on reused decode plans (issue 12): one plan per KV-store bucket, positions as an
+input, the store written a row at a time and read in place — on the dense reference, the
+sequential executor and the stream runtime's held-open sessions, under budgets that stream
+weights and KV blocks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from einpage.cli.main import main
+from einpage.compiler import CompileOptions, compile_graph
+from einpage.errors import InputError
+from einpage.models import generation, resolve
+from einpage.models.kvstore import (KVStore, bucket_steps, capacity_for, step_capacities,
+                                    store_names)
+from einpage.runners import PlanRunner, dense_runner
+
+F32_ATOL = 1e-5
+
+
+# ------------------------------------------------------------------ buckets and the store
+
+def test_capacity_buckets():
+    assert [capacity_for(n) for n in (1, 256, 257, 2048, 2049, 4097)] == [
+        256, 256, 512, 2048, 2304, 4608]
+    assert capacity_for(10_000) == 10_240  # 1/8 of 16384 per step past 2048
+    for n in range(1, 20_000, 37):
+        c = capacity_for(n)
+        assert n <= c and (c - n) <= max(256, c // 8)
+    assert capacity_for(10, granule=4) == 12
+    with pytest.raises(InputError):
+        capacity_for(0)
+
+
+def test_bucket_steps_cover_every_decode_step():
+    assert bucket_steps(512, 32) == [(768, 31)]
+    assert bucket_steps(250, 20) == [(256, 6), (512, 13)]
+    assert step_capacities(9, 5, granule=2) == (10, 12, 14)
+    assert bucket_steps(9, 1) == []  # the prefill gives the only token
+    for prompt, new in ((1, 300), (255, 2), (2040, 100)):
+        steps = bucket_steps(prompt, new)
+        assert sum(s for _, s in steps) == new - 1
+        assert all(c >= prompt + 1 for c, _ in steps)
+
+
+def test_store_fill_write_and_full():
+    cfg, _ = resolve("tiny")
+    store = KVStore(cfg, 2, 4)
+    shape = (2, 3, cfg.kv_heads, 2, cfg.head_dim // 2)
+    cache = {name: np.full(shape, k, np.float32) for k, name in enumerate(store_names(cfg))}
+    store.fill(cache, lengths=np.array([3, 1]))
+    assert store.pos.tolist() == [3, 1]
+    assert store.rows("cache.0.v", 1).shape == (1, cfg.kv_heads, 2, cfg.head_dim // 2)
+    step = {"new." + n[len("cache."):]: np.full((2, 1, *shape[2:]), 9, np.float32)
+            for n in store_names(cfg)}
+    written = store.write(step)
+    assert store.pos.tolist() == [4, 2] and len(written) == 2 * len(store_names(cfg))
+    assert (store.arrays["cache.1.k"][0, 3] == 9).all() and (store.arrays["cache.1.k"][1, 1] == 9).all()
+    with pytest.raises(InputError, match="full"):
+        store.write(step)
+    with pytest.raises(InputError, match="capacity"):
+        store.view(5)
+
+
+# ------------------------------------------------------------------ greedy on reused plans
+
+def _fixture(hf_fixture):
+    path = hf_fixture("tiny-llama-f32")
+    cfg, weights = resolve(str(path))
+    return cfg, weights, np.load(path / "greedy_prompt.npy"), np.load(path / "greedy_out.npy")
+
+
+@pytest.mark.parametrize("backend", ["threads", "numpy"])
+@pytest.mark.parametrize("share", [None, 4])
+def test_fixture_greedy_on_reused_plans(hf_fixture, backend, share):
+    """transformers' greedy tokens, with a plan per bucket reused across steps (granule 2:
+    three buckets in four steps), unconstrained and with a quarter of the weights' bytes."""
+    cfg, weights, prompt, want = _fixture(hf_fixture)
+    budget = cfg.weight_bytes() // share if share else None
+    runner = PlanRunner(weights, CompileOptions(budget), backend)
+    got = generation.generate(cfg, prompt, want.shape[1], runner, granule=2)
+    np.testing.assert_array_equal(got.tokens, want)
+    assert got.capacities == (10, 12, 14)
+    assert runner.plans_compiled == 1 + 3  # the prefill, and one per bucket: not per step
+    assert len(runner.passes) == want.shape[1]  # one pass each: prefill + 4 steps
+    if share:
+        decode = [p.compiled for p in runner.passes[1:]]
+        assert all(c.report.traffic.reload_bytes > 0 for c in decode)
+        assert any(c.report.compiled.kv_streamed_bytes > 0 for c in decode)
+
+
+def _mixed_budget(cfg, batch, capacity):
+    """A budget under which the decode plan keeps some KV blocks on the device and streams
+    others (and streams weights)."""
+    graph = generation.decode_step_graph(cfg, batch, capacity)
+    for divisor in (3, 4, 5, 6, 8, 10, 12, 16):
+        budget = cfg.weight_bytes() // divisor
+        c = compile_graph(graph, CompileOptions(budget)).report.compiled
+        if 0 < c.kv_resident_bytes < c.kv_bytes and c.streamed_weight_bytes > 0:
+            return budget
+    pytest.fail("no budget splits the KV store between the device and the host")
+
+
+@pytest.mark.parametrize("backend", ["threads", "numpy"])
+def test_kv_store_after_steps_equals_the_prefill_of_the_whole_sequence(hf_fixture, backend):
+    cfg, weights, prompt, _ = _fixture(hf_fixture)
+    batch, length = prompt.shape
+    steps = 6
+    runner = PlanRunner(weights, CompileOptions(_mixed_budget(cfg, batch, 16)), backend)
+    store = KVStore(cfg, batch, 16)
+    out = generation.prefill(cfg, prompt, runner)
+    store.fill(out)
+    first = np.argmax(out["logits"][:, -1], axis=-1)
+    new = generation.decode(cfg, store, first, steps, runner, granule=16)
+    assert runner.plans_compiled == 2 and store.pos.tolist() == [length + steps] * batch
+    whole = np.concatenate([prompt, first[:, None], new[:, :-1]], axis=1)
+    want = generation.prefill(cfg, whole, dense_runner(weights))
+    for name in store_names(cfg):
+        for b in range(batch):
+            got = store.rows(name, b)
+            assert got.shape == want[name][b].shape
+            assert np.abs(got - want[name][b]).max() < F32_ATOL
+
+
+def test_rows_at_different_positions_share_one_plan(hf_fixture):
+    """A ragged batch: each row's tokens equal its own generation."""
+    cfg, weights, prompt, _ = _fixture(hf_fixture)
+    lengths = np.array([9, 5])
+    dense = dense_runner(weights)
+    store = KVStore(cfg, 2, 16)
+    out = generation.prefill(cfg, prompt, dense)
+    store.fill(out, lengths)
+    last = np.array([int(np.argmax(out["logits"][b, n - 1])) for b, n in enumerate(lengths)])
+    runner = PlanRunner(weights, CompileOptions(_mixed_budget(cfg, 2, 16)), "threads")
+    got = generation.decode(cfg, store, last, 4, runner, granule=16)
+    for b, n in enumerate(lengths):
+        alone = generation.greedy(cfg, prompt[b:b + 1, :n], 5, dense)
+        np.testing.assert_array_equal(got[b], alone[0, 1:])
+
+
+def _two_steps(cfg, weights, prompt, runner):
+    """The second decode step's logits, run on a session of `runner` (rows written between)."""
+    store = KVStore(cfg, prompt.shape[0], 16)
+    out = generation.prefill(cfg, prompt, dense_runner(weights))
+    store.fill(out)
+    last = np.argmax(out["logits"][:, -1], axis=-1)
+    graph = generation.decode_step_graph(cfg, prompt.shape[0], 16)
+    with generation.open_session(runner, graph) as session:
+        for _ in range(2):
+            step = session.run({"tokens": last[:, None], "pos": store.pos.copy(),
+                                **store.view(16)})
+            for name, lead, row in store.write(step):
+                session.write(name, lead, row)
+            last = np.argmax(step["logits"][:, -1], axis=-1)
+    return step["logits"]
+
+
+def test_a_session_reads_its_resident_rows_from_the_device(hf_fixture, monkeypatch):
+    """With the whole store resident, the rows a step reads are the ones written in place on the
+    device: a session that drops those writes answers wrong."""
+    cfg, weights, prompt, _ = _fixture(hf_fixture)
+    want = _two_steps(cfg, weights, prompt, dense_runner(weights))
+    runner = PlanRunner(weights, CompileOptions(None), "threads")
+    got = _two_steps(cfg, weights, prompt, runner)
+    assert np.abs(got - want).max() < F32_ATOL
+    plan = runner.passes[-1].compiled.report.compiled
+    assert plan.kv_resident_bytes == plan.kv_bytes > 0
+    assert runner.passes[0].measured.load_bytes > 0 and runner.passes[1].measured.load_bytes == 0
+    from einpage.runtime.backends.threads import ThreadsBackend
+    monkeypatch.setattr(ThreadsBackend, "write_input", lambda *a: None)
+    dropped = _two_steps(cfg, weights, prompt, PlanRunner(weights, CompileOptions(None),
+                                                          "threads"))
+    assert np.abs(dropped - want).max() > 1e-3
+
+
+def test_one_decode_plan_serves_every_position():
+    cfg, weights = resolve("tiny", random_weights=True, seed=2)
+    graph = generation.decode_step_graph(cfg, 1, 8)
+    assert generation.decode_step_graph(cfg, 1, 8) is graph  # built once per process
+    mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3)).memgraph
+    names = {t.name for t in mg.inputs}
+    assert "pos" in names and not any("P" in str(s) for t in mg.inputs for s in t.shape)
+
+
+# ------------------------------------------------------------------ command line
+
+def test_generate_json(hf_fixture, capsys):
+    cfg, weights, prompt, want = _fixture(hf_fixture)
+    path = hf_fixture("tiny-llama-f32")
+    assert main(["generate", str(path), "--tokens-file", str(path / "greedy_prompt.npy"),
+                 "--max-new-tokens", "5", "--kv-granule", "2", "--gpu-mem", "200KB",
+                 "--backend", "threads", "--json"]) in (0, None)
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == want.tolist() and out["plans_compiled"] == 4
+    assert out["decode_steps"] == 4 and out["decode_tokens_per_s"] > 0 and out["prefill_s"] > 0
+    assert out["kv_capacities"] == [10, 12, 14]
+
+
+def test_generate_prints_measured_rates(hf_fixture, capsys):
+    path = hf_fixture("tiny-llama-f32")
+    main(["generate", str(path), "--tokens-file", str(path / "greedy_prompt.npy"),
+          "--max-new-tokens", "3", "--backend", "numpy"])
+    text = capsys.readouterr().out
+    assert "prefill: 2x9 tokens in" in text and "decode: 2 steps in" in text
+    assert "2 plans compiled" in text
+
+
+def test_compile_decode_reports_kv(capsys):
+    import json
+    main(["compile", "llama-7b", "--gpu-mem", "16GB", "--phase", "decode", "--batch", "16",
+          "--past", "2047", "--json", "--quiet"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["capacity"] == 2048 and r["kv_bytes"] == 16 * 2048 * 32 * 2 * 4096 * 2
+    assert 0 < r["kv_resident_bytes"] < r["kv_bytes"]
+    assert r["kv_streamed_bytes"] == r["kv_bytes"] - r["kv_resident_bytes"]
+    assert r["min_stream_bytes"] == r["weight_bytes"] + r["kv_bytes"] - 16_000_000_000
+    assert r["h2d_bytes"] <= 1.05 * r["min_stream_bytes"]  # the issue's goal
+    main(["compile", "llama-7b", "--gpu-mem", "16GB", "--phase", "decode", "--batch", "16",
+          "--past", "2047", "--quiet"])
+    text = capsys.readouterr().out
+    assert "KV store 17.18 GB: resident" in text and "must move at least 14.66 GB" in text
+
+
+def test_compile_whole_generation(capsys):
+    import json
+    main(["compile", "llama-7b", "--gpu-mem", "16GB", "--batch", "8", "--seq", "512",
+          "--max-new-tokens", "32", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["plans"] == 2 and [b["capacity"] for b in r["buckets"]] == [768]
+    assert r["buckets"][0]["steps"] == 31
+    assert r["total_s"] == pytest.approx(r["prefill_s"] + 31 * r["buckets"][0]["step_s"])
+    assert r["tokens_per_s"] == pytest.approx(8 * 32 / r["total_s"])
+    main(["compile", "llama-7b", "--gpu-mem", "16GB", "--batch", "8", "--seq", "512",
+          "--max-new-tokens", "32"])
+    assert "2 plans (1 prefill, 1 decode)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--past", "3"], "--past and --capacity describe a decode step"),
+    (["--phase", "decode", "--past", "10", "--capacity", "8"], "cannot hold position 10"),
+    (["--phase", "decode", "--max-new-tokens", "4"], "drop --phase decode"),
+    (["--max-new-tokens", "0"], "at least 1"),
+    (["--max-new-tokens", "4", "-o", "p.json"], "writes one plan"),
+])
+def test_compile_decode_option_errors(capsys, argv, message):
+    assert main(["compile", "tiny", "--gpu-mem", "1MB", "--seq", "4", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
