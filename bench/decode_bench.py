@@ -37,7 +37,7 @@ def flexgen(models, batches, devices, budget: int) -> list[dict]:
                 f = forecast_generation(cfg, batch, 512, 32, CompileOptions(budget,
                                                                             device=profile))
                 wall = time.perf_counter() - t0
-                (b,) = f.buckets  # 512 + 31 positions: one bucket (capacity 768)
+                (b,) = f.buckets  # 512 + 31 positions: one bucket (capacity 543)
                 c = b.compiled.report.compiled
                 row = dict(device=device, model=model, batch=batch,
                            tokens_per_s=f.tokens_per_s, prefill_s=f.prefill_s,

@@ -33,9 +33,10 @@ def test_capacity_buckets():
 
 
 def test_bucket_steps_cover_every_decode_step():
-    assert bucket_steps(512, 32) == [(768, 31)]
-    assert bucket_steps(250, 20) == [(256, 6), (512, 13)]
-    assert step_capacities(9, 5, granule=2) == (10, 12, 14)
+    assert bucket_steps(512, 32) == [(543, 31)]  # the last bucket: only the rows filled
+    assert bucket_steps(250, 20) == [(256, 6), (269, 13)]
+    assert bucket_steps(250, 400) == [(256, 6), (512, 256), (649, 137)]
+    assert step_capacities(9, 5, granule=2) == (10, 12, 13)
     assert bucket_steps(9, 1) == []  # the prefill gives the only token
     for prompt, new in ((1, 300), (255, 2), (2040, 100)):
         steps = bucket_steps(prompt, new)
@@ -80,7 +81,7 @@ def test_fixture_greedy_on_reused_plans(hf_fixture, backend, share):
     runner = PlanRunner(weights, CompileOptions(budget), backend)
     got = generation.generate(cfg, prompt, want.shape[1], runner, granule=2)
     np.testing.assert_array_equal(got.tokens, want)
-    assert got.capacities == (10, 12, 14)
+    assert got.capacities == (10, 12, 13)
     assert runner.plans_compiled == 1 + 3  # the prefill, and one per bucket: not per step
     assert len(runner.passes) == want.shape[1]  # one pass each: prefill + 4 steps
     if share:
@@ -194,7 +195,7 @@ def test_generate_json(hf_fixture, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["tokens"] == want.tolist() and out["plans_compiled"] == 4
     assert out["decode_steps"] == 4 and out["decode_tokens_per_s"] > 0 and out["prefill_s"] > 0
-    assert out["kv_capacities"] == [10, 12, 14]
+    assert out["kv_capacities"] == [10, 12, 13]
 
 
 def test_generate_prints_measured_rates(hf_fixture, capsys):
@@ -227,7 +228,7 @@ def test_compile_whole_generation(capsys):
     main(["compile", "llama-7b", "--gpu-mem", "16GB", "--batch", "8", "--seq", "512",
           "--max-new-tokens", "32", "--json"])
     r = json.loads(capsys.readouterr().out)
-    assert r["plans"] == 2 and [b["capacity"] for b in r["buckets"]] == [768]
+    assert r["plans"] == 2 and [b["capacity"] for b in r["buckets"]] == [543]
     assert r["buckets"][0]["steps"] == 31
     assert r["total_s"] == pytest.approx(r["prefill_s"] + 31 * r["buckets"][0]["step_s"])
     assert r["tokens_per_s"] == pytest.approx(8 * 32 / r["total_s"])

@@ -113,7 +113,8 @@ def decode(cfg: LlamaConfig, store: KVStore, last: np.ndarray, steps: int, run: 
            ) -> np.ndarray:
     """`steps` greedy decode steps from each row's `last` token [B] and the store's positions
     (rows may be at different positions): int64 [B, steps] tokens. Each step's rows go into the
-    store. One session per bucket capacity, opened when the positions reach it."""
+    store. One session per bucket capacity (`capacity_for`, cut to the store's own capacity),
+    opened when the positions reach it."""
     last = np.asarray(last, np.int64)
     if last.shape != (store.batch,):
         raise InputError(f"{last.shape[0] if last.ndim else 0} last tokens for a batch of "
@@ -122,10 +123,10 @@ def decode(cfg: LlamaConfig, store: KVStore, last: np.ndarray, steps: int, run: 
     session, capacity = None, 0
     try:
         for _ in range(steps):
-            need = capacity_for(int(store.pos.max()) + 1, granule)
-            if need > store.capacity:
+            if int(store.pos.max()) >= store.capacity:
                 raise InputError(f"the KV store of {store.capacity} slots cannot take position "
                                  f"{int(store.pos.max())}")
+            need = min(capacity_for(int(store.pos.max()) + 1, granule), store.capacity)
             if need != capacity:
                 if session is not None:
                     session.close()

@@ -37,10 +37,13 @@ def bucket_steps(prompt_len: int, new_tokens: int, granule: int = GRANULE
                  ) -> list[tuple[int, int]]:
     """`(capacity, steps)` of the buckets the decode steps of a generation use, in order: after a
     prompt of `prompt_len`, the step producing token k+1 (k = 1 .. new_tokens-1) runs at
-    position `prompt_len + k - 1` and writes its row there."""
+    position `prompt_len + k - 1` and writes its row there. The last bucket is cut to the rows
+    the generation fills (`prompt_len + new_tokens - 1`): no step reads a slot that no step
+    writes."""
     out: list[tuple[int, int]] = []
-    for pos in range(prompt_len, prompt_len + new_tokens - 1):
-        cap = capacity_for(pos + 1, granule)
+    last = prompt_len + new_tokens - 1
+    for pos in range(prompt_len, last):
+        cap = min(capacity_for(pos + 1, granule), last)
         if out and out[-1][0] == cap:
             out[-1] = (cap, out[-1][1] + 1)
         else:
