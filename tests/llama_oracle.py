@@ -1,6 +1,9 @@
-"""Independent plain-NumPy reference for the Hugging Face LLaMA forward pass.
+"""Independent plain-NumPy reference for the Hugging Face LLaMA forward pass and its
+descendants: Llama 3.x rope scaling (llama3, linear), Mistral's sliding window, Qwen2's q/k/v
+biases, Qwen3's per-head q/k RMSNorm and head_dim, Mixtral's top-k mixture of experts.
 
-Written without any einpage code; used as a test oracle. All math in float64.
+Written without any einpage code, from transformers' semantics; used as a test oracle. All math
+in float64.
 """
 
 from __future__ import annotations
@@ -40,20 +43,39 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
 
 def _read_config(dirpath: Path) -> dict:
     raw = json.loads((dirpath / "config.json").read_text())
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_theta = raw.get("rope_theta")
     if rope_theta is None:
-        rope_theta = (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope_theta = rope.get("rope_theta", 10000.0)
     heads = raw["num_attention_heads"]
+    layers = raw["num_hidden_layers"]
+    family = raw.get("model_type", "llama")
+    window = raw.get("sliding_window")
+    if family in ("qwen2", "qwen3"):
+        if not raw.get("use_sliding_window"):
+            window = None
+        types = raw.get("layer_types") or [
+            "sliding_attention" if i >= raw.get("max_window_layers", 0) else "full_attention"
+            for i in range(layers)]
+        windows = [window if t == "sliding_attention" else None for t in types]
+    elif family in ("mistral", "mixtral"):
+        windows = [window] * layers
+    else:
+        windows = [None] * layers
     return {
         "hidden_size": raw["hidden_size"],
         "intermediate_size": raw["intermediate_size"],
-        "num_hidden_layers": raw["num_hidden_layers"],
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": raw.get("num_key_value_heads") or heads,
         "head_dim": raw.get("head_dim") or raw["hidden_size"] // heads,
         "vocab_size": raw["vocab_size"],
         "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
         "rope_theta": float(rope_theta),
+        "rope": dict(rope),
+        "windows": windows,
+        "num_experts_per_tok": raw.get("num_experts_per_tok"),
+        "num_local_experts": raw.get("num_local_experts"),
         "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
     }
 
@@ -97,9 +119,33 @@ def softmax(x, axis=-1):
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
-def rope_cos_sin(positions, head_dim, theta):
-    """cos/sin of shape (S, D), HF layout (frequencies duplicated, not interleaved)."""
+def inverse_frequencies(head_dim, theta, rope=None):
+    """Rotary inverse frequencies, with Llama 3's or linear scaling when `rope` says so."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    kind = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    if kind == "llama3":
+        factor, old = rope["factor"], rope["original_max_position_embeddings"]
+        low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+        out = np.empty_like(inv_freq)
+        for i, f in enumerate(inv_freq):
+            wavelen = 2 * np.pi / f
+            if wavelen < old / high:        # high frequency: kept
+                out[i] = f
+            elif wavelen > old / low:       # low frequency: scaled down
+                out[i] = f / factor
+            else:                           # in between: interpolated
+                t = (old / wavelen - low) / (high - low)
+                out[i] = (1 - t) * f / factor + t * f
+        return out
+    assert kind == "default", kind
+    return inv_freq
+
+
+def rope_cos_sin(positions, head_dim, theta, rope=None):
+    """cos/sin of shape (S, D), HF layout (frequencies duplicated, not interleaved)."""
+    inv_freq = inverse_frequencies(head_dim, theta, rope)
     freqs = np.outer(np.asarray(positions, dtype=np.float64), inv_freq)
     emb = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(emb), np.sin(emb)
@@ -115,8 +161,9 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
-def causal_attention(q, k, v, past_len):
-    """q: (B, H, S, D); k, v: (B, KV, P+S, D). Grouped-query, causal from past_len."""
+def causal_attention(q, k, v, past_len, window=None):
+    """q: (B, H, S, D); k, v: (B, KV, P+S, D). Grouped-query, causal from past_len; with a
+    sliding `window`, a query sees only the `window` latest keys (itself included)."""
     n_heads, n_kv = q.shape[1], k.shape[1]
     group = n_heads // n_kv
     k = np.repeat(k, group, axis=1)  # query head h -> kv head h // group
@@ -124,7 +171,10 @@ def causal_attention(q, k, v, past_len):
     s, total = q.shape[2], k.shape[2]
     scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
     q_pos = past_len + np.arange(s)[:, None]
-    mask = np.arange(total)[None, :] > q_pos
+    k_pos = np.arange(total)[None, :]
+    mask = k_pos > q_pos
+    if window is not None:
+        mask |= q_pos - k_pos >= window
     scores = np.where(mask, -np.inf, scores)
     return softmax(scores) @ v
 
@@ -142,15 +192,25 @@ def _merge_heads(x):
     return x.transpose(0, 2, 1, 3).reshape(b, s, h * d)
 
 
-def _attention_block(cfg, w, prefix, x, cos, sin, past, past_len):
-    q = apply_rope(_split_heads(linear(x, w[prefix + "q_proj.weight"]), cfg["num_attention_heads"]), cos, sin)
-    k = apply_rope(_split_heads(linear(x, w[prefix + "k_proj.weight"]), cfg["num_key_value_heads"]), cos, sin)
-    v = _split_heads(linear(x, w[prefix + "v_proj.weight"]), cfg["num_key_value_heads"])
+def _project(w, name, x):
+    out = linear(x, w[name + ".weight"])
+    return out + w[name + ".bias"] if name + ".bias" in w else out
+
+
+def _attention_block(cfg, w, prefix, x, cos, sin, past, past_len, window):
+    eps = cfg["rms_norm_eps"]
+    q = _split_heads(_project(w, prefix + "q_proj", x), cfg["num_attention_heads"])
+    k = _split_heads(_project(w, prefix + "k_proj", x), cfg["num_key_value_heads"])
+    v = _split_heads(_project(w, prefix + "v_proj", x), cfg["num_key_value_heads"])
+    if prefix + "q_norm.weight" in w:  # Qwen3: RMSNorm over each head's dims, before rotary
+        q = rms_norm(q, w[prefix + "q_norm.weight"], eps)
+        k = rms_norm(k, w[prefix + "k_norm.weight"], eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if past is not None:
         k = np.concatenate([past[0], k], axis=2)
         v = np.concatenate([past[1], v], axis=2)
-    out = causal_attention(q, k, v, past_len)
-    return linear(_merge_heads(out), w[prefix + "o_proj.weight"]), (k, v)
+    out = causal_attention(q, k, v, past_len, window)
+    return _project(w, prefix + "o_proj", _merge_heads(out)), (k, v)
 
 
 def _mlp_block(w, prefix, x):
@@ -159,12 +219,30 @@ def _mlp_block(w, prefix, x):
     return linear(silu(gate) * up, w[prefix + "down_proj.weight"])
 
 
+def _moe_block(cfg, w, prefix, x):
+    """Mixtral: softmax over the router logits, the top-k experts per token, their weights
+    renormalised to sum to one; each token's output is the weighted sum of its experts'."""
+    top_k = cfg["num_experts_per_tok"]
+    flat = x.reshape(-1, x.shape[-1])
+    probs = softmax(linear(flat, w[prefix + "gate.weight"]))
+    out = np.zeros_like(flat)
+    for i, token in enumerate(flat):
+        chosen = np.argsort(-probs[i], kind="stable")[:top_k]
+        weights = probs[i, chosen] / probs[i, chosen].sum()
+        for e, wt in zip(chosen, weights):
+            p = f"{prefix}experts.{e}."
+            hidden = silu(linear(token, w[p + "w1.weight"])) * linear(token, w[p + "w3.weight"])
+            out[i] += wt * linear(hidden, w[p + "w2.weight"])
+    return out.reshape(x.shape)
+
+
 def forward(cfg, weights, input_ids, past_kv=None):
     """Logits (B, S, V) float64 and the updated per-layer (k, v) cache, each (B, KV, P+S, D)."""
     ids = np.asarray(input_ids, dtype=np.int64)
     eps = cfg["rms_norm_eps"]
     past_len = 0 if past_kv is None else past_kv[0][0].shape[2]
-    cos, sin = rope_cos_sin(past_len + np.arange(ids.shape[1]), cfg["head_dim"], cfg["rope_theta"])
+    cos, sin = rope_cos_sin(past_len + np.arange(ids.shape[1]), cfg["head_dim"], cfg["rope_theta"],
+                            cfg.get("rope"))
 
     h = weights["model.embed_tokens.weight"][ids]
     new_kv = []
@@ -172,11 +250,16 @@ def forward(cfg, weights, input_ids, past_kv=None):
         p = f"model.layers.{i}."
         past = None if past_kv is None else past_kv[i]
         attn, kv = _attention_block(
-            cfg, weights, p + "self_attn.", rms_norm(h, weights[p + "input_layernorm.weight"], eps), cos, sin, past, past_len
+            cfg, weights, p + "self_attn.", rms_norm(h, weights[p + "input_layernorm.weight"], eps), cos, sin, past, past_len,
+            cfg.get("windows", [None] * cfg["num_hidden_layers"])[i],
         )
         new_kv.append(kv)
         h = h + attn
-        h = h + _mlp_block(weights, p + "mlp.", rms_norm(h, weights[p + "post_attention_layernorm.weight"], eps))
+        x = rms_norm(h, weights[p + "post_attention_layernorm.weight"], eps)
+        if p + "block_sparse_moe.gate.weight" in weights:
+            h = h + _moe_block(cfg, weights, p + "block_sparse_moe.", x)
+        else:
+            h = h + _mlp_block(weights, p + "mlp.", x)
     h = rms_norm(h, weights["model.norm.weight"], eps)
     return linear(h, weights["lm_head.weight"]), new_kv
 

@@ -129,15 +129,33 @@ def test_no_config(ckpt):
 
 @pytest.mark.parametrize("change, error, message", [
     (lambda c: c.update(model_type="gpt2"), ModelError,
-     "model_type 'gpt2' is not supported \\(einpage runs 'llama'\\)"),
+     "model_type 'gpt2' is not supported \\(einpage runs llama, mistral, qwen2, qwen3, "
+     "mixtral\\)"),
     (lambda c: c.pop("model_type"), ModelError, "model_type None is not supported"),
     (lambda c: c.pop("hidden_size"), CheckpointError, "missing key 'hidden_size'"),
     (lambda c: c.update(num_hidden_layers="two"), CheckpointError, "bad value"),
     (lambda c: c.update(torch_dtype="int8"), CheckpointError, "bad value: unknown dtype 'int8'"),
-    (lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 2.0}), ModelError,
-     "rope scaling .* is not supported"),
+    (lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), ModelError,
+     "rope_type 'dynamic' \\(einpage runs default, linear, llama3\\) is not supported"),
     (lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), ModelError,
-     "rope scaling 'yarn' is not supported"),
+     "rope_type 'yarn' .* is not supported"),
+    (lambda c: c.update(rope_parameters={"rope_type": "llama3", "factor": 8.0}),
+     CheckpointError, "missing key 'original_max_position_embeddings'"),
+    (lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": -1}),
+     CheckpointError, "factor must be a positive number"),
+    (lambda c: c.update(hidden_act="gelu"), ModelError, "hidden_act 'gelu' is not supported"),
+    (lambda c: c.update(mlp_bias=True), ModelError, "mlp_bias is not supported"),
+    (lambda c: c.update(num_hidden_layers=-2), CheckpointError, "num_hidden_layers must be"),
+    (lambda c: c.update(num_attention_heads=True), CheckpointError, "must be a non-negative"),
+    (lambda c: c.update(rms_norm_eps="x"), CheckpointError, "rms_norm_eps must be a positive"),
+    (lambda c: c.update(model_type="mistral", sliding_window=0), ModelError,
+     "sliding_window must be at least 1"),
+    (lambda c: c.update(model_type="qwen2", use_sliding_window=True, sliding_window=4,
+                        layer_types=["full_attention", "chunked_attention"]), ModelError,
+     "layer type 'chunked_attention' is not supported"),
+    (lambda c: c.update(model_type="mixtral", num_local_experts=4, num_experts_per_tok=5),
+     ModelError, "5 experts per token of 4"),
+    (lambda c: c.update(tie_word_embeddings="yes"), CheckpointError, "must be true or false"),
 ])
 def test_bad_config(ckpt, change, error, message):
     config = json.loads((ckpt / "config.json").read_text())

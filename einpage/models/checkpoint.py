@@ -21,7 +21,7 @@ import numpy as np
 from einpage.errors import CheckpointError, ModelError, SpecError
 from einpage.ir.dtypes import DType
 from einpage.models import llama
-from einpage.models.config import LlamaConfig
+from einpage.models.config import FAMILIES, ModelConfig, RopeScaling
 
 _ST_DTYPES = {"F16": DType.f16, "BF16": DType.bf16, "F32": DType.f32, "F64": DType.f64,
               "I64": DType.i64}
@@ -76,38 +76,147 @@ def tensor_view(ref: TensorRef, mapped: np.ndarray) -> np.ndarray:
     return raw.view(ref.dtype.numpy).reshape(ref.shape)
 
 
-def load_config(directory: Path) -> LlamaConfig:
+def load_config(directory: Path) -> ModelConfig:
     path = directory / "config.json"
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{directory}: no config.json") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: cannot parse: {exc}") from None
-    if raw.get("model_type") != "llama":
-        raise ModelError(f"{path}: model_type {raw.get('model_type')!r} is not supported "
-                         "(einpage runs 'llama')")
-    rope = raw.get("rope_parameters") or {}
-    theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
-    if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
-        raise ModelError(f"{path}: rope scaling {rope.get('rope_type') or raw.get('rope_scaling')!r}"
-                         " is not supported")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return config_from_json(raw, directory.name, str(path))
+
+
+def config_from_json(raw: dict, name: str, where: str) -> ModelConfig:
+    """A `ModelConfig` from a Hugging Face `config.json` (both dialects: `rope_scaling` and
+    `rope_theta` at the top, or `rope_parameters`); an option einpage does not run is a
+    `ModelError` naming it, never ignored."""
+    family = raw.get("model_type")
+    if family not in FAMILIES:
+        raise ModelError(f"{where}: model_type {family!r} is not supported (einpage runs "
+                         f"{', '.join(FAMILIES)})")
+
+    def unsupported(what: str) -> ModelError:
+        return ModelError(f"{what} is not supported")
+
     try:
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-        from einpage.ir.dtypes import as_dtype
-        return LlamaConfig(
-            name=directory.name, vocab=int(raw["vocab_size"]), hidden=hidden,
-            intermediate=int(raw["intermediate_size"]), layers=int(raw["num_hidden_layers"]),
-            heads=heads, kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads), rope_theta=float(theta),
-            rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tied=bool(raw.get("tie_word_embeddings", False)), dtype=as_dtype(dtype_name))
+        if raw.get("hidden_act", "silu") != "silu":
+            raise unsupported(f"hidden_act {raw['hidden_act']!r}")
+        if raw.get("mlp_bias"):
+            raise unsupported("mlp_bias")
+        heads = _int(raw, "num_attention_heads")
+        hidden = _int(raw, "hidden_size")
+        layers = _int(raw, "num_hidden_layers")
+        kv_heads = _int(raw, "num_key_value_heads", heads)
+        head_dim = _int(raw, "head_dim", None) or hidden // heads
+        biased = _flag(raw, "attention_bias")
+        experts = _int(raw, "num_local_experts", 0) if family == "mixtral" else 0
+        window, window_layers = _window(raw, family, layers, unsupported)
+        return ModelConfig(
+            name=name, vocab=_int(raw, "vocab_size"), hidden=hidden,
+            intermediate=_int(raw, "intermediate_size"), layers=layers, heads=heads,
+            kv_heads=kv_heads, head_dim=head_dim, rope_theta=_rope_theta(raw),
+            rms_eps=_float(raw, "rms_norm_eps", 1e-6), tied=_flag(raw, "tie_word_embeddings"),
+            dtype=_dtype(raw), family=family, rope_scaling=_rope_scaling(raw, unsupported),
+            sliding_window=window, window_layers=window_layers,
+            qkv_bias=family == "qwen2" or biased, o_bias=biased and family != "qwen2",
+            qk_norm=family == "qwen3", experts=experts,
+            experts_per_token=_int(raw, "num_experts_per_tok", 0) if experts else 0,
+            context=_int(raw, "max_position_embeddings", None))
     except KeyError as exc:
-        raise CheckpointError(f"{path}: missing key {exc.args[0]!r}") from None
+        raise CheckpointError(f"{where}: missing key {exc.args[0]!r}") from None
     except (TypeError, ValueError, SpecError) as exc:  # SpecError: an unknown torch_dtype
-        raise CheckpointError(f"{path}: bad value: {exc}") from None
+        raise CheckpointError(f"{where}: bad value: {exc}") from None
+    except ModelError as exc:
+        raise ModelError(f"{where}: {exc}") from None
+
+
+_MISSING = object()
+
+
+def _int(raw: dict, key: str, default=_MISSING) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise KeyError(key)
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _float(raw: dict, key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _flag(raw: dict, key: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _dtype(raw: dict) -> DType:
+    from einpage.ir.dtypes import as_dtype
+    return as_dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32")
+
+
+def _rope(raw: dict) -> dict:
+    """The rope settings, from `rope_parameters` (newer) or `rope_scaling` (older)."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope settings must be an object, got {rope!r}")
+    return rope
+
+
+def _rope_theta(raw: dict) -> float:
+    rope = _rope(raw)
+    if raw.get("rope_theta") is not None:
+        return _float(raw, "rope_theta", 10000.0)
+    return _float(rope, "rope_theta", 10000.0)
+
+
+def _rope_scaling(raw: dict, unsupported) -> RopeScaling | None:
+    rope = _rope(raw)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", _float(rope, "factor", 1.0))
+    if kind == "llama3":
+        return RopeScaling("llama3", _float(rope, "factor", 1.0),
+                           _float(rope, "low_freq_factor", 1.0),
+                           _float(rope, "high_freq_factor", 4.0),
+                           _int(rope, "original_max_position_embeddings"))
+    raise unsupported(f"rope_type {kind!r} (einpage runs default, linear, llama3)")
+
+
+def _window(raw: dict, family: str, layers: int, unsupported):
+    """`(sliding_window, window_layers)`: Mistral and Mixtral window every layer when
+    `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`, on the layers
+    `layer_types` marks (or from `max_window_layers` on)."""
+    if family == "llama":
+        return None, None
+    window = _int(raw, "sliding_window", None)
+    if family in ("mistral", "mixtral"):
+        return window, None
+    if not _flag(raw, "use_sliding_window") or window is None:
+        return None, None
+    types = raw.get("layer_types")
+    if types is None:
+        first = _int(raw, "max_window_layers", 0)
+        return window, tuple(range(first, layers))
+    if not isinstance(types, list) or len(types) != layers:
+        raise ValueError(f"layer_types must list {layers} layers, got {types!r}")
+    for kind in types:
+        if kind not in ("full_attention", "sliding_attention"):
+            raise unsupported(f"layer type {kind!r}")
+    return window, tuple(k for k, kind in enumerate(types) if kind == "sliding_attention")
 
 
 class Checkpoint:
@@ -153,7 +262,7 @@ class Checkpoint:
 
 
 class CheckpointWeights:
-    """Weight source for LLaMA graphs (`einpage.runtime.WeightSource`): graph weight name ->
+    """Weight source for the model graphs (`einpage.runtime.WeightSource`): graph weight name ->
     a memory-mapped checkpoint view of its logical shape."""
 
     def __init__(self, checkpoint: Checkpoint):
@@ -179,7 +288,7 @@ class RandomWeights:
     """Deterministic random weights for a preset, made on the fly per tensor (seed, name): a
     `einpage.runtime.WeightSource`."""
 
-    def __init__(self, config: LlamaConfig, seed: int = 0):
+    def __init__(self, config: ModelConfig, seed: int = 0):
         self.config, self.seed = config, seed
         self.shapes = llama.weight_shapes(config)
 
@@ -187,8 +296,11 @@ class RandomWeights:
         import zlib
         shape = self.shapes[name]
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
-        if len(shape) == 1:  # norm weights
+        short = name.rsplit(".", 1)[-1]
+        if short.endswith("norm"):
             return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        fan_in = shape[-1] if not name.endswith("wo") else int(np.prod(shape[1:]))
+        if short in ("bq", "bk", "bv", "bo"):
+            return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+        fan_in = shape[-1] if short != "wo" else int(np.prod(shape[1:]))
         std = 1.0 if name == "embed" else fan_in ** -0.5
         return (std * rng.standard_normal(shape)).astype(np.float32)

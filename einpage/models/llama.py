@@ -1,4 +1,5 @@
-"""LLaMA in the einsum DSL (Hugging Face `LlamaForCausalLM` semantics).
+"""LLaMA and its descendants in the einsum DSL (Hugging Face `LlamaForCausalLM`,
+`MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MixtralForCausalLM` semantics).
 
 Index letters, used in every spec below:
     b batch            s query position        t key position (past + new)
@@ -19,6 +20,17 @@ parts at once (one running max and one sum), so the store is read in place: neve
 never copied. The step returns its new rows; the caller writes them into the store at `pos`.
 
 RMSNorm and softmax run in float32 and cast back as transformers does.
+
+The families differ from LLaMA in a few places, each a field of `ModelConfig`:
+  * rotary scaling (`llama3`, `linear`): the inverse frequency is a Piecewise fill of `j`;
+  * a sliding window (Mistral): the mask keeps keys `s - W < t <= s`, so score blocks entirely
+    outside the band are constant -inf and the partitioner drops their tasks, as it drops the
+    blocks above the diagonal of every causal mask;
+  * biases on the q, k, v (and o) projections (Qwen2; `attention_bias`);
+  * RMSNorm over each head's queries and keys before the rotation (Qwen3);
+  * a mixture of experts (Mixtral): a router, the top-k of E experts found by k max-reductions,
+    softmax weights renormalised over the chosen experts; every expert runs on every token (a
+    static plan cannot know which experts a token picks) and is weighted by zero where unused.
 """
 from __future__ import annotations
 
@@ -30,12 +42,12 @@ from einpage.ir import scalar
 from einpage.ir.builder import GraphBuilder, Tensor
 from einpage.ir.dtypes import DType
 from einpage.ir.graph import Graph
-from einpage.models.config import LlamaConfig
+from einpage.models.config import ModelConfig
 
 B, S, C = (scalar.size_symbol(n) for n in "BSC")
 
 
-def weight_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Logical shape of every weight input, by graph input name."""
     n, g, j, m, f = cfg.kv_heads, cfg.group, cfg.head_dim // 2, cfg.hidden, cfg.intermediate
     shapes = {"embed": (cfg.vocab, m), "norm": (m,)}
@@ -44,15 +56,33 @@ def weight_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(cfg.layers):
         p = f"layers.{layer}."
         shapes.update({p + "attn_norm": (m,), p + "wq": (n, g, 2, j, m), p + "wk": (n, 2, j, m),
-                       p + "wv": (n, 2, j, m), p + "wo": (m, n, g, 2, j), p + "ffn_norm": (m,),
-                       p + "w_gate": (f, m), p + "w_up": (f, m), p + "w_down": (m, f)})
+                       p + "wv": (n, 2, j, m), p + "wo": (m, n, g, 2, j), p + "ffn_norm": (m,)})
+        if cfg.qkv_bias:
+            shapes.update({p + "bq": (n, g, 2, j), p + "bk": (n, 2, j), p + "bv": (n, 2, j)})
+        if cfg.o_bias:
+            shapes[p + "bo"] = (m,)
+        if cfg.qk_norm:
+            shapes.update({p + "q_norm": (2, j), p + "k_norm": (2, j)})
+        if cfg.experts:
+            shapes[p + "router"] = (cfg.experts, m)
+            for e in range(cfg.experts):
+                shapes.update({f"{p}experts.{e}.w_gate": (f, m), f"{p}experts.{e}.w_up": (f, m),
+                               f"{p}experts.{e}.w_down": (m, f)})
+        else:
+            shapes.update({p + "w_gate": (f, m), p + "w_up": (f, m), p + "w_down": (m, f)})
     return shapes
 
 
-_HF_LAYER = {"attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
-             "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
-             "ffn_norm": "post_attention_layernorm", "w_gate": "mlp.gate_proj",
-             "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+_HF_LAYER = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
+             "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+             "wo": "self_attn.o_proj.weight", "bq": "self_attn.q_proj.bias",
+             "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+             "bo": "self_attn.o_proj.bias", "q_norm": "self_attn.q_norm.weight",
+             "k_norm": "self_attn.k_norm.weight", "ffn_norm": "post_attention_layernorm.weight",
+             "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
+             "w_down": "mlp.down_proj.weight", "router": "block_sparse_moe.gate.weight"}
+# Mixtral's experts: w1 is the gate projection, w3 the up projection, w2 the down projection
+_HF_EXPERT = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
 
 
 def hf_tensor(name: str) -> str:
@@ -63,44 +93,61 @@ def hf_tensor(name: str) -> str:
         return "model.norm.weight"
     if name == "lm_head":
         return "lm_head.weight"
-    _, layer, short = name.split(".")
-    return f"model.layers.{layer}.{_HF_LAYER[short]}.weight"
+    parts = name.split(".")
+    if len(parts) == 5:  # layers.<l>.experts.<e>.<w>
+        _, layer, _, expert, short = parts
+        return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_HF_EXPERT[short]}.weight"
+    _, layer, short = parts
+    return f"model.layers.{layer}.{_HF_LAYER[short]}"
 
 
-def hf_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
-    """The `[out, in]` shape Hugging Face stores graph weight `name` in."""
+def hf_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    """The shape Hugging Face stores graph weight `name` in: `[out, in]` for a projection,
+    flat for a bias or a per-head norm."""
     shape = weight_shapes(cfg)[name]
-    if len(shape) == 1 or name in ("embed", "lm_head") or name.endswith(("w_gate", "w_up",
-                                                                          "w_down")):
-        return shape
-    if name.endswith("wo"):
+    short = name.rsplit(".", 1)[-1]
+    if short in ("wq", "wk", "wv"):
+        return (math.prod(shape[:-1]), shape[-1])
+    if short == "wo":
         return (shape[0], math.prod(shape[1:]))
-    return (math.prod(shape[:-1]), shape[-1])
+    if short in ("bq", "bk", "bv", "q_norm", "k_norm"):
+        return (math.prod(shape),)
+    return shape
 
 
 class _Llama:
     """Writes one graph for `cfg`: a prefill (positions 0..S-1) or a decode step (positions from
     the `pos` input, over a KV store of capacity `C`)."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         self.g = GraphBuilder()
         self.dt = cfg.dtype
         self.pos: Tensor | None = None  # decode: each row's position, [B] int64
+        self.masks: dict[int | None, Tensor] = {}  # by sliding window (None: causal)
 
     def weight(self, name: str) -> Tensor:
         return self.g.input(name, weight_shapes(self.cfg)[name], self.dt, role="weight")
 
-    def rms_norm(self, x: Tensor, w: Tensor) -> Tensor:
+    def rms_norm(self, x: Tensor, w: Tensor, spec: str = "bsm", over: str = "m") -> Tensor:
+        """RMSNorm of `x` (indices `spec`) over the indices `over`, weighted by `w[over]`."""
         g, cfg = self.g, self.cfg
-        ss = g.einsum("bsm->bs", x, join=lambda a: a * a, agg="sum", dtype=DType.f32)
-        inv = g.einsum("bs->bs", ss, join=lambda a: scalar.rsqrt(a / cfg.hidden + cfg.rms_eps))
-        normed = g.einsum("bsm,bs->bsm", x, inv, dtype=self.dt)
-        return g.einsum("bsm,m->bsm", normed, w)
+        keep = "".join(c for c in spec if c not in over)
+        size = math.prod(x.shape[spec.index(c)] for c in over)
+        ss = g.einsum(f"{spec}->{keep}", x, join=lambda a: a * a, agg="sum", dtype=DType.f32)
+        inv = g.einsum(f"{keep}->{keep}", ss,
+                       join=lambda a: scalar.rsqrt(a / size + cfg.rms_eps))
+        normed = g.einsum(f"{spec},{keep}->{spec}", x, inv, dtype=self.dt)
+        return g.einsum(f"{spec},{over}->{spec}", normed, w)
 
     def add(self, x: Tensor, y: Tensor) -> Tensor:
         """The residual add `x + y` of two [b, s, m] hidden states."""
         return self.g.einsum("bsm,bsm->bsm", x, y, join=lambda a, c: a + c)
+
+    def bias(self, x: Tensor, spec: str, name: str) -> Tensor:
+        """`x + bias` with the bias over the trailing indices of `spec` (without `bs`)."""
+        w = self.weight(name)
+        return self.g.einsum(f"{spec},{spec[2:]}->{spec}", x, w, join=lambda a, c: a + c)
 
     def softmax(self, scores: Tensor) -> Tensor:
         """Softmax of float32 scores[b, n, g, s, t] over the key position t (max-subtracted),
@@ -112,8 +159,24 @@ class _Llama:
         return g.einsum("bngst,bngs->bngst", e, total, join=lambda a, c: a / c, dtype=self.dt)
 
     def _inverse_frequency(self, j) -> sympy.Expr:
+        """Rotary inverse frequency of pair `j`, with the config's scaling (transformers'
+        `_compute_default/linear/llama3_parameters`)."""
         cfg = self.cfg
-        return sympy.Float(cfg.rope_theta) ** (-sympy.Float(1) * j / (cfg.head_dim // 2))
+        base = sympy.Float(cfg.rope_theta) ** (-sympy.Float(1) * j / (cfg.head_dim // 2))
+        rope = cfg.rope_scaling
+        if rope is None:
+            return base
+        factor = sympy.Float(rope.factor)
+        if rope.kind == "linear":
+            return base / factor
+        # llama3: wavelength 2*pi/base; long waves scaled, short kept, smooth in between
+        old = sympy.Float(rope.original_context)
+        low, high = sympy.Float(rope.low_freq_factor), sympy.Float(rope.high_freq_factor)
+        wavelen = 2 * sympy.pi / base
+        smooth = (old / wavelen - low) / (high - low)
+        return sympy.Piecewise((base / factor, wavelen > old / low),
+                               (base, wavelen < old / high),
+                               ((1 - smooth) * base / factor + smooth * base, True))
 
     @staticmethod
     def _rotation(theta, d) -> sympy.Expr:
@@ -123,39 +186,75 @@ class _Llama:
 
     def rotary_table(self, seq) -> Tensor:
         """Prefill: rot[s, u, r, j] at position s."""
-        half = self.cfg.head_dim // 2
-        return self.g.fill((seq, 2, 2, half), lambda s, u, r, j: self._rotation(
-            s * self._inverse_frequency(j), u - r), dtype=DType.f32)
+        position = self.g.fill((seq,), lambda s: s, dtype=DType.f32)
+        return self._rotary(position, "s")
 
     def step_rotary_table(self) -> Tensor:
         """Decode: rot[b, u, r, j] at position pos[b] (angles computed on the device)."""
+        return self._rotary(self.pos, "b")
+
+    def _rotary(self, position: Tensor, p: str) -> Tensor:
+        """rot[p, u, r, j] for positions `position[p]`. As transformers does, the angle is the
+        float32 product of the float32 position and inverse frequency, and its cos and sin are
+        taken in float32 (so prefill and decode rotate alike, and both as transformers)."""
         g, half = self.g, self.cfg.head_dim // 2
         freq = g.fill((half,), self._inverse_frequency, dtype=DType.f32)
-        angle = g.einsum("b,j->bj", self.pos, freq, join=lambda p, f: p * f, dtype=DType.f32)
+        angle = g.einsum(f"{p},j->{p}j", position, freq, join=lambda a, f: a * f,
+                         dtype=DType.f32)
         offdiag = g.fill((2, 2, half), lambda u, r, j: u - r, dtype=DType.f32)
-        return g.einsum("bj,urj->burj", angle, offdiag, join=self._rotation, dtype=DType.f32)
+        return g.einsum(f"{p}j,urj->{p}urj", angle, offdiag, join=self._rotation,
+                        dtype=DType.f32)
 
-    def causal_mask(self, seq) -> Tensor:
-        return self.g.fill((seq, seq), lambda s, t: sympy.Piecewise(
-            (0, t <= s), (-sympy.oo, True)), dtype=DType.f32)
+    @staticmethod
+    def _visible(query, key, window):
+        """Whether the query at position `query` sees the key at `key`: causal, and within the
+        sliding window where there is one (transformers: `key > query - window`)."""
+        if window is None:
+            return key <= query
+        return sympy.And(key <= query, query - key < window)
 
-    def store_mask(self, capacity) -> Tensor:
-        """Decode: mask[b, t] over the store, 0 where slot t holds a past row (t < pos[b])."""
-        g = self.g
-        slot = g.fill((capacity,), lambda t: t, dtype=DType.f32)
-        return g.einsum("b,t->bt", self.pos, slot, dtype=DType.f32, join=lambda p, t:
-                        sympy.Piecewise((0, t < p), (-sympy.oo, True)))
+    def causal_mask(self, seq, window=None) -> Tensor:
+        """Prefill: mask[s, t], 0 where query s sees key t, -inf elsewhere (one fill per window,
+        shared by the layers)."""
+        if window not in self.masks:
+            self.masks[window] = self.g.fill((seq, seq), lambda s, t: sympy.Piecewise(
+                (0, self._visible(s, t, window)), (-sympy.oo, True)), dtype=DType.f32)
+        return self.masks[window]
+
+    def store_mask(self, capacity, window=None) -> Tensor:
+        """Decode: mask[b, t] over the store, 0 where slot t holds a past row the step sees
+        (t < pos[b], and within the window)."""
+        if window not in self.masks:
+            g = self.g
+            slot = g.fill((capacity,), lambda t: t, dtype=DType.f32)
+            self.masks[window] = g.einsum(
+                "b,t->bt", self.pos, slot, dtype=DType.f32, join=lambda p, t: sympy.Piecewise(
+                    (0, (t < p) if window is None else sympy.And(t < p, p - t < window)),
+                    (-sympy.oo, True)))
+        return self.masks[window]
 
     def projections(self, x: Tensor, layer: int, rot: Tensor, rot_spec: str):
-        """q, k (rotated) and v of the hidden state `x`; `rot_spec` is `surj` (prefill) or
-        `burj` (decode)."""
-        g, p = self.g, f"layers.{layer}."
+        """q, k (normed per head where the family does, then rotated) and v of the hidden state
+        `x`; `rot_spec` is `surj` (prefill) or `burj` (decode)."""
+        g, p, cfg = self.g, f"layers.{layer}.", self.cfg
         q = g.einsum("bsm,ngrjm->bsngrj", x, self.weight(p + "wq"))
         k = g.einsum("bsm,nrjm->bsnrj", x, self.weight(p + "wk"))
         v = g.einsum("bsm,nrjm->bsnrj", x, self.weight(p + "wv"))
+        if cfg.qkv_bias:
+            q = self.bias(q, "bsngrj", p + "bq")
+            k = self.bias(k, "bsnrj", p + "bk")
+            v = self.bias(v, "bsnrj", p + "bv")
+        if cfg.qk_norm:
+            q = self.rms_norm(q, self.weight(p + "q_norm"), "bsngrj", "rj")
+            k = self.rms_norm(k, self.weight(p + "k_norm"), "bsnrj", "rj")
         q = g.einsum(f"bsngrj,{rot_spec}->bsnguj", q, rot, dtype=self.dt)
         k = g.einsum(f"bsnrj,{rot_spec}->bsnuj", k, rot, dtype=self.dt)
         return q, k, v
+
+    def out_projection(self, out: Tensor, layer: int) -> Tensor:
+        p = f"layers.{layer}."
+        y = self.g.einsum("bsngrj,mngrj->bsm", out, self.weight(p + "wo"))
+        return self.bias(y, "bsm", p + "bo") if self.cfg.o_bias else y
 
     @property
     def scale(self) -> float:
@@ -163,24 +262,26 @@ class _Llama:
 
     def attention(self, x: Tensor, layer: int, seq, rot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Prefill: the attention block's output, and the keys and values (the KV cache)."""
-        g, p, scale = self.g, f"layers.{layer}.", self.scale
+        g, scale = self.g, self.scale
         q, k, v = self.projections(x, layer, rot, "surj")
         scores = g.einsum("bsnguj,btnuj->bngst", q, k, join=lambda a, c: a * c * scale,
                           agg="sum", dtype=DType.f32)
-        scores = g.einsum("bngst,st->bngst", scores, self.causal_mask(seq),
+        scores = g.einsum("bngst,st->bngst", scores,
+                          self.causal_mask(seq, self.cfg.window(layer)),
                           join=lambda a, c: a + c)
         probs = self.softmax(scores)
         out = g.einsum("bngst,btnrj->bsngrj", probs, v)
-        return g.einsum("bsngrj,mngrj->bsm", out, self.weight(p + "wo")), k, v
+        return self.out_projection(out, layer), k, v
 
-    def step_attention(self, x: Tensor, layer: int, rot: Tensor, mask: Tensor,
+    def step_attention(self, x: Tensor, layer: int, rot: Tensor,
                        capacity) -> tuple[Tensor, Tensor, Tensor]:
         """Decode: attention over the store's past rows and the step's own key, read in place;
         returns the output and the step's new key and value rows."""
-        g, cfg, p, scale = self.g, self.cfg, f"layers.{layer}.", self.scale
+        g, cfg, scale = self.g, self.cfg, self.scale
         shape = (B, capacity, cfg.kv_heads, 2, cfg.head_dim // 2)
         past_k = g.input(f"cache.{layer}.k", shape, self.dt, role="cache")
         past_v = g.input(f"cache.{layer}.v", shape, self.dt, role="cache")
+        mask = self.store_mask(capacity, cfg.window(layer))
         q, k, v = self.projections(x, layer, rot, "burj")
         past = g.einsum("bsnguj,btnuj->bngst", q, past_k, join=lambda a, c: a * c * scale,
                         agg="sum", dtype=DType.f32)
@@ -200,14 +301,51 @@ class _Llama:
         out = g.einsum("bngst,btnrj->bsngrj", p_past, past_v, dtype=DType.f32)
         out = g.einsum("bsngrj,bngs,bsnrj->bsngrj", out, p_own, v, dtype=self.dt,
                        join=lambda o, a, c: o + a * c)
-        return g.einsum("bsngrj,mngrj->bsm", out, self.weight(p + "wo")), k, v
+        return self.out_projection(out, layer), k, v
+
+    def _ffn(self, x: Tensor, prefix: str) -> Tensor:
+        """The SwiGLU feed-forward block with weights `<prefix>w_gate|w_up|w_down`."""
+        g = self.g
+        gate = g.einsum("bsm,fm->bsf", x, self.weight(prefix + "w_gate"))
+        up = g.einsum("bsm,fm->bsf", x, self.weight(prefix + "w_up"))
+        act = g.einsum("bsf,bsf->bsf", gate, up, join=lambda a, c: scalar.silu(a) * c)
+        return g.einsum("bsf,mf->bsm", act, self.weight(prefix + "w_down"))
 
     def feed_forward(self, x: Tensor, layer: int) -> Tensor:
-        g, p = self.g, f"layers.{layer}."
-        gate = g.einsum("bsm,fm->bsf", x, self.weight(p + "w_gate"))
-        up = g.einsum("bsm,fm->bsf", x, self.weight(p + "w_up"))
-        act = g.einsum("bsf,bsf->bsf", gate, up, join=lambda a, c: scalar.silu(a) * c)
-        return g.einsum("bsf,mf->bsm", act, self.weight(p + "w_down"))
+        if self.cfg.experts:
+            return self.experts(x, layer)
+        return self._ffn(x, f"layers.{layer}.")
+
+    def routing(self, x: Tensor, layer: int) -> Tensor:
+        """Mixtral's router: weights[b, s, e], the softmax of the router logits renormalised over
+        each token's top-k experts (0 for the others), in the model dtype. The k-th largest logit
+        comes from k max-reductions, each over the logits below the previous maximum."""
+        g, cfg = self.g, self.cfg
+        logits = g.einsum("bsm,em->bse", x, self.weight(f"layers.{layer}.router"))
+        top = g.einsum("bse->bs", logits, join=lambda a: a, agg="max", dtype=DType.f32)
+        kth = top
+        for _ in range(cfg.experts_per_token - 1):
+            kth = g.einsum("bse,bs->bs", logits, kth, agg="max", dtype=DType.f32,
+                           join=lambda a, c: sympy.Piecewise((a, a < c), (-sympy.oo, True)))
+        e = g.einsum("bse,bs,bs->bse", logits, top, kth, dtype=DType.f32,
+                     join=lambda a, t, k: sympy.Piecewise((scalar.exp(a - t), a >= k), (0, True)))
+        total = g.einsum("bse->bs", e, join=lambda a: a, agg="sum")
+        return g.einsum("bse,bs->bse", e, total, join=lambda a, c: a / c, dtype=self.dt)
+
+    def experts(self, x: Tensor, layer: int) -> Tensor:
+        """Every expert on every token, each output scaled by its routing weight and summed in
+        expert order (transformers adds the routed tokens' outputs the same way)."""
+        g, cfg = self.g, self.cfg
+        weights = self.routing(x, layer)
+        out = None
+        for e in range(cfg.experts):
+            pick = g.fill((cfg.experts,), lambda i, e=e: sympy.Piecewise((1, sympy.Eq(i, e)),
+                                                                        (0, True)), dtype=self.dt)
+            w = g.einsum("bse,e->bs", weights, pick, agg="sum")
+            y = self._ffn(x, f"layers.{layer}.experts.{e}.")
+            out = (g.einsum("bsm,bs->bsm", y, w) if out is None else
+                   g.einsum("bsm,bsm,bs->bsm", out, y, w, join=lambda o, a, c: o + a * c))
+        return out
 
     def build(self, seq, capacity=None) -> Graph:
         """Prefill of `seq` tokens (`capacity` None), or one decode step over a store of
@@ -215,10 +353,10 @@ class _Llama:
         g, cfg = self.g, self.cfg
         tokens = g.input("tokens", (B, seq), DType.i64)
         if capacity is None:
-            rot, mask = self.rotary_table(seq), None
+            rot = self.rotary_table(seq)
         else:
             self.pos = g.input("pos", (B,), DType.i64)
-            rot, mask = self.step_rotary_table(), self.store_mask(capacity)
+            rot = self.step_rotary_table()
         embed = self.weight("embed")
         h = g.gather(embed, tokens)
         rows = []
@@ -229,7 +367,7 @@ class _Llama:
                 if capacity is None:
                     a, k, v = self.attention(x, layer, seq, rot)
                 else:
-                    a, k, v = self.step_attention(x, layer, rot, mask, capacity)
+                    a, k, v = self.step_attention(x, layer, rot, capacity)
                 h = self.add(h, a)
                 f = self.feed_forward(self.rms_norm(h, self.weight(p + "ffn_norm")), layer)
                 h = self.add(h, f)
@@ -247,13 +385,13 @@ class _Llama:
         return g.build()
 
 
-def prefill_graph(cfg: LlamaConfig) -> Graph:
+def prefill_graph(cfg: ModelConfig) -> Graph:
     """Prefill of `S` tokens per row for `B` rows: inputs `tokens` [B,S] and the weights;
     outputs `logits` [B,S,V] and the KV cache `cache.<l>.k|v` [B,S,n,2,j]."""
     return _Llama(cfg).build(S)
 
 
-def decode_graph(cfg: LlamaConfig) -> Graph:
+def decode_graph(cfg: ModelConfig) -> Graph:
     """One decode step for every position below the store's capacity `C`: inputs `tokens` [B,1],
     `pos` [B] (each row's position: its past length) and the KV store `cache.<l>.k|v`
     [B,C,n,2,j] (rows `t < pos[b]` hold row b's past; the rest is masked out); outputs `logits`
