@@ -41,6 +41,25 @@ def test_models_lists_presets(capsys):
     lines = {line.split()[0]: line for line in out.splitlines()[1:]}
     assert {"llama-7b", "llama-65b", "llama2-70b", "llama3-8b", "tiny"} <= set(lines)
     assert "65.29B" in lines["llama-65b"] and "130.57 GB" in lines["llama-65b"]
+    assert {"llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "llama3.2-1b", "llama3.2-3b",
+            "mistral-7b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "mixtral-8x7b",
+            "mixtral-8x22b"} <= set(lines)
+    mixtral = lines["mixtral-8x7b"].split()
+    assert mixtral[1:5] == ["mixtral", "46.70B", "12.88B", "93.41"]
+    assert lines["mixtral-8x7b"].endswith("top-2 of 8 experts")
+    assert "window 4096" in lines["mistral-7b"] and "rope llama3 x8" in lines["llama3.1-70b"]
+
+
+@pytest.mark.parametrize("argv", [
+    "compile mixtral-8x7b --gpu-mem 16GB --json",
+    "compile llama3.1-70b --gpu-mem 24GB --json",
+    "compile qwen3-8b --gpu-mem 8GB --phase decode --past 512 --batch 4 --json",
+    "compile mistral-7b --gpu-mem 8GB --seq 4096 --json",
+])
+def test_family_presets_compile(capsys, argv):
+    assert cli(*argv.split()) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["efficiency"] > 0.9
 
 
 def test_run_prints_next_token(capsys, f32_fixture):

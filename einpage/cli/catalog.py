@@ -8,7 +8,7 @@ from einpage.units import format_size
 
 
 def add_commands(sub) -> None:
-    sub.add_parser("models", help="list the model presets")
+    sub.add_parser("models", help="list the model presets: family, parameters, weight bytes")
     d = sub.add_parser("devices", help="list the device profiles of the cost model")
     d.add_argument("--json", action="store_true", help="print them as JSON (the --device-file "
                                                        "format)")
@@ -20,13 +20,37 @@ def add_commands(sub) -> None:
 
 
 def cmd_models(args) -> None:
+    """The presets: family, parameters (active ones for a mixture of experts), f16 weight bytes
+    and shapes."""
     from einpage.ir.dtypes import DType
     from einpage.models.config import PRESETS
-    print(f"{'name':<12} {'params':>10} {'f16 weights':>13} {'layers':>6} {'hidden':>6} "
-          f"{'heads':>5} {'kv':>3} {'vocab':>7}")
+    print(f"{'name':<14} {'family':<8} {'params':>9} {'active':>8} {'f16 weights':>12} "
+          f"{'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} {'vocab':>7}  notes")
     for cfg in PRESETS.values():
-        print(f"{cfg.name:<12} {cfg.parameters / 1e9:>9.2f}B {format_size(cfg.weight_bytes(DType.f16)):>13} "
-              f"{cfg.layers:>6} {cfg.hidden:>6} {cfg.heads:>5} {cfg.kv_heads:>3} {cfg.vocab:>7}")
+        notes = []
+        if cfg.rope_scaling:
+            notes.append(f"rope {cfg.rope_scaling.kind} x{cfg.rope_scaling.factor:g}")
+        if cfg.sliding_window:
+            notes.append(f"window {cfg.sliding_window}")
+        if cfg.qkv_bias:
+            notes.append("qkv bias")
+        if cfg.qk_norm:
+            notes.append("q/k norm")
+        if cfg.experts:
+            notes.append(f"top-{cfg.experts_per_token} of {cfg.experts} experts")
+        if cfg.tied:
+            notes.append("tied embeddings")
+        if cfg.head_dim * cfg.heads != cfg.hidden:
+            notes.append(f"head_dim {cfg.head_dim}")
+        line = (f"{cfg.name:<14} {cfg.family:<8} {_billions(cfg.parameters):>9} "
+              f"{_billions(cfg.active_parameters):>8} "
+              f"{format_size(cfg.weight_bytes(DType.f16)):>12} {cfg.layers:>6} {cfg.hidden:>6} "
+              f"{cfg.heads:>5} {cfg.kv_heads:>3} {cfg.vocab:>7}  {', '.join(notes)}")
+        print(line.rstrip())
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e7 else f"{n / 1e6:.2f}M"
 
 
 def cmd_devices(args) -> None:
