@@ -121,5 +121,5 @@ def forecast_generation(cfg: LlamaConfig, batch: int, prompt: int, new_tokens: i
     bandwidth = (options.device or get_device(DEFAULT_DEVICE)).h2d_bandwidth
     buckets = tuple(BucketPlan(cap, steps, compile_for(
         step.bind(B=batch, C=cap), phase="decode", seq=1, capacity=cap, tokens=batch), bandwidth)
-        for cap, steps in bucket_steps(prompt, new_tokens, granule))
+        for cap, steps in bucket_steps(prompt, new_tokens, granule, cfg.kv_ring))
     return GenerationForecast(cfg.name, batch, prompt, new_tokens, pre, buckets)

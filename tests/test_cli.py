@@ -142,10 +142,10 @@ def test_preset_without_random_weights(capsys):
 def test_unknown_model_type(capsys, tmp_path):
     path = write_checkpoint(tmp_path / "ckpt")
     config = json.loads((path / "config.json").read_text())
-    config["model_type"] = "mistral"
+    config["model_type"] = "gpt_neox"
     (path / "config.json").write_text(json.dumps(config))
     code = cli("run", path, "--tokens", "1")
-    assert_one_line_error(capsys, code, "model_type 'mistral' is not supported")
+    assert_one_line_error(capsys, code, "model_type 'gpt_neox' is not supported")
 
 
 def test_missing_tensor(capsys, tmp_path):

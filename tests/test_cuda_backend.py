@@ -175,7 +175,8 @@ def test_tight_budget_offloads_and_decodes_greedily(device):
 
     np.testing.assert_array_equal(greedy(cfg, prompt, 4, streams), greedy(cfg, prompt, 4, numpy))
     graph = llama.prefill_graph(cfg).bind(B=2, S=8)
-    compiled = compile_graph(graph, CompileOptions(12_000))
+    options = CompileOptions(9_000)
+    compiled = compile_graph(graph, options)
     assert compiled.report.traffic.offload_count > 0
     tokens = np.arange(16).reshape(2, 8) % cfg.vocab
     _close(streams(graph, {"tokens": tokens}), numpy(graph, {"tokens": tokens}), DType.f32,
@@ -210,7 +211,14 @@ def test_fixture_logits_under_paging(device, name, record_error):
     err_hf = float(np.abs(got - want).max())
     record_error(f"{name}: cupy ({device.kind}) vs numpy executor", err_numpy)
     record_error(f"{name}: cupy ({device.kind}) vs transformers", err_hf)
-    assert err_numpy < 1e-5 and err_hf < 1e-5, (err_numpy, err_hf)
+    # float32 rounding of this fixture: the dense reference in float32 against float64 (the
+    # family fixtures' sharp attention makes it ~1e-5; see tests/test_families.py)
+    from einpage.runtime import reference as dense
+    exact = dense.evaluate(graph, {"tokens": ids}, weights, float64=True)["logits"]
+    rounding = float(np.abs(dense.evaluate(graph, {"tokens": ids}, weights)["logits"]
+                            - exact).max())
+    tol = max(1e-5, 3 * rounding)
+    assert err_numpy < tol and err_hf < tol, (err_numpy, err_hf, rounding)
 
 
 def _hand_plans():

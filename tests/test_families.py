@@ -303,3 +303,41 @@ def test_random_weights_for_family_presets(name):
     weights = RandomWeights(cfg)
     logits = generation.prefill(cfg, np.array([[1, 5, 9, 2, 7]]), runner(weights))["logits"]
     assert np.isfinite(logits).all() and logits.shape == (1, 5, 96)
+
+
+# ------------------------------------------------------------------ a windowed model's ring store
+
+
+def test_ring_store_keeps_the_window(hf_fixture, variant_dir):
+    """Every layer windowed (W = 3): the store is a ring of W - 1 = 2 slots; after a prefill of
+    17 and 5 decode steps it holds exactly the last two rows of each layer, and each step's
+    logits equal the prefill of the whole sequence at that position."""
+    from einpage.models.kvstore import KVStore, bucket_steps
+    path = variant_dir(hf_fixture, "mistral-window-3")
+    cfg, weights = resolve(str(path))
+    assert cfg.kv_ring == 2 and bucket_steps(17, 8, 4, cfg.kv_ring) == [(2, 7)]
+    run = runner(weights, True)
+    ids = np.load(path / "input_ids.npy")[:1]
+    store = KVStore(cfg, 1, 64, dtype=np.float64)
+    assert store.capacity == 2 and store.wraps
+    first = generation.prefill(cfg, ids, run)
+    store.fill(first)
+    tokens = list(ids[0]) + [int(np.argmax(first["logits"][0, -1]))]
+    for _ in range(5):
+        graph = generation.decode_step_graph(cfg, 1, store.capacity)
+        out = run(graph, {"tokens": np.array([[tokens[-1]]]), "pos": store.pos.copy(),
+                          **store.view(store.capacity)})
+        whole = generation.prefill(cfg, np.array([tokens]), run)
+        np.testing.assert_allclose(out["logits"][0, 0], whole["logits"][0, -1], atol=1e-10)
+        store.write(out)
+        for name in store.arrays:
+            np.testing.assert_allclose(store.rows(name, 0), whole[name][0, -2:], atol=1e-10)
+        tokens.append(int(np.argmax(out["logits"][0, 0])))
+
+
+def test_ring_capacity_in_compile(capsys):
+    from einpage.cli import main
+    assert main("compile mistral-7b --gpu-mem 16GB --phase decode --past 30000 "
+                     "--json".split()) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["capacity"] == 4095 and report["past"] == 30000

@@ -82,8 +82,10 @@ def _graph(args):
         past = args.seq if args.past is None else args.past
         if past < 0:
             raise InputError(f"--past must be non-negative, got {past}")
+        ring = cfg.kv_ring  # every layer windowed: the store holds the window's rows only
         capacity = capacity_for(past + 1) if args.capacity is None else args.capacity
-        if capacity < past + 1:
+        capacity = min(capacity, ring) if ring else capacity
+        if capacity < past + 1 and not (ring and capacity == ring):
             raise InputError(f"--capacity {capacity} cannot hold position {past}: the step "
                              f"writes its row there (at least {past + 1})")
         graph = llama.decode_graph(cfg).bind(B=args.batch, C=capacity)

@@ -108,6 +108,18 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def kv_ring(self) -> int | None:
+        """Slots of a KV store kept as a ring, where every layer has a sliding window W: a
+        decode step sees its own key and the W - 1 before it, so the store holds the last W - 1
+        rows (position q in slot q mod (W - 1)) and never grows past them. None: the store
+        keeps every row."""
+        if self.sliding_window is None or self.sliding_window < 2:
+            return None
+        if self.window_layers is not None and len(set(self.window_layers)) < self.layers:
+            return None
+        return self.sliding_window - 1
+
+    @property
     def parameters(self) -> int:
         m, f, d = self.hidden, self.intermediate, self.head_dim
         q, kv = self.heads * d, self.kv_heads * d

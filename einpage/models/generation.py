@@ -123,7 +123,7 @@ def decode(cfg: LlamaConfig, store: KVStore, last: np.ndarray, steps: int, run: 
     session, capacity = None, 0
     try:
         for _ in range(steps):
-            if int(store.pos.max()) >= store.capacity:
+            if store.full:
                 raise InputError(f"the KV store of {store.capacity} slots cannot take position "
                                  f"{int(store.pos.max())}")
             need = min(capacity_for(int(store.pos.max()) + 1, granule), store.capacity)
@@ -181,7 +181,7 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
     prefill_s = time.perf_counter() - t0
     if on_token is not None:
         on_token(first)
-    caps = step_capacities(length, new_tokens, granule)
+    caps = step_capacities(length, new_tokens, granule, cfg.kv_ring)
     t0 = time.perf_counter()
     rest = np.zeros((batch, 0), np.int64)
     if caps:

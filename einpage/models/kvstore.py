@@ -33,17 +33,17 @@ def capacity_for(need: int, granule: int = GRANULE) -> int:
     return -(-need // step) * step
 
 
-def bucket_steps(prompt_len: int, new_tokens: int, granule: int = GRANULE
-                 ) -> list[tuple[int, int]]:
+def bucket_steps(prompt_len: int, new_tokens: int, granule: int = GRANULE,
+                 ring: int | None = None) -> list[tuple[int, int]]:
     """`(capacity, steps)` of the buckets the decode steps of a generation use, in order: after a
     prompt of `prompt_len`, the step producing token k+1 (k = 1 .. new_tokens-1) runs at
     position `prompt_len + k - 1` and writes its row there. The last bucket is cut to the rows
     the generation fills (`prompt_len + new_tokens - 1`): no step reads a slot that no step
-    writes."""
+    writes. A `ring` store (`ModelConfig.kv_ring`) never has more slots than the ring."""
     out: list[tuple[int, int]] = []
     last = prompt_len + new_tokens - 1
     for pos in range(prompt_len, last):
-        cap = min(capacity_for(pos + 1, granule), last)
+        cap = min(capacity_for(pos + 1, granule), last, ring or last)
         if out and out[-1][0] == cap:
             out[-1] = (cap, out[-1][1] + 1)
         else:
@@ -51,9 +51,10 @@ def bucket_steps(prompt_len: int, new_tokens: int, granule: int = GRANULE
     return out
 
 
-def step_capacities(prompt_len: int, new_tokens: int, granule: int = GRANULE) -> tuple[int, ...]:
+def step_capacities(prompt_len: int, new_tokens: int, granule: int = GRANULE,
+                    ring: int | None = None) -> tuple[int, ...]:
     """The bucket capacities of `bucket_steps`."""
-    return tuple(cap for cap, _ in bucket_steps(prompt_len, new_tokens, granule))
+    return tuple(cap for cap, _ in bucket_steps(prompt_len, new_tokens, granule, ring))
 
 
 def store_names(cfg: LlamaConfig) -> tuple[str, ...]:
@@ -64,12 +65,18 @@ class KVStore:
     """Keys and values of `batch` rows at `capacity` slots: `arrays[cache.<l>.k|v]` of shape
     [batch, capacity, kv_heads, 2, head_dim/2] in the model dtype, and `pos[b]`, the rows row b
     holds (its next position). `dtype` overrides the storage type (float64 for the reference's
-    float64 mode)."""
+    float64 mode).
+
+    For a model whose every layer has a sliding window the store is a ring (`cfg.kv_ring` slots
+    at most): position q lies in slot `q mod ring`, and only the rows the window sees are
+    kept."""
 
     def __init__(self, cfg: LlamaConfig, batch: int, capacity: int, dtype=None):
         if batch < 1 or capacity < 1:
             raise InputError(f"a KV store needs batch and capacity of at least 1, got "
                              f"{batch} and {capacity}")
+        self.ring = cfg.kv_ring
+        capacity = min(capacity, self.ring) if self.ring else capacity
         self.cfg, self.batch, self.capacity = cfg, batch, capacity
         shape = (batch, capacity, cfg.kv_heads, 2, cfg.head_dim // 2)
         self.arrays = {name: np.zeros(shape, dtype or cfg.dtype.numpy) for name in store_names(cfg)}
@@ -87,14 +94,33 @@ class KVStore:
         lengths = np.full(batch, seq, np.int64) if lengths is None else np.asarray(lengths)
         if batch != self.batch or lengths.shape != (batch,):
             raise InputError(f"prefill of {batch} rows for a store of {self.batch}")
-        if lengths.min() < 1 or lengths.max() > min(seq, self.capacity):
+        limit = seq if self.wraps else min(seq, self.capacity)
+        if lengths.min() < 1 or lengths.max() > limit:
             raise InputError(f"prefill lengths {lengths.tolist()} do not fit a store of "
                              f"{self.capacity} slots from {seq} positions")
         for name, array in self.arrays.items():
             rows = cache[name]
-            for b, n in enumerate(lengths):
-                array[b, :n] = rows[b, :n]
+            for b, n in enumerate(lengths.tolist()):
+                if self.wraps:  # the ring keeps the last `capacity` positions
+                    for q in range(max(0, n - self.capacity), n):
+                        array[b, q % self.capacity] = rows[b, q]
+                else:
+                    array[b, :n] = rows[b, :n]
         self.pos = lengths.astype(np.int64).copy()
+
+    @property
+    def wraps(self) -> bool:
+        """Whether positions past the capacity wrap around (a full-size ring)."""
+        return self.ring is not None and self.capacity == self.ring
+
+    def slot(self, pos: int) -> int:
+        """The slot position `pos` is written to."""
+        return pos % self.capacity if self.wraps else pos
+
+    @property
+    def full(self) -> bool:
+        """Whether some row has no slot for its next position."""
+        return not self.wraps and int(self.pos.max()) >= self.capacity
 
     def view(self, capacity: int) -> dict[str, np.ndarray]:
         """The first `capacity` slots of every row, by input name (views: no copy)."""
@@ -105,18 +131,22 @@ class KVStore:
     def write(self, step: Mapping[str, np.ndarray]) -> list[tuple[str, tuple[int, int], np.ndarray]]:
         """Write a decode step's `new.<l>.k|v` [B, 1, ...] rows at `pos` and advance `pos`.
         Returns the rows written, `(name, (b, slot), row)`, for copies elsewhere (a device)."""
-        if int(self.pos.max()) >= self.capacity:
+        if self.full:
             raise InputError(f"the KV store is full: {self.capacity} slots")
         written = []
         for name, array in self.arrays.items():
             new = step["new." + name[len("cache."):]]
             for b in range(self.batch):
-                slot = int(self.pos[b])
+                slot = self.slot(int(self.pos[b]))
                 array[b, slot] = new[b, 0]
                 written.append((name, (b, slot), array[b, slot]))
         self.pos += 1
         return written
 
     def rows(self, name: str, b: int) -> np.ndarray:
-        """Row b's past in `name`: [pos[b], kv_heads, 2, head_dim/2]."""
-        return self.arrays[name][b, :int(self.pos[b])]
+        """Row b's past in `name` in position order: [rows, kv_heads, 2, head_dim/2] (every
+        position, or a ring's last `capacity`)."""
+        n = int(self.pos[b])
+        if not self.wraps or n <= self.capacity:
+            return self.arrays[name][b, :n]
+        return self.arrays[name][b, [q % self.capacity for q in range(n - self.capacity, n)]]

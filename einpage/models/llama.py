@@ -18,6 +18,10 @@ are run-time values (rows may be at different positions). The store has capacity
 attends over its rows `t < pos[b]` and over its own new key, with the softmax taken over both
 parts at once (one running max and one sum), so the store is read in place: never concatenated,
 never copied. The step returns its new rows; the caller writes them into the store at `pos`.
+Where every layer has a sliding window of W, the store is a ring of W - 1 slots
+(`ModelConfig.kv_ring`): it holds exactly the rows the window sees, in slot `pos mod (W - 1)`, so
+the mask is `slot < pos` and decode never reads a row outside the window (the softmax does not
+care in which order the keys lie).
 
 RMSNorm and softmax run in float32 and cast back as transformers does.
 
@@ -281,7 +285,8 @@ class _Llama:
         shape = (B, capacity, cfg.kv_heads, 2, cfg.head_dim // 2)
         past_k = g.input(f"cache.{layer}.k", shape, self.dt, role="cache")
         past_v = g.input(f"cache.{layer}.v", shape, self.dt, role="cache")
-        mask = self.store_mask(capacity, cfg.window(layer))
+        # a ring store (every layer windowed) holds only rows inside the window
+        mask = self.store_mask(capacity, None if cfg.kv_ring else cfg.window(layer))
         q, k, v = self.projections(x, layer, rot, "burj")
         past = g.einsum("bsnguj,btnuj->bngst", q, past_k, join=lambda a, c: a * c * scale,
                         agg="sum", dtype=DType.f32)
