@@ -199,7 +199,7 @@ def test_max_new_tokens_zero(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["run", "tiny", "--random-weights"],
-     "one of the arguments --tokens --tokens-file is required"),
+     "one of the arguments --prompt --prompt-file --tokens --tokens-file is required"),
     (["generate", "tiny", "--tokens", "1"], "--max-new-tokens"),
     (["run", "tiny", "--tokens", "1", "--dtype", "f8"], "invalid choice: 'f8'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),

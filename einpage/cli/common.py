@@ -1,14 +1,20 @@
-"""What the command groups share: token input, the logits report, device-profile flags, and
-writing a text output."""
+"""What the command groups share: token and text input, the logits report, device-profile
+flags, and writing a text output."""
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from einpage.errors import InputError
 from einpage.units import parse_rate
+
+if TYPE_CHECKING:
+    from einpage.models.text import TextCodec
 
 
 def tokens_from_args(args) -> np.ndarray:
@@ -34,15 +40,108 @@ def tokens_from_args(args) -> np.ndarray:
     return ids.astype(np.int64)
 
 
-def report_logits(logits: np.ndarray, out_path: str | None) -> None:
-    """Save float32 logits (batch, length, vocab) to `out_path`, or print each row's next token."""
+@dataclass(frozen=True)
+class ModelInput:
+    """What a run starts from: token ids (batch, length) int64, rows padded on the right to the
+    longest; each row's real length; the checkpoint's tokenizer where the input is text or the
+    caller asked for it (else None); and whether the input was text."""
+    tokens: np.ndarray
+    lengths: np.ndarray
+    codec: TextCodec | None = None
+    text: bool = False
+
+    @property
+    def ragged(self) -> bool:
+        return bool((self.lengths != self.tokens.shape[1]).any())
+
+
+def prompts_from_args(args) -> list[str] | None:
+    """`--prompt TEXT` (repeatable: a batch) or `--prompt-file F` (one prompt per line), else
+    None (token input). Empty prompts, an unreadable file and an empty file are InputErrors."""
+    if getattr(args, "prompt", None) is not None:
+        for k, text in enumerate(args.prompt):
+            if text == "":
+                which = f"--prompt {k + 1}" if len(args.prompt) > 1 else "--prompt"
+                raise InputError(f"{which} is empty")
+        return list(args.prompt)
+    if getattr(args, "prompt_file", None) is None:
+        return None
+    path = Path(args.prompt_file)
+    try:
+        raw = path.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such prompt file") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise InputError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
+    if raw.endswith("\n"):
+        raw = raw[:-1]
+    if raw.strip("\r\n") == "":
+        raise InputError(f"{path}: the prompt file is empty (one prompt per line)")
+    lines = [line[:-1] if line.endswith("\r") else line for line in raw.split("\n")]
+    for k, line in enumerate(lines):
+        if line == "":
+            raise InputError(f"{path}: line {k + 1} is empty (one prompt per line)")
+    return lines
+
+
+def input_from_args(args, tokenizer_dir: str | Path | None, *, want_codec: bool = False
+                    ) -> ModelInput:
+    """The run's input from `--prompt`/`--prompt-file` (tokenized with `tokenizer_dir`'s
+    tokenizer: required) or `--tokens`/`--tokens-file`. With `want_codec`, token input gets
+    the tokenizer too where `tokenizer_dir` has one."""
+    from einpage.models.text import TextCodec, has_tokenizer
+    texts = prompts_from_args(args)
+    if texts is None:
+        tokens = tokens_from_args(args)
+        codec = (TextCodec.from_checkpoint(tokenizer_dir) if want_codec and tokenizer_dir
+                 is not None and has_tokenizer(tokenizer_dir) else None)
+        return ModelInput(tokens, np.full(tokens.shape[0], tokens.shape[1], np.int64), codec)
+    if tokenizer_dir is None:
+        raise InputError("--prompt and --prompt-file need a checkpoint directory with a "
+                         "tokenizer.json; a preset has none (give --tokens or --tokens-file)")
+    from einpage.models.generation import pad_rows
+    codec = TextCodec.from_checkpoint(tokenizer_dir)
+    rows = [codec.encode(text) for text in texts]
+    for k, row in enumerate(rows):
+        if not row:
+            raise InputError(f"prompt {k + 1} ({texts[k][:40]!r}) encodes to no tokens")
+    tokens, lengths = pad_rows(rows)
+    return ModelInput(tokens, lengths, codec, text=True)
+
+
+def check_context(cfg, longest: int, new_tokens: int = 0) -> None:
+    """Refuse a run whose positions pass the model's context (`max_position_embeddings`): a
+    prompt of `longest` tokens and `new_tokens` generated ones use `longest + new_tokens - 1`
+    positions (the last new token is never run)."""
+    context = getattr(cfg, "context", None)
+    need = longest + max(new_tokens - 1, 0)
+    if context is not None and need > context:
+        extra = f" and {new_tokens} new tokens" if new_tokens else ""
+        raise InputError(f"a prompt of {longest} tokens{extra} needs {need} positions; the "
+                         f"model's context is {context} (max_position_embeddings)")
+
+
+def report_logits(logits: np.ndarray, out_path: str | None, lengths: np.ndarray | None = None,
+                  codec=None) -> None:
+    """Save float32 logits (batch, length, vocab) to `out_path` (rows padded on the right: a
+    row's positions from its length on are its pads), or print each row's next token (from its
+    last real position), with its text where `codec` is given."""
     logits = logits.astype(np.float32)
+    lengths = (np.full(logits.shape[0], logits.shape[1], np.int64) if lengths is None
+               else np.asarray(lengths))
     if out_path:
         np.save(out_path, logits)
-        print(f"saved logits {logits.shape} to {out_path}")
-    else:
-        for row, token in enumerate(np.argmax(logits[:, -1, :], axis=-1)):
-            print(f"row {row}: next token {int(token)}")
+        ragged = (lengths != logits.shape[1]).any()
+        note = (f" (rows padded on the right; row lengths {','.join(map(str, lengths.tolist()))})"
+                if ragged else "")
+        print(f"saved logits {logits.shape} to {out_path}{note}")
+        return
+    last = logits[np.arange(logits.shape[0]), lengths - 1]
+    for row, token in enumerate(np.argmax(last, axis=-1)):
+        text = f" {json.dumps(codec.decode([int(token)]), ensure_ascii=False)}" if codec else ""
+        print(f"row {row}: next token {int(token)}{text}")
 
 
 def add_device_args(p) -> None:

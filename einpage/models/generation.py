@@ -6,6 +6,12 @@ positions are an input (`pos`), so the plan of a bucket serves every step until 
 outgrow it (`kvstore.step_capacities` says which buckets a generation uses, up front). The
 store's rows are written in place after each step (`KVStore.write`); nothing is concatenated.
 
+Rows of different lengths go in one batch padded on the right (`pad_rows`): row b's real tokens
+at positions 0..lengths[b]-1, pads after them. Causal attention means no real position sees a
+pad, so each row's logits at its real positions, its first new token (from its own last real
+position) and, with the store filled with its real rows only (`KVStore.fill(cache, lengths)`),
+every later token equal the row's own run.
+
 A runner is a callable `(graph, inputs) -> outputs`. One that also has `open(graph)` returns a
 *session*: the plan held open on its backend across steps (`run(inputs)`, `write(name, (b, slot),
 row)` for the store rows it keeps on the device, `close()`). A plain callable runs each step from
@@ -16,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -78,10 +84,47 @@ def check_tokens(cfg: LlamaConfig, tokens: np.ndarray) -> np.ndarray:
     return tokens.astype(np.int64)
 
 
-def prefill(cfg: LlamaConfig, tokens: np.ndarray, run: Runner) -> dict[str, np.ndarray]:
+def check_lengths(tokens: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
+    """Each row's real length (default: all of `tokens`' length), int64 [B], each 1..S."""
+    batch, seq = tokens.shape
+    if lengths is None:
+        return np.full(batch, seq, np.int64)
+    lengths = np.asarray(lengths)
+    if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
+        raise InputError(f"row lengths must be {batch} integers, got {lengths.dtype} "
+                         f"{lengths.shape}")
+    if lengths.min() < 1 or lengths.max() > seq:
+        raise InputError(f"row lengths {lengths.tolist()} outside 1..{seq}")
+    return lengths.astype(np.int64)
+
+
+def pad_rows(rows: Sequence[Sequence[int]], pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of token ids as one batch padded on the right with `pad` (any valid id: no real
+    position sees it): (tokens int64 [B, longest], lengths int64 [B])."""
+    lengths = np.array([len(r) for r in rows], np.int64)
+    if lengths.size == 0 or lengths.min() < 1:
+        raise InputError("every row needs at least one token")
+    tokens = np.full((len(rows), int(lengths.max())), pad, np.int64)
+    for b, row in enumerate(rows):
+        tokens[b, :len(row)] = row
+    return tokens, lengths
+
+
+def prefill(cfg: LlamaConfig, tokens: np.ndarray, run: Runner,
+            lengths: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The prefill's outputs (`logits` [B, S, vocab], `cache.<l>.k|v`) for rows padded on the
+    right to S; `lengths` (per row, default S) is only checked here: `last_logits` and
+    `KVStore.fill` take it."""
     tokens = check_tokens(cfg, tokens)
+    check_lengths(tokens, lengths)
     graph = llama.prefill_graph(cfg).bind(B=tokens.shape[0], S=tokens.shape[1])
     return dict(run(graph, {"tokens": tokens}))
+
+
+def last_logits(logits: np.ndarray, lengths: np.ndarray | None = None) -> np.ndarray:
+    """Each row's logits at its last real position [B, vocab] (`lengths` default: all)."""
+    lengths = check_lengths(logits[..., 0], lengths)
+    return logits[np.arange(logits.shape[0]), lengths - 1]
 
 
 @lru_cache(maxsize=32)
@@ -100,8 +143,8 @@ def decode_step_graph(cfg: LlamaConfig, batch: int, capacity: int) -> Graph:
     return _decode_graph(cfg, batch, capacity)
 
 
-def _argmax(logits: np.ndarray) -> np.ndarray:
-    last = logits[:, -1, :]
+def _argmax(logits: np.ndarray, lengths: np.ndarray | None = None) -> np.ndarray:
+    last = last_logits(logits, lengths)
     if not np.isfinite(last).all():
         raise InputError("the model produced non-finite logits (NaN or inf): the weights or "
                          "the computation dtype overflow")
@@ -148,36 +191,42 @@ def decode(cfg: LlamaConfig, store: KVStore, last: np.ndarray, steps: int, run: 
 
 @dataclass(frozen=True)
 class Generated:
-    """A generation's new tokens [B, N] and where its time went."""
+    """A generation's new tokens [B, N] (row b's N new tokens), each row's prompt length, and
+    where its time went."""
     tokens: np.ndarray
     prefill_s: float
     decode_s: float
     capacities: tuple[int, ...]   # the decode buckets, in order
+    lengths: tuple[int, ...]      # each row's real prompt tokens
 
     @property
     def decode_steps(self) -> int:
         return self.tokens.shape[1] - 1
 
-    def rates(self, prompt_len: int) -> dict[str, float | None]:
+    def rates(self) -> dict[str, float | None]:
+        """Prefill tokens/s (real prompt tokens, pads not counted) and decode tokens/s."""
         batch = self.tokens.shape[0]
-        return {"prefill_tokens_per_s": batch * prompt_len / self.prefill_s
+        return {"prefill_tokens_per_s": sum(self.lengths) / self.prefill_s
                 if self.prefill_s > 0 else None,
                 "decode_tokens_per_s": batch * self.decode_steps / self.decode_s
                 if self.decode_s > 0 and self.decode_steps else None}
 
 
 def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
-             granule: int = GRANULE, on_token: Callable[[np.ndarray], None] | None = None
-             ) -> Generated:
-    """`new_tokens` greedy tokens per row: the prefill picks the first, each decode step one
-    more. The store is allocated once at the largest bucket the generation needs."""
+             granule: int = GRANULE, on_token: Callable[[np.ndarray], None] | None = None,
+             lengths: np.ndarray | None = None) -> Generated:
+    """`new_tokens` greedy tokens per row: the prefill picks the first (each row from its last
+    real position; `lengths`: rows padded on the right, default all of the prompt), each decode
+    step one more (rows at their own positions). The store is allocated once at the largest
+    bucket the generation needs."""
     if new_tokens < 1:
         raise InputError(f"new_tokens must be at least 1, got {new_tokens}")
     prompt = check_tokens(cfg, prompt)
-    batch, length = prompt.shape
+    lengths = check_lengths(prompt, lengths)
+    batch, length = prompt.shape[0], int(lengths.max())
     t0 = time.perf_counter()
-    out = prefill(cfg, prompt, run)
-    first = _argmax(out["logits"])
+    out = prefill(cfg, prompt, run, lengths)
+    first = _argmax(out["logits"], lengths)
     prefill_s = time.perf_counter() - t0
     if on_token is not None:
         on_token(first)
@@ -186,13 +235,14 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
     rest = np.zeros((batch, 0), np.int64)
     if caps:
         store = KVStore(cfg, batch, caps[-1])
-        store.fill(out)
+        store.fill(out, lengths)
         rest = decode(cfg, store, first, new_tokens - 1, run, granule, on_token)
     decode_s = time.perf_counter() - t0
-    return Generated(np.concatenate([first[:, None], rest], axis=1), prefill_s, decode_s, caps)
+    return Generated(np.concatenate([first[:, None], rest], axis=1), prefill_s, decode_s, caps,
+                     tuple(int(n) for n in lengths))
 
 
 def greedy(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
-           granule: int = GRANULE) -> np.ndarray:
+           granule: int = GRANULE, lengths: np.ndarray | None = None) -> np.ndarray:
     """`new_tokens` greedy tokens per row, int64 (batch, new_tokens) (`generate`'s tokens)."""
-    return generate(cfg, prompt, new_tokens, run, granule).tokens
+    return generate(cfg, prompt, new_tokens, run, granule, lengths=lengths).tokens
