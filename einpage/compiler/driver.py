@@ -48,6 +48,7 @@ class CompileOptions:
     validate: bool = True
     workload: Mapping[str, object] = field(default_factory=dict)  # what the plan is for (meta)
     progress: Callable[[str, int, int], None] | None = None  # (stage, done, total)
+    drop_constant_blocks: bool = True   # no tasks for blocks known at partition time (masks)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def _plan(graph: Graph, options: CompileOptions, block: int) -> _Planned:
     lowerings."""
     policy = get_policy(options.policy)
     profile = options.device or get_device(DEFAULT_DEVICE)
-    tg = partition(graph, PartitionOptions(block, options.cuts, options.sources))
+    tg = partition(graph, PartitionOptions(block, options.cuts, options.sources,
+                                           drop_constant_blocks=options.drop_constant_blocks))
     order = memory_aware_order(tg)
     needs = pass_needs(tg, order)
     _check_largest_task(needs, options.device_bytes)

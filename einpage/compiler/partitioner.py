@@ -11,6 +11,18 @@ together are cut alike, so producers write the layout their consumers read and a
 not re-assembled between ops; each task's working set (its operand blocks plus its output block)
 is at most `block_bytes` where cuts can achieve it. `cuts` sets one op's parts by hand for
 experiments (its operands are then regridded as needed).
+
+Blocks known at partition time (`einpage.compiler.constants`) get no task: a fill block that is
+constant over its box (a causal or sliding-window mask's blocks off the band), an einsum block
+whose join folds to a constant given its constant operands (`scores + mask` = -inf, `exp` of it 0,
+`0 / sum` 0), a copy of constant blocks of one value, and a contraction's output none of whose
+partials is left. A contraction's partial equal to its aggregation's identity (a sum adding 0, a max
+of -inf) is dropped; a task whose constant operands fold away reads only the others (`scores + 0`
+below the diagonal reads no mask block). A constant block that some task still reads (a copy, a
+gather, an einsum that cannot fold it, a graph output) is materialised by a constant fill just
+before its first reader. Tasks whose block then has no live reader and is not an output are
+removed (`prune_dead`): the scores above a causal mask's diagonal, whose only reader folded.
+`PartitionOptions.drop_constant_blocks=False` partitions without any of this (for comparison).
 """
 from __future__ import annotations
 
@@ -19,13 +31,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from einpage.compiler.constants import (constant_expr, dtype_value, fill_constant, fold,
+                                       identity)
 from einpage.compiler.cuts import AxisClasses, CutOp, choose_class_parts
 from einpage.errors import BudgetError, GraphError
 from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
                               Slice)
 from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, Piece
 from einpage.ir.spec import EinsumSpec
-from einpage.ir.taskgraph import Block, OutputBlock, Task, TaskGraph
+from einpage.ir.taskgraph import Block, OutputBlock, Task, TaskGraph, prune_dead
 from einpage.ir.tensors import LogicalTensor, Source
 from einpage.units import format_size
 
@@ -40,6 +54,9 @@ class PartitionOptions:
     # Past this many tasks the plan is too large to compile and keep in memory (about 5 KB a task
     # over the passes): a million covers llama-65b prefill of 32 x 8192 tokens at 16 GB.
     max_tasks: int = 1_000_000
+    # Drop the tasks of blocks whose value is known at partition time (masked-out attention
+    # blocks; see the module docstring). False: every block gets its tasks, as before.
+    drop_constant_blocks: bool = True
 
 
 def even_bounds(size: int, parts: int) -> tuple[int, ...]:
@@ -60,6 +77,11 @@ class _Partitioner:
         self.tasks: list[Task] = []
         self.grids: dict[tuple[int, Bounds], _Grid] = {}
         self.primary: dict[int, Bounds] = {}  # layout a produced node was written in
+        self.drop = options.drop_constant_blocks
+        self.known: dict[int, float] = {}   # block id -> its value, known at partition time
+        self.pending: dict[int, float] = {}  # ... of those, the ones no task has written yet
+        self.const_nodes: set[int] = set()  # nodes with a block in `known`
+        self.written: set[int] = set()      # blocks some emitted task writes
 
     # ------------------------------------------------------------ blocks and tasks
     def _new_grid(self, node: Node, bounds: Bounds) -> _Grid:
@@ -89,10 +111,45 @@ class _Partitioner:
             f"sequence", self.opt.block_bytes * 8, self.opt.block_bytes)
 
     def _task(self, reads, write, accumulate, op, node: Node) -> None:
+        """Emit a task; constant blocks it reads that no task has written yet are materialised
+        first (so task ids stay a topological order)."""
+        if self.pending:
+            for b in reads:
+                if b in self.pending:
+                    self._materialize(b)
+        self._append(reads, write, accumulate, op, node)
+
+    def _append(self, reads, write, accumulate, op, node: Node) -> None:
         if len(self.tasks) >= self.opt.max_tasks:
             raise self._too_many(f"stopped at node %{node.id} of {len(self.g.nodes)}")
         self.tasks.append(Task(len(self.tasks), tuple(reads), write, accumulate, op, node.id,
                                node.stage))
+        self.written.add(write)
+
+    # ------------------------------------------------------------ constant blocks
+    def _set_constant(self, bid: int, value: float) -> None:
+        """Block `bid` holds `value` everywhere (already as its dtype stores it): no task writes
+        it unless some task reads it."""
+        self.known[bid] = value
+        self.pending[bid] = value
+        self.const_nodes.add(self.blocks[bid].node)
+
+    def _materialize(self, bid: int) -> None:
+        """A constant fill task for a constant block that a task reads."""
+        value = self.pending.pop(bid)
+        blk = self.blocks[bid]
+        self._append((), bid, False, FillOp(constant_expr(value), blk.origin),
+                     self.g.nodes[blk.node])
+
+    def _copy_task(self, reads, write, op, node: Node) -> None:
+        """A copy task, or none where every block it reads is one constant (then so is the
+        write)."""
+        if self.drop and reads and self.known:
+            values = {self.known.get(b) for b in reads}
+            if len(values) == 1 and None not in values:
+                self._set_constant(write, values.pop())
+                return
+        self._task(reads, write, False, op, node)
 
     def layout(self, node_id: int, bounds: Bounds) -> _Grid:
         """The blocks of `node_id` in `bounds`, made (from host, by fills or by copies) if new."""
@@ -105,7 +162,14 @@ class _Partitioner:
         if isinstance(node.op, Fill):
             grid = self._new_grid(node, bounds)
             for bid in grid.blocks.values():
-                self._task((), bid, False, FillOp(node.op.expr, self.blocks[bid].origin), node)
+                blk = self.blocks[bid]
+                value = fill_constant(node.op.expr, blk.origin, blk.shape) if self.drop else None
+                if value is not None:
+                    value = dtype_value(value, node.dtype)
+                if value is None:
+                    self._task((), bid, False, FillOp(node.op.expr, blk.origin), node)
+                else:
+                    self._set_constant(bid, value)
             return grid
         if node_id not in self.primary:
             raise GraphError(f"partition: %{node_id} used before it is partitioned")
@@ -126,7 +190,7 @@ class _Partitioner:
                                         tuple((l - o, h - o) for l, h, o in zip(lo, hi, s.origin)),
                                         tuple((l - o, h - o) for l, h, o in zip(lo, hi, dst.origin))))
                     reads.append(sid)
-            self._task(reads, bid, False, CopyOp(tuple(pieces)), node)
+            self._copy_task(reads, bid, CopyOp(tuple(pieces)), node)
         return grid
 
     def _produce(self, node: Node, bounds: Bounds) -> _Grid:
@@ -209,12 +273,65 @@ class _Partitioner:
         block_op = EinsumOp(spec, op.join, op.agg, node.dtype)
         letters = spec.join_indices
         ranges = [range(len(bounds[c]) - 1) for c in letters]
+        if not any(i in self.const_nodes for i in node.inputs):
+            contracted = spec.contracted
+            for coords in itertools.product(*ranges):
+                at = dict(zip(letters, coords))
+                reads = [g.blocks[tuple(at[c] for c in term)]
+                         for g, term in zip(grids, spec.inputs)]
+                write = out.blocks[tuple(at[c] for c in spec.output)]
+                acc = any(at[c] for c in contracted)
+                self._task(reads, write, acc, block_op, node)
+            return
+        # Some operand blocks are constants: fold them into the join, task by task (one
+        # decision per pattern of constant operands and their values).
+        known, decisions = self.known, {}
         for coords in itertools.product(*ranges):
             at = dict(zip(letters, coords))
             reads = [g.blocks[tuple(at[c] for c in term)] for g, term in zip(grids, spec.inputs)]
             write = out.blocks[tuple(at[c] for c in spec.output)]
-            acc = any(at[c] for c in spec.contracted)
-            self._task(reads, write, acc, block_op, node)
+            pattern = tuple((k, known[b]) for k, b in enumerate(reads) if b in known)
+            kind, kept, task_op = "full", None, block_op
+            if pattern:
+                if pattern not in decisions:
+                    decisions[pattern] = self._fold_decision(node, pattern, block_op)
+                kind, kept, task_op = decisions[pattern]
+            if kind == "constant":
+                self._set_constant(write, kept)
+            elif kind == "reduced":
+                self._task([reads[k] for k in kept], write, write in self.written, task_op, node)
+            elif kind == "full":
+                self._task(reads, write, write in self.written, task_op, node)
+            # "drop": a partial equal to the aggregation's identity adds nothing
+        if spec.contracted:  # blocks all of whose partials were dropped: the identity
+            for bid in out.blocks.values():
+                if bid not in self.written:
+                    self._set_constant(bid, dtype_value(identity(op.agg), node.dtype))
+
+    def _fold_decision(self, node: Node, pattern, block_op: EinsumOp):
+        """What the tasks of einsum `node` whose operands `pattern` ((operand, value), ...) are
+        constant become: ("constant", value, None) its output block is that constant (no
+        contraction); ("drop", None, None) the partial adds the aggregation's identity;
+        ("reduced", kept operands, op) a task reading the other operands only; ("full", None, op)
+        the task as it is, reading the constants (materialised)."""
+        op, spec = node.op, node.op.spec
+        folded = fold(op.join, dict(pattern), len(spec.inputs))
+        full = ("full", None, block_op)
+        if folded is None:
+            return full
+        if folded.value is not None:
+            if not spec.contracted:
+                value = dtype_value(folded.value, node.dtype)
+                return full if value is None else ("constant", value, None)
+            if (folded.value == identity(op.agg)
+                    and dtype_value(folded.value, node.dtype) is not None):
+                return ("drop", None, None)
+            return full
+        kept_letters = set("".join(spec.inputs[k] for k in folded.kept))
+        if all(c in kept_letters for k, _ in pattern for c in spec.inputs[k]):
+            reduced = EinsumSpec(tuple(spec.inputs[k] for k in folded.kept), spec.output)
+            return ("reduced", folded.kept, EinsumOp(reduced, folded.join, op.agg, node.dtype))
+        return full
 
     def gather(self, node: Node) -> None:
         table, ids = (self.g.nodes[i] for i in node.inputs)
@@ -314,7 +431,7 @@ class _Partitioner:
                     lo = [o - k for o, k in zip(dst.origin, key)]
                     box_src = tuple((l, l + n) for l, n in zip(lo, dst.shape))
                     box_dst = tuple((0, n) for n in dst.shape)
-                    self._task((sid,), bid, False, CopyOp((Piece(0, box_src, box_dst),)), node)
+                    self._copy_task((sid,), bid, CopyOp((Piece(0, box_src, box_dst),)), node)
                     break
             else:
                 raise GraphError(f"partition: no source block for {dst.name}")
@@ -331,7 +448,7 @@ class _Partitioner:
                                 tuple((o, o + n) for o, n in zip(b.origin, b.shape))))
             reads.append(sid)
         (bid,) = out.blocks.values()
-        self._task(reads, bid, False, CopyOp(tuple(pieces), tuple(src.shape)), node)
+        self._copy_task(reads, bid, CopyOp(tuple(pieces), tuple(src.shape)), node)
 
     # ------------------------------------------------------------ driver
     def run(self) -> TaskGraph:
@@ -353,6 +470,8 @@ class _Partitioner:
                 src = self.g.nodes[node.inputs[0]]
                 bounds = self.primary.get(src.id) or tuple((0, s) for s in src.shape)
                 for bid in self.layout(src.id, bounds).blocks.values():
+                    if bid in self.pending:
+                        self._materialize(bid)
                     outputs.append(OutputBlock(bid, op.name, self.blocks[bid].origin))
         inputs = tuple(LogicalTensor(n.op.name, n.op.role.value, tuple(n.shape), n.dtype)
                        for n in self.g.inputs)
@@ -367,5 +486,7 @@ def partition(graph: Graph, options: PartitionOptions) -> TaskGraph:
     if not graph.is_concrete:
         raise GraphError("partition: bind the graph's size symbols first")
     tg = _Partitioner(graph, options).run()
+    if options.drop_constant_blocks:
+        tg = prune_dead(tg)
     tg.verify()
     return tg

@@ -6,6 +6,7 @@ contracted index is cut. Task ids are a topological order; `deps` derives the ed
 """
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -133,3 +134,49 @@ class TaskGraph:
             lines.append(f"task {t.id}: {op_text(t.op)}({args}) ->{acc} %b{w.id} "
                          f"{w.dtype}[{','.join(map(str, w.shape))}] {w.name}")
         return "\n".join(lines)
+
+
+def prune_dead(tg: TaskGraph) -> TaskGraph:
+    """`tg` without its dead tasks and unused blocks, ids renumbered densely in the same order.
+
+    A task is live when its block is an output's or is read by a live task (with every writer of
+    such a block: the partials of an accumulated block live together); the rest are dead. A block
+    is kept when a live task reads or writes it or an output names it (so input blocks no live task
+    reads go too). Returns `tg` itself when nothing is dead."""
+    needed = bytearray(len(tg.blocks))
+    for o in tg.outputs:
+        needed[o.block] = 1
+    live = bytearray(len(tg.tasks))
+    for t in reversed(tg.tasks):  # readers come after writers: one backward sweep decides all
+        if needed[t.write]:
+            live[t.id] = 1
+            for b in t.reads:
+                needed[b] = 1
+    if all(live) and all(needed):
+        return tg
+    # Hundreds of thousands of new acyclic records: the cyclic collector would only rescan them
+    # (60% of the time on llama-65b B=16 S=8192).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _renumbered(tg, needed, live)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _renumbered(tg: TaskGraph, needed: bytearray, live: bytearray) -> TaskGraph:
+    new_id = [-1] * len(tg.blocks)
+    blocks = []
+    for b in tg.blocks:
+        if needed[b.id]:
+            k = new_id[b.id] = len(blocks)
+            blocks.append(b if b.id == k else
+                          Block(k, b.node, b.origin, b.shape, b.dtype, b.role, b.name, b.source))
+    tasks = []
+    for t in tg.tasks:
+        if live[t.id]:
+            tasks.append(Task(len(tasks), tuple([new_id[b] for b in t.reads]), new_id[t.write],
+                              t.accumulate, t.op, t.node, t.stage))
+    outputs = tuple(OutputBlock(new_id[o.block], o.name, o.origin) for o in tg.outputs)
+    return TaskGraph(tuple(blocks), tuple(tasks), outputs, tg.inputs, tg.results)
