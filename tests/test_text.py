@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from checkpoints import write_checkpoint
 from conftest import FIXTURES
+from test_cli import assert_one_line_error, cli
 
-from einpage.cli import main
 from einpage.cli.execute import TextPrinter, cmd_generate
 from einpage.cli.main import build_parser
 from einpage.compiler import CompileOptions
@@ -47,21 +47,6 @@ def text_fixture(name: str):
 
 def read(path) -> str:
     return path.read_text(encoding="utf-8")
-
-
-def cli(*argv) -> int:
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
-
-
-def assert_one_line_error(capsys, code, message):
-    out, err = capsys.readouterr()
-    assert code == 2, (out, err)
-    assert err.endswith("\n") and err.count("\n") == 1, err
-    assert err.startswith("einpage: error: ") and "Traceback" not in err
-    assert message in err, err
 
 
 @pytest.fixture
