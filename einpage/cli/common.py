@@ -50,10 +50,6 @@ class ModelInput:
     codec: TextCodec | None = None
     text: bool = False
 
-    @property
-    def ragged(self) -> bool:
-        return bool((self.lengths != self.tokens.shape[1]).any())
-
 
 def prompts_from_args(args) -> list[str] | None:
     """`--prompt TEXT` (repeatable: a batch) or `--prompt-file F` (one prompt per line), else
@@ -138,7 +134,8 @@ def report_logits(logits: np.ndarray, out_path: str | None, lengths: np.ndarray 
                 if ragged else "")
         print(f"saved logits {logits.shape} to {out_path}{note}")
         return
-    last = logits[np.arange(logits.shape[0]), lengths - 1]
+    from einpage.models.generation import last_logits
+    last = last_logits(logits, lengths)
     for row, token in enumerate(np.argmax(last, axis=-1)):
         text = f" {json.dumps(codec.decode([int(token)]), ensure_ascii=False)}" if codec else ""
         print(f"row {row}: next token {int(token)}{text}")

@@ -129,6 +129,7 @@ class _Llama:
         self.dt = cfg.dtype
         self.pos: Tensor | None = None  # decode: each row's position, [B] int64
         self.masks: dict[int | None, Tensor] = {}  # by sliding window (None: causal)
+        self.picks: dict[int, Tensor] = {}         # Mixtral: one-hot of each expert
 
     def weight(self, name: str) -> Tensor:
         return self.g.input(name, weight_shapes(self.cfg)[name], self.dt, role="weight")
@@ -337,6 +338,13 @@ class _Llama:
         total = g.einsum("bse->bs", e, join=lambda a: a, agg="sum")
         return g.einsum("bse,bs->bse", e, total, join=lambda a, c: a / c, dtype=self.dt)
 
+    def one_hot(self, e: int) -> Tensor:
+        """pick[e'] = 1 at expert `e`, else 0 (one fill per expert, shared by the layers)."""
+        if e not in self.picks:
+            self.picks[e] = self.g.fill((self.cfg.experts,), lambda i: sympy.Piecewise(
+                (1, sympy.Eq(i, e)), (0, True)), dtype=self.dt)
+        return self.picks[e]
+
     def experts(self, x: Tensor, layer: int) -> Tensor:
         """Every expert on every token, each output scaled by its routing weight and summed in
         expert order (transformers adds the routed tokens' outputs the same way)."""
@@ -344,9 +352,7 @@ class _Llama:
         weights = self.routing(x, layer)
         out = None
         for e in range(cfg.experts):
-            pick = g.fill((cfg.experts,), lambda i, e=e: sympy.Piecewise((1, sympy.Eq(i, e)),
-                                                                        (0, True)), dtype=self.dt)
-            w = g.einsum("bse,e->bs", weights, pick, agg="sum")
+            w = g.einsum("bse,e->bs", weights, self.one_hot(e), agg="sum")
             y = self._ffn(x, f"layers.{layer}.experts.{e}.")
             out = (g.einsum("bsm,bs->bsm", y, w) if out is None else
                    g.einsum("bsm,bsm,bs->bsm", out, y, w, join=lambda o, a, c: o + a * c))
