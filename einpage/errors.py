@@ -30,6 +30,12 @@ class InputError(EinpageError):
     """Bad run-time input: a token file, token ids out of range, a missing input tensor."""
 
 
+class OutputError(InputError):
+    """An output that cannot be written: a missing or unwritable directory, a path that is a
+    directory, a full disk or a file-size limit. The file is never left half-written: outputs go
+    to a temporary file beside the target and are renamed into place (`einpage.outputs`)."""
+
+
 class BudgetError(EinpageError):
     """A device budget too small for the plan; carries the bytes needed and available."""
 

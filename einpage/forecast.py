@@ -35,7 +35,8 @@ class BucketPlan:
     @property
     def bound_s(self) -> float:
         """The step's lower bound: its compute, or the bytes no plan can keep on the device
-        (weights + KV - budget) over the host->device bandwidth, whichever is more."""
+        (`CompileFigures.min_stream_bytes`: weights + KV + activations at their peak - budget)
+        over the host->device bandwidth, whichever is more."""
         sim = self.compiled.simulation
         return max(sim.compute_s, self.compiled.report.compiled.min_stream_bytes
                    / self.h2d_bandwidth)

@@ -57,7 +57,9 @@ def test_models_lists_presets(capsys):
     "compile mistral-7b --gpu-mem 8GB --seq 4096 --json",
 ])
 def test_family_presets_compile(capsys, argv):
-    assert cli(*argv.split()) == 0
+    # efficiency against the problem's bound; a host budget of this machine's memory would make
+    # it depend on the machine (the disk tier), so the host budget is unlimited
+    assert cli(*argv.split(), "--cpu-mem", "unlimited") == 0
     report = json.loads(capsys.readouterr().out)
     assert report["efficiency"] > 0.9
 

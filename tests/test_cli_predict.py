@@ -118,7 +118,7 @@ def test_plot_and_dot(capsys, tmp_path):
     (["--flops", "0"], "bad --flops"),
     (["--lookahead", "soon"], "bad --lookahead"),
     (["--lookahead", "0ms"], "bad --lookahead"),
-    (["--device", "t4", "--device-file", "x.json"], "not both"),
+    (["--device", "t4", "--device-file", "x.json"], "x.json: no such device profile"),
 ])
 def test_bad_device_input_exits_2_with_one_line(capsys, extra, needle):
     code, out, err = _main(capsys, "compile", "tiny", "--gpu-mem", "1MB", "--seq", "4", *extra)

@@ -215,12 +215,14 @@ def test_compile_decode_reports_kv(capsys):
     assert r["capacity"] == 2048 and r["kv_bytes"] == 16 * 2048 * 32 * 2 * 4096 * 2
     assert 0 < r["kv_resident_bytes"] < r["kv_bytes"]
     assert r["kv_streamed_bytes"] == r["kv_bytes"] - r["kv_resident_bytes"]
-    assert r["min_stream_bytes"] == r["weight_bytes"] + r["kv_bytes"] - 16_000_000_000
-    assert r["h2d_bytes"] <= 1.05 * r["min_stream_bytes"]  # the goal
+    # no plan keeps more than the budget less the activations at their peak
+    assert r["min_stream_bytes"] >= r["weight_bytes"] + r["kv_bytes"] - 16_000_000_000
+    assert r["min_stream_bytes"] <= r["h2d_bytes"] <= 1.05 * r["min_stream_bytes"]  # the goal
     main(["compile", "llama-7b", "--gpu-mem", "16GB", "--phase", "decode", "--batch", "16",
           "--past", "2047", "--quiet"])
     text = capsys.readouterr().out
-    assert "KV store 17.18 GB: resident" in text and "must move at least 14.66 GB" in text
+    assert "KV store 17.18 GB: resident" in text
+    assert "14.66 GB that no plan can keep on the device" in text
 
 
 def test_compile_whole_generation(capsys):
@@ -245,6 +247,6 @@ def test_compile_whole_generation(capsys):
     (["--max-new-tokens", "4", "-o", "p.json"], "writes one plan"),
 ])
 def test_compile_decode_option_errors(capsys, argv, message):
-    assert main(["compile", "tiny", "--gpu-mem", "1MB", "--seq", "4", *argv]) == 2
+    assert main(["compile", "tiny", "--gpu-mem", "1MB", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1

@@ -4,6 +4,7 @@ on stderr and exit status 2.
 
     main      the parser, the dispatch and the error boundary
     common    helpers the groups share (token input, the logits report, device flags)
+    outputs   the options that write files: checked before any work, written in order
     catalog   `models`, `devices`: what einpage knows
     plan      `compile`, `inspect`: plans and their predictions
     execute   `run`, `generate`: running models and plans

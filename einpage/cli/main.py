@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from einpage import __version__
 from einpage.cli import catalog, execute, plan
+from einpage.cli.outputs import check_outputs
 from einpage.errors import EinpageError
+from einpage.outputs import ignore_file_size_signal
 
 GROUPS = (catalog, plan, execute)
 
@@ -19,6 +22,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="einpage", description="Run einsum tensor programs that do not fit in "
                                                  "GPU memory.")
+    parser.add_argument("--version", action="version", version=f"einpage {__version__}",
+                        help="print einpage's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for group in GROUPS:
         group.add_commands(sub)
@@ -29,7 +34,9 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {name: handler for group in GROUPS for name, handler in group.HANDLERS.items()}
+    ignore_file_size_signal()  # past `ulimit -f` a write fails (one line), no SIGXFSZ kill
     try:
+        check_outputs(args)  # every output writable before any work (einpage.cli.outputs)
         handlers[args.command](args)
     except EinpageError as exc:  # one line: the context an API caller sees stays in the message
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -2,7 +2,10 @@
 
 `memory_timeline` turns a memgraph and its `einpage.predict.simulator.Simulation` into a step function of
 live device bytes per role; `plot_timeline` draws it above a Gantt chart of the compute, h2d and
-d2h streams into one PNG (needs matplotlib: `pip install 'einpage[plot]'`).
+d2h streams into one PNG (needs matplotlib: `pip install 'einpage[plot]'`), with the report's two
+memory figures as lines: the live peak (what the plan needs) and the arena (what it reserves).
+`timeline_figures` returns the numbers drawn (`TimelineFigures`), so they can be checked against
+the report without reading the image.
 
 Instances (`MemGraph.instances`), in simulated time: an instance created by an `input` at device
 is live from time 0, one created by a `reload` or an `apply` from that node's start; it ends at
@@ -14,16 +17,20 @@ count as `activation`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from einpage.errors import InputError
 from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph
+from einpage.units import format_size
 
 ROLES = ("weight", "activation", "cache")
 _ROLE_ROW = {"weight": 0, "activation": 1, "cache": 2}  # anything else (temp) -> activation
 _COLORS = {"weight": "#4c72b0", "activation": "#dd8452", "cache": "#55a868"}
-_BAR_COLORS = {"compute": "#4c72b0", "h2d": "#dd8452", "d2h": "#55a868"}
-_BAR_LABELS = {"compute": "compute (apply)", "h2d": "h2d (reload)", "d2h": "d2h (offload)"}
+_BAR_COLORS = {"compute": "#4c72b0", "h2d": "#dd8452", "d2h": "#8172b3", "disk": "#937860"}
+_BAR_LABELS = {"compute": "compute (apply)", "h2d": "h2d (reload)", "d2h": "d2h (offload)",
+               "disk": "disk (read)"}
 
 
 def memory_timeline(mg: MemGraph, sim) -> tuple[np.ndarray, list[str], np.ndarray]:
@@ -75,28 +82,101 @@ def _unit(nbytes: int) -> tuple[str, float]:
     return "B", 1.0
 
 
-def _spans(sim, engine: str) -> list[tuple[float, float]]:
+def _time_unit(makespan_s: float) -> tuple[str, float]:
+    """Milliseconds for passes under a second, seconds above."""
+    return ("s", 1.0) if makespan_s >= 1.0 else ("ms", 1e3)
+
+
+def _spans(sim, engine: str, merge_below: float | None = None) -> list[tuple[float, float]]:
+    """`(start, duration)` of the engine's nodes, in seconds; spans no further apart than
+    `merge_below` are drawn as one (a gap narrower than a pixel, or the seam between two bars
+    that touch, would only show as a white stripe)."""
     start = np.asarray(sim.start, dtype=np.float64)
     end = np.asarray(sim.end, dtype=np.float64)
     mask = np.fromiter((e == engine for e in sim.engine), dtype=bool, count=len(sim.engine))
-    s = start[mask]
-    return list(zip(s.tolist(), (end[mask] - s).tolist()))
+    out: list[list[float]] = []
+    for s, e in sorted(zip(start[mask].tolist(), end[mask].tolist())):
+        if out and merge_below is not None and s - out[-1][1] <= merge_below:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e - s) for s, e in out]
 
 
-def plot_timeline(mg: MemGraph, sim, path, title: str | None = None) -> None:
-    """Write one PNG to `path`: memory by role over time with the budget, over a Gantt chart of
-    the compute, h2d and d2h streams (shared x axis, seconds). The memory axis is in GB, or MB
-    or KB for toy budgets. Renders with the Agg canvas on its own figure, so the caller's pyplot
-    backend and state are left alone."""
+@dataclass(frozen=True)
+class TimelineFigures:
+    """The numbers a timeline plot draws, the same as the report's (`PlanReport.to_json`):
+    `budget_bytes` (`device_bytes`), `arena_bytes` (what the plan reserves: the highest byte it
+    addresses), `live_peak_bytes` (what it needs: the most bytes live at once in its node order),
+    and `occupied_peak_bytes`, the top of the stacked areas: the most bytes holding data at one
+    instant of the predicted run. That one is often below the live peak: the order counts a block
+    from the node that creates it to the node that frees it, as if the nodes ran one at a time,
+    while in the predicted run the engines overlap and a block holds data only from the start of
+    its copy (or compute) to the end of its last use; a reload queued behind other copies starts
+    after compute has finished with blocks freed later in the order. It never exceeds the
+    arena (the blocks it counts at one instant lie in disjoint bytes)."""
+    title: str
+    subtitle: str
+    budget_bytes: int
+    arena_bytes: int
+    live_peak_bytes: int
+    occupied_peak_bytes: int
+    makespan_s: float
+    memory_unit: str
+    time_unit: str
+
+
+def timeline_figures(mg: MemGraph, sim, title: str | None = None) -> TimelineFigures:
+    """What `plot_timeline` draws for `mg` and its simulation, without drawing it."""
+    _, _, by_role = memory_timeline(mg, sim)
+    arena, live = mg.high_water(), mg.live_peak()
+    unit, _ = _unit(mg.device_bytes)
+    return TimelineFigures(
+        title=title or plan_title(mg),
+        subtitle=(f"predicted on {sim.device}: {_secs(sim.makespan_s)} per pass; needs "
+                  f"{format_size(live)} (live peak), reserves {format_size(arena)} (arena); "
+                  f"{len(mg.nodes)} nodes"),
+        budget_bytes=mg.device_bytes, arena_bytes=arena, live_peak_bytes=live,
+        occupied_peak_bytes=int(by_role.sum(axis=0).max(initial=0)),
+        makespan_s=float(sim.makespan_s), memory_unit=unit,
+        time_unit=_time_unit(float(sim.makespan_s))[0])
+
+
+def plan_title(mg: MemGraph) -> str:
+    """Model, phase, batch, length, policy and budget, from the plan's workload (`meta`)."""
+    w = mg.meta
+    parts = [f"{w['model']} {w.get('phase', '')}".strip()] if w.get("model") else ["einpage plan"]
+    if w.get("batch") is not None:
+        parts.append(f"batch {w['batch']}")
+    if w.get("phase") == "decode":
+        parts.append(f"position {w.get('past')} of a {w.get('capacity')}-slot KV store")
+    elif w.get("seq") is not None:
+        parts.append(f"{w['seq']} tokens per row")
+    if w.get("policy"):
+        parts.append(f"policy {w['policy']}")
+    parts.append(f"budget {format_size(mg.device_bytes)}")
+    return ", ".join(parts)
+
+
+def plot_timeline(mg: MemGraph, sim, path, title: str | None = None) -> TimelineFigures:
+    """Write one PNG to `path`: memory by role over the predicted pass, with the budget, the
+    arena and the live peak as lines, over a Gantt chart of the compute, h2d and d2h streams (and
+    the disk reader, where the plan reads from disk); a shared time axis in ms (or s for passes
+    of a second or more). The memory axis is in GB, or MB or KB for toy budgets. The title names
+    the model, batch, length, policy and budget (`title` overrides it). Renders with the Agg
+    canvas on its own figure, so the caller's pyplot backend and state are left alone. Returns
+    the figures drawn."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise InputError("plotting needs matplotlib: pip install 'einpage[plot]'") from None
 
+    figures = timeline_figures(mg, sim, title)
     times, roles, by_role = memory_timeline(mg, sim)
     unit, scale = _unit(mg.device_bytes)
-    right = float(sim.makespan_s) if sim.makespan_s > 0 else 1.0
+    tunit, tscale = _time_unit(figures.makespan_s)
+    right = figures.makespan_s * tscale if figures.makespan_s > 0 else 1.0
     fig = Figure(figsize=(12, 7), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)  # render off-screen, leaving the global pyplot backend alone
     mem, gantt = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
@@ -104,32 +184,49 @@ def plot_timeline(mg: MemGraph, sim, path, title: str | None = None) -> None:
     low = np.zeros(len(times))
     for r, role in enumerate(roles):
         high = low + by_role[r] / scale
-        mem.fill_between(times, low, high, step="post", color=_COLORS[role], linewidth=0,
+        mem.fill_between(times * tscale, low, high, step="post", color=_COLORS[role],
+                         linewidth=0, antialiased=False,
                          label="KV cache" if role == "cache" else f"{role}s")
         low = high
-    mem.axhline(mg.device_bytes / scale, color="#c44e52", linestyle="--", linewidth=1.2,
-                label=f"budget {mg.device_bytes / scale:.4g} {unit}")
-    mem.set_ylim(0, max(mg.device_bytes, int(by_role.sum(axis=0).max(initial=0))) / scale * 1.08)
+    for value, color, style, label in (
+            (figures.budget_bytes, "#c44e52", "--", "budget"),
+            (figures.arena_bytes, "#555555", "-.", "arena (reserved: highest byte addressed)"),
+            (figures.live_peak_bytes, "#000000", ":", "live peak (needed: most bytes live at "
+                                                      "once, plan order)")):
+        mem.axhline(value / scale, color=color, linestyle=style, linewidth=1.2,
+                    label=f"{label} {format_size(value)}")
+    top = max(figures.budget_bytes, figures.arena_bytes, figures.occupied_peak_bytes)
+    mem.set_ylim(0, top / scale * 1.3)  # the legend sits above the lines
     mem.set_ylabel(f"device memory ({unit})")
-    mem.legend(loc="upper right", fontsize="small")
+    mem.set_title(f"areas: bytes holding data at each instant of the predicted run (peak "
+                  f"{format_size(figures.occupied_peak_bytes)})", fontsize="small")
+    mem.legend(loc="upper center", ncols=2, fontsize="small")
+    mem.set_axisbelow(True)
     mem.grid(True, alpha=0.3)
 
-    rows = ("compute", "h2d", "d2h")
+    rows = [e for e in ("compute", "h2d", "d2h", "disk")
+            if e != "disk" or "disk" in sim.engine]
+    pixel = right / tscale / 2000  # narrower gaps than this draw as one bar
     for y, engine in enumerate(rows):
-        spans = _spans(sim, engine)
+        spans = [(s * tscale, d * tscale) for s, d in _spans(sim, engine, pixel)]
         if spans:
             gantt.broken_barh(spans, (y - 0.4, 0.8), facecolors=_BAR_COLORS[engine],
-                              linewidth=0, label=_BAR_LABELS[engine])
+                              linewidth=0, antialiased=False, label=_BAR_LABELS[engine])
     gantt.set_yticks(range(len(rows)), [_BAR_LABELS[e] for e in rows])
     gantt.set_ylim(len(rows) - 0.5, -0.5)
     gantt.set_xlim(0, right)
-    gantt.set_xlabel("time (s)")
+    gantt.set_xlabel(f"time ({tunit})")
+    gantt.set_axisbelow(True)  # grid lines under the bars: no stripes across busy stretches
     gantt.grid(True, axis="x", alpha=0.3)
 
-    head = title or "einpage plan"
-    fig.suptitle(f"{head}: {sim.device}, makespan {sim.makespan_s:.4g} s, "
-                 f"efficiency {sim.efficiency:.1%}, {len(mg.nodes)} nodes")
-    try:
-        fig.savefig(path, format="png")
-    except OSError as exc:
-        raise InputError(f"{path}: cannot write the plot ({exc.strerror or exc})") from None
+    fig.suptitle(f"{figures.title}\n{figures.subtitle}")
+    from einpage.outputs import atomic_open
+    with atomic_open(path, "wb") as fh:  # whole or not at all; OutputError names the file
+        fig.savefig(fh, format="png")
+    return figures
+
+
+def _secs(s: float) -> str:
+    if s == 0:
+        return "0 s"
+    return f"{s:.3f} s" if s >= 0.01 else f"{s * 1e3:.3f} ms"

@@ -282,8 +282,9 @@ class _Lowering:
             raise BudgetError(
                 f"budget {format_size(self.opt.device_bytes)} is too small: task "
                 f"{t.id} ({op_text(t.op)}) needs {format_size(ws)} at once beside "
-                f"{format_size(self.resident_bytes)} of resident weights; the smallest budget "
-                f"that would work is {format_size(self.resident_bytes + ws)}",
+                f"{format_size(self.resident_bytes)} of resident weights and could not be "
+                f"placed; no budget below {format_size(self.resident_bytes + ws)} can hold "
+                f"them",
                 self.resident_bytes + ws, self.opt.device_bytes)
         return got
 

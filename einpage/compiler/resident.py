@@ -11,6 +11,7 @@ overlaps compute throughout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from einpage.compiler.allocator import aligned
 from einpage.ir.taskgraph import TaskGraph
@@ -37,9 +38,12 @@ class PassNeeds:
         return self.weight_bytes + self.kv_bytes
 
 
-def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> PassNeeds:
-    """What one pass needs; with `outputs_stay=False` output blocks leave the device after their
-    last use (written back to the host) instead of staying to the end."""
+def produced_peak(tg: TaskGraph, order: list[int], outputs_stay: bool = True,
+                  size: Callable[[int], int] = aligned) -> int:
+    """The most bytes of produced blocks (activations, partial sums) live at once over the order,
+    each live from the task that first touches it to the task that last does; with
+    `outputs_stay=False` output blocks leave the device after their last use (written back to
+    the host) instead of staying to the end. `size` maps a block's bytes (aligned by default)."""
     first, last = {}, {}
     for p, tid in enumerate(order):
         t = tg.tasks[tid]
@@ -51,13 +55,21 @@ def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> Pa
     for b, p in first.items():
         blk = tg.blocks[b]
         if blk.source is None:
-            delta[p] += aligned(blk.bytes)
+            delta[p] += size(blk.bytes)
             if b not in outputs:
-                delta[last[b] + 1] -= aligned(blk.bytes)
+                delta[last[b] + 1] -= size(blk.bytes)
     peak = live = 0
     for d in delta:
         live += d
         peak = max(peak, live)
+    return peak
+
+
+def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> PassNeeds:
+    """What one pass needs; with `outputs_stay=False` output blocks leave the device after their
+    last use (written back to the host) instead of staying to the end."""
+    peak = produced_peak(tg, order, outputs_stay)
+
     def total(role: str) -> int:
         return sum(aligned(b.bytes) for b in tg.input_blocks if b.role == role)
 
@@ -70,6 +82,33 @@ def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> Pa
         max_task_weights=max((sum(aligned(tg.blocks[b].bytes) for b in set(t.reads)
                                   if tg.blocks[b].role in PERSISTENT_ROLES) for t in tg.tasks),
                              default=0))
+
+
+def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int) -> int:
+    """The fewest bytes that any plan of this taskgraph and order must copy host->device per pass
+    under `device_bytes`, whatever its policy and resident choice (raw bytes; a lower bound).
+
+    Let P be the persistent blocks (weights, KV) some task reads and A(p) the produced blocks live
+    at position p (first to last touch, outputs leaving after their last use). A persistent block
+    that is not resident streams at least once per pass; a block of A(p) that is not on the device
+    at p must come back before its last use. The device holds at most `device_bytes` at p, so the
+    resident bytes are at most `device_bytes - (A(p) - spilled)`, and the bytes copied in are at
+    least `(P - resident) + spilled >= P + A(p) - device_bytes`, at the p where A peaks."""
+    read = {b for t in tg.tasks for b in t.reads}
+    persistent = sum(b.bytes for b in tg.input_blocks
+                     if b.role in PERSISTENT_ROLES and b.id in read)
+    produced = produced_peak(tg, order, outputs_stay=False, size=int)
+    return max(0, persistent + produced - device_bytes)
+
+
+def memory_lower_bound(tg: TaskGraph, resident: frozenset[int]) -> int:
+    """The fewest device bytes a plan keeping `resident` on the device can live in (raw bytes):
+    the resident blocks, live through the pass, and beside them the largest task's other blocks
+    (its reads and its write are live together while it runs). Never above the plan's live peak."""
+    kept = sum(tg.blocks[b].bytes for b in resident)
+    task = max((sum(tg.blocks[b].bytes for b in {*t.reads, t.write} - resident)
+                for t in tg.tasks), default=0)
+    return kept + task
 
 
 def persistent_blocks(tg: TaskGraph) -> frozenset[int]:

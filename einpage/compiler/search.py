@@ -63,6 +63,17 @@ class Trials:
         self._drop_losers()
         return replace(self.items[-1], memgraph=None)
 
+    def reference(self, resident: frozenset) -> Simulation | None:
+        """The simulation of `resident` with the default look-ahead (bounded by memory only), to
+        weigh a look-ahead the user set against; not a candidate (None if it does not fit)."""
+        opts = replace(self.base, resident=resident, lookahead_bytes=None,
+                       lookahead_seconds=None, progress=None)
+        try:
+            mg, _ = lower_shrinking(self.tg, self.order, opts)
+        except BudgetError:
+            return None
+        return simulate(mg, self.profile)
+
     def try_run(self, resident: frozenset, window: float | None) -> None:
         """A trial that may not fit at all (then it is not a candidate)."""
         try:

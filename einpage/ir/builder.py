@@ -14,6 +14,7 @@ steps along the path opt_einsum finds (minimising the largest intermediate).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
@@ -24,7 +25,7 @@ from einpage.errors import GraphError, ShapeError, SpecError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
-                              Role, Size, Slice, verify_node)
+                              Role, Size, Slice, check_not_empty, verify_node)
 from einpage.ir.spec import EinsumSpec
 
 #: Size a symbol is assumed to have when only a path choice depends on it.
@@ -97,14 +98,20 @@ class GraphBuilder:
     def einsum(self, spec: str, *operands: Tensor, join: JoinLike = None,
                agg: str | None = None, dtype=None) -> Tensor:
         """`out = agg over contracted indices of join(operands)`; `join` defaults to the product
-        and `agg` to `sum` when something is contracted. `dtype` defaults to operand 0's."""
+        and, for the product, `agg` to `sum` when something is contracted (as `np.einsum`); a
+        join of one's own that contracts must name its `agg`. `dtype` defaults to operand 0's."""
         parsed = EinsumSpec.parse(spec)
         n = len(operands)
         if n != len(parsed.inputs):
             raise SpecError(f"einsum {parsed}: {len(parsed.inputs)} operand(s) in the spec, "
                             f"{n} given")
-        expr = _join_expr(join, n)
+        self._check_tensors(f"einsum {parsed}", operands)
+        expr = _join_expr(join, n, f"einsum {parsed}")
         if parsed.contracted and agg is None:
+            if join is not None and scalar.scaled_product_factor(expr, n) is None:
+                raise SpecError(f"einsum {parsed} contracts {', '.join(parsed.contracted)} with a "
+                                "join of its own: name the aggregation, agg='sum', 'max' or "
+                                "'min' (only the default product join sums unless told)")
             agg = "sum"
         out_dtype = as_dtype(dtype) if dtype is not None else operands[0].dtype
         if n > 2 and expr == scalar.product(n) and agg in (None, "sum"):
@@ -144,21 +151,25 @@ class GraphBuilder:
         return self._add(Fill(sympy.sympify(expr)), (), shape, dtype)
 
     def gather(self, table: Tensor, ids: Tensor) -> Tensor:
+        self._check_tensors("gather", (table, ids))
         return self._add(Gather(), (table, ids), tuple(ids.shape) + tuple(table.shape[1:]),
                          table.dtype)
 
     def reshape(self, t: Tensor, shape) -> Tensor:
+        self._check_tensors("reshape", (t,))
         return self._add(Reshape(), (t,), shape, t.dtype)
 
     def concat(self, tensors: Sequence[Tensor], axis: int) -> Tensor:
         if not tensors:
             raise GraphError("concat of nothing")
+        self._check_tensors("concat", tensors)
         shape = list(tensors[0].shape)
         if 0 <= axis < len(shape):
             shape[axis] = sum((t.shape[axis] for t in tensors[1:]), tensors[0].shape[axis])
         return self._add(Concat(axis), tensors, shape, tensors[0].dtype)
 
     def slice(self, t: Tensor, axis: int, start, stop) -> Tensor:
+        self._check_tensors("slice", (t,))
         shape = list(t.shape)
         if 0 <= axis < len(shape) and all(isinstance(v, int) for v in (start, stop, shape[axis])) \
                 and not 0 <= start <= stop <= shape[axis]:  # else the shape is negative: say why
@@ -170,19 +181,63 @@ class GraphBuilder:
         return self._add(Slice(axis, start, stop), (t,), shape, t.dtype)
 
     def output(self, name: str, t: Tensor) -> Tensor:
+        self._check_tensors(f"output {name!r}", (t,))
         return self._add(Output(name), (t,), t.shape, t.dtype)
 
+    def _check_tensors(self, what: str, operands: Sequence[object]) -> None:
+        """Every operand a `Tensor` of this builder, else a `GraphError` naming it."""
+        for k, t in enumerate(operands):
+            if isinstance(t, Tensor) and t.builder is self:
+                continue
+            kind = ("a tensor of another graph" if isinstance(t, Tensor)
+                    else f"{type(t).__name__} {_short(t)}")
+            raise GraphError(f"{what}: operand {k} ({kind}) is not a tensor of this graph "
+                             "(make constants with fill, data with input)")
+
     def build(self) -> Graph:
+        """The graph built so far, verified; it must have an output, and no size of 0."""
+        if not any(isinstance(n.op, Output) for n in self._nodes):
+            raise GraphError("build: the graph has no output (mark a result with output(name, t))")
         g = Graph(tuple(self._nodes))
         g.verify()
+        check_not_empty(g.nodes, "build")
         return g
 
 
-def _join_expr(join: JoinLike, n: int) -> sympy.Expr:
+def _join_expr(join: JoinLike, n: int, what: str) -> sympy.Expr:
+    """The join as a SymPy expression of `x0..x{n-1}`: the product by default, or `join` itself,
+    or what the callable `join` builds from the `n` placeholders (one argument per operand;
+    SymPy functions, as `einpage.ir.scalar` has them, not NumPy's)."""
     if join is None:
         return scalar.product(n)
     if isinstance(join, sympy.Basic):
         return join
-    if callable(join):
-        return sympy.sympify(join(*[scalar.x(i) for i in range(n)]))
-    raise SpecError(f"join must be a SymPy expression or a callable, not {join!r}")
+    if not callable(join):
+        raise SpecError(f"join must be a SymPy expression or a callable, not {join!r}")
+    try:
+        inspect.signature(join).bind(*range(n))
+    except TypeError:
+        raise SpecError(f"{what}: the join takes arguments {inspect.signature(join)}, but the "
+                        f"einsum has {n} operand(s): it must take {n}") from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
+    try:
+        value = join(*[scalar.x(i) for i in range(n)])
+    except (TypeError, AttributeError, ValueError) as exc:
+        raise SpecError(f"{what}: the join must build a SymPy expression from its operands "
+                        "(with einpage.ir.scalar or sympy functions, not NumPy's): "
+                        f"{type(exc).__name__}: {exc}") from None
+    if type(value).__module__.split(".")[0] == "numpy":
+        raise SpecError(f"{what}: the join returned a NumPy {type(value).__name__}, not a SymPy "
+                        "expression (use einpage.ir.scalar or sympy functions, not NumPy's)")
+    try:
+        return sympy.sympify(value, strict=True)
+    except sympy.SympifyError:
+        raise SpecError(f"{what}: the join returned {type(value).__name__} {_short(value)}, not "
+                        "a SymPy expression of its operands") from None
+
+
+def _short(value: object) -> str:
+    """`repr(value)` on one line, at most 40 characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -167,6 +167,7 @@ class Graph:
             nodes.append(replace(n, op=op, shape=tuple(_subs(s, table) for s in n.shape)))
         g = Graph(tuple(nodes))
         g.verify()
+        check_not_empty(g.nodes, "bind", sizes)
         return g
 
     # ---------------------------------------------------------------- printer
@@ -201,6 +202,27 @@ class Graph:
                 if not 0 <= i < k:
                     raise GraphError(f"{_where(n)}: input %{i} is not an earlier node")
             verify_node(self.nodes, n, names, outs)
+
+
+def check_not_empty(nodes, what: str, sizes: dict | None = None) -> None:
+    """No computed result is empty: an einsum, fill, gather or output with a size of 0, or an
+    einsum aggregating over an index of size 0 (a max over nothing has no value), is a
+    `GraphError` naming the first such node and, after `bind`, the sizes given. Inputs and the
+    views of them (concat, slice, reshape) may be empty: a KV cache of no rows yet."""
+    given = " (" + ", ".join(f"{k}={v}" for k, v in sizes.items()) + ")" if sizes else ""
+    for n in nodes:
+        if isinstance(n.op, (Input, Concat, Slice, Reshape)):
+            continue
+        for axis, size in enumerate(n.shape):
+            if size == 0:
+                raise GraphError(f"{what}: {_where(n)} has shape {tuple(n.shape)}, size 0 on "
+                                 f"axis {axis}{given}: a result needs every size at least 1")
+        if isinstance(n.op, Einsum) and n.op.spec.contracted:
+            index = n.op.spec.sizes([nodes[i].shape for i in n.inputs])
+            empty = [c for c in n.op.spec.contracted if index[c] == 0]
+            if empty:
+                raise GraphError(f"{what}: {_where(n)} aggregates ({n.op.agg}) over index "
+                                 f"{empty[0]!r} of size 0{given}: there is nothing to aggregate")
 
 
 def _where(n: Node) -> str:

@@ -12,10 +12,13 @@ transformers applies them.
 - Streaming (`TextStream`): the text so far is re-decoded from every id so far, and only a
   suffix that extends what was shown and does not end in an incomplete character (U+FFFD) or
   in spaces (which a later token's clean-up may remove) is released.
+- Stopping (`end_of_sequence`): the ids that end a generated row, and the pad of a finished row,
+  from the checkpoint as transformers' `generate` takes them.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -23,6 +26,8 @@ from einpage.errors import CheckpointError, InputError
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+GENERATION_CONFIG = "generation_config.json"
+MODEL_CONFIG = "config.json"
 
 #: transformers' `clean_up_tokenization`: spaces before punctuation and English contractions
 _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
@@ -136,6 +141,51 @@ class TextStream:
             new = "\n" + text
         self._shown = text
         return new
+
+
+@dataclass(frozen=True)
+class EndOfSequence:
+    """What ends a generated row: `ids` (empty: never stops early), the `pad_id` of a row that
+    has finished (None: the first EOS id, as transformers falls back to), and the file the ids
+    come from."""
+    ids: tuple[int, ...] = ()
+    pad_id: int | None = None
+    source: str | None = None
+
+
+def end_of_sequence(directory: str | Path | None) -> EndOfSequence:
+    """A checkpoint's EOS ids: `generation_config.json`'s `eos_token_id` (an id or a list of
+    ids) where it has the key, else `config.json`'s, else the `eos_token` of
+    `tokenizer_config.json` through `tokenizer.json`; none for a preset (None) or a checkpoint
+    that names none. The pad id: `pad_token_id` of the same two configs, in the same order.
+    CheckpointError for an id that is not a non-negative integer."""
+    if directory is None:
+        return EndOfSequence()
+    directory = Path(directory)
+    configs = [(directory / name, _read_config(directory / name))
+               for name in (GENERATION_CONFIG, MODEL_CONFIG)]
+    ids, source = (), None
+    for path, config in configs:
+        if config.get("eos_token_id") is not None:
+            ids, source = _ids(config["eos_token_id"], path, "eos_token_id"), str(path)
+            break
+    if source is None and has_tokenizer(directory):
+        codec = TextCodec.from_checkpoint(directory)
+        if codec.eos_id is not None:
+            ids, source = (codec.eos_id,), str(directory / TOKENIZER_CONFIG)
+    pad = next((_ids(config["pad_token_id"], path, "pad_token_id") for path, config in configs
+                if config.get("pad_token_id") is not None), ())
+    if len(pad) > 1:
+        raise CheckpointError(f"{directory}: pad_token_id must be one id, got {list(pad)}")
+    return EndOfSequence(ids, pad[0] if pad else None, source)
+
+
+def _ids(value, path: Path, key: str) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise CheckpointError(f"{path}: {key} must be a token id or a list of token ids, got "
+                              f"{value!r}")
+    return tuple(values)
 
 
 def _read_config(path: Path) -> dict:
