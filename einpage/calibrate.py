@@ -11,7 +11,12 @@ What is measured, each a median of several repeats after a warm-up:
   NumPy: their rate includes the conversion), elementwise FLOP/s, memory bandwidth (a large copy,
   read plus write);
 - the per-node overhead: a plan of a few hundred tiny nodes run on the backend, wall time per
-  node (the thread hand-offs and dispatch the cost model calls launch overhead).
+  node (the thread hand-offs and dispatch the cost model calls launch overhead);
+- with `--disk PATH`, the drive's read bandwidth and latency (`measure_disk`): a file (PATH
+  itself, or one written in the directory PATH) read in 4 MB requests with the page cache out of
+  the way — `O_DIRECT` where the file system allows it, else buffered reads after
+  `posix_fadvise(DONTNEED)` dropped the file's cached pages — and single 4 KB reads at random
+  offsets for the latency.
 """
 from __future__ import annotations
 
@@ -137,9 +142,100 @@ def node_overhead(backend: str, nodes: int = 300) -> float:
     return statistics.median(walls) / applies
 
 
-def calibrate(backend: str = "threads", progress: Callable[[str], None] | None = None
-              ) -> DeviceProfile:
-    """A device profile measured through `backend`'s paths on this machine."""
+DISK_CHUNK = 4 << 20
+DISK_FILE_BYTES = 1 << 30
+
+
+def _drop_cache(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _open_direct(path: Path) -> tuple[int, str]:
+    """An fd for reading `path` past the page cache: O_DIRECT, else a plain fd (cache dropped)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if flag:
+        try:
+            return os.open(path, os.O_RDONLY | flag), "O_DIRECT"
+        except OSError:
+            pass
+    return os.open(path, os.O_RDONLY), "buffered after posix_fadvise(DONTNEED)"
+
+
+def measure_disk(path: str | Path, nbytes: int = DISK_FILE_BYTES, repeats: int = 3
+                 ) -> tuple[float, float, str]:
+    """(read bytes/s, latency s, how) of the drive holding `path`: a file, read whole, or a
+    directory, in which a file of `nbytes` is written (and removed after). The bandwidth is the
+    median of `repeats` whole reads in 4 MB requests, each with the file out of the page cache;
+    the latency the median of 64 single 4 KB reads at random aligned offsets."""
+    from einpage.errors import InputError
+    from einpage.runtime.backends.base import aligned_empty
+    target = Path(path)
+    made = None
+    if target.is_dir():
+        made = target / f".einpage-disk-probe-{os.getpid()}"
+        try:
+            block = np.random.default_rng(0).integers(0, 255, DISK_CHUNK, dtype=np.uint8)
+            with open(made, "wb") as fh:
+                for _ in range(max(1, nbytes // DISK_CHUNK)):
+                    fh.write(block.data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            made.unlink(missing_ok=True)
+            raise InputError(f"--disk {path}: cannot write a probe file there: {exc}") from None
+        target = made
+    elif not target.is_file():
+        raise InputError(f"--disk {path}: no such file or directory")
+    try:
+        size = target.stat().st_size
+        if size < DISK_CHUNK:
+            raise InputError(f"--disk {path}: the file has {size} bytes; give one of at least "
+                             f"{DISK_CHUNK} bytes, or a directory")
+        buffer = aligned_empty(DISK_CHUNK)
+        whole = size - size % 4096
+        times, how = [], ""
+        for _ in range(repeats):
+            fd, how = _open_direct(target)
+            try:
+                _drop_cache(fd)
+                t0, done = time.perf_counter(), 0
+                while done + DISK_CHUNK <= whole:
+                    got = os.preadv(fd, [buffer], done)
+                    if got <= 0:
+                        break
+                    done += got
+                times.append((time.perf_counter() - t0, done))
+            finally:
+                os.close(fd)
+        rate = statistics.median(done / t for t, done in times)
+        rng = np.random.default_rng(1)
+        small = buffer[:4096]
+        fd, _ = _open_direct(target)
+        try:
+            _drop_cache(fd)
+            lat = []
+            for off in rng.integers(0, whole // 4096, 64) * 4096:
+                t0 = time.perf_counter()
+                os.preadv(fd, [small], int(off))
+                lat.append(time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+        return rate, statistics.median(lat), how
+    except OSError as exc:
+        raise InputError(f"--disk {path}: cannot read: {exc}") from None
+    finally:
+        if made is not None:
+            made.unlink(missing_ok=True)
+
+
+def calibrate(backend: str = "threads", progress: Callable[[str], None] | None = None,
+              disk: str | Path | None = None) -> DeviceProfile:
+    """A device profile measured through `backend`'s paths on this machine (and, with `disk`,
+    the drive holding that file or directory)."""
     say = progress or (lambda _: None)
     probe = _probe(backend)
     try:
@@ -157,7 +253,13 @@ def calibrate(backend: str = "threads", progress: Callable[[str], None] | None =
         name = f"{backend}-calibrated"
         source = (f"einpage calibrate --backend {backend} on {platform.node() or 'this host'} "
                   f"({probe.describe()}), {date.today().isoformat()}")
-        return DeviceProfile(
+        extra = {}
+        if disk is not None:
+            say(f"disk reads ({disk})")
+            rate, latency, how = measure_disk(disk)
+            extra = {"disk_bandwidth": rate, "disk_latency": latency}
+            source += f"; disk: {disk}, {how}"
+        return DeviceProfile(**extra,
             name=name, matmul_flops=matmul, vector_flops={d: vector for d in matmul},
             hbm_bandwidth=memory, h2d_bandwidth=h2d_rate, d2h_bandwidth=d2h_rate,
             memory_bytes=probe.memory_bytes(), copy_latency=(h2d_latency + d2h_latency) / 2,

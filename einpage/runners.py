@@ -174,6 +174,59 @@ def run_plan(mg: MemGraph, inputs: Mapping[str, np.ndarray], weights: WeightSour
     return result.outputs, result.measured
 
 
+def plan_weights(mg: MemGraph, checkpoint) -> WeightSource:
+    """The weights a saved plan reads, from `checkpoint` (a `models.checkpoint.Checkpoint`),
+    checked before anything runs: every weight the plan reads names a tensor of the checkpoint
+    whose shape is the one the plan was made for (the logical shape by the checkpoint's own
+    config, and its element count) and, where the plan records the dtype of the checkpoint it
+    was compiled from (`meta["weights_dtype"]`), in that dtype. A `CheckpointError` names the
+    first tensor that differs."""
+    from einpage.errors import CheckpointError
+    from einpage.models import llama
+    planned = {t.name: t for t in mg.inputs if t.role == "weight"}
+    sources = {t.source.input: t.source.checkpoint for t in mg.tensors
+               if t.source is not None and t.source.input in planned}
+    model = llama.weight_shapes(checkpoint.config)
+    made_for = mg.meta.get("weights_dtype")
+    where = checkpoint.directory
+    for name, want in planned.items():  # in the plan's order: the first that differs is named
+        hf = sources.get(name)
+        if not hf:
+            raise CheckpointError(f"the plan's weight {name!r} names no checkpoint tensor: "
+                                  "the plan was not compiled from a model")
+        ref = checkpoint.tensors.get(hf)
+        if ref is None:
+            raise CheckpointError(f"{where}: no tensor {hf!r}, which the plan reads: it was "
+                                  "compiled for another model")
+        count = int(np.prod(want.shape, dtype=np.int64))
+        if model.get(name) != tuple(want.shape) or int(np.prod(ref.shape)) != count:
+            raise CheckpointError(f"{where}: tensor {hf!r} has shape {tuple(ref.shape)}, but the "
+                                  f"plan reads it as {tuple(want.shape)}: it was compiled for "
+                                  "another model")
+        if made_for is not None and ref.dtype.value != made_for:
+            raise CheckpointError(f"{where}: tensor {hf!r} is {ref.dtype}, but the plan was "
+                                  f"compiled from a checkpoint of {made_for}: compile it from "
+                                  "this one")
+
+    return _PlanWeights(checkpoint, sources, {name: tuple(t.shape) for name, t in planned.items()})
+
+
+class _PlanWeights:
+    """A saved plan's weights: name -> the checkpoint view in the plan's shape; `locate` tells the
+    disk tier's reader where each lies in the files."""
+
+    def __init__(self, checkpoint, sources: dict, shapes: dict):
+        self.checkpoint, self.sources, self.shapes = checkpoint, sources, shapes
+
+    def __call__(self, name: str) -> np.ndarray:
+        return self.checkpoint.array(self.sources[name]).reshape(self.shapes[name])
+
+    def locate(self, name: str):
+        from einpage.ir.tensors import FileTensor
+        ref = self.checkpoint.tensors[self.sources[name]]
+        return FileTensor(ref.file, ref.offset, ref.dtype, self.shapes[name])
+
+
 def backend_memory(backend: str) -> int:
     """The budget a backend has when none is given: on cupy the device's free memory less a
     tenth (the CUDA context and libraries live there too), otherwise half of the host memory

@@ -19,6 +19,10 @@ settings.register_profile("ci", parent=settings.get_profile("default"), derandom
                           deadline=None, database=None)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 
+#: The command line's default host budget is this machine's available memory; tests that do not
+#: set `--cpu-mem` get the same plans on every machine (tests/test_tiers.py sets it).
+os.environ["EINPAGE_CPU_MEM"] = "unlimited"
+
 #: Tiny checkpoints written by Hugging Face transformers, with its logits and greedy tokens.
 FIXTURES = TESTS.parent.parent / "shared" / "fixtures"
 

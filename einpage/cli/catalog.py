@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from einpage.cli.outputs import OutputPath
 from einpage.units import format_size
 
 
@@ -16,7 +17,11 @@ def add_commands(sub) -> None:
                                          "device profile (for --device-file)")
     c.add_argument("--backend", default="threads", choices=("threads", "cupy"),
                    help="measure the CPU through the threads backend, or the GPU through cupy")
-    c.add_argument("-o", "--output", help="write the profile here (JSON); default: print it")
+    c.add_argument("-o", "--output", action=OutputPath,
+                   help="write the profile here (JSON); default: print it")
+    c.add_argument("--disk", help="also measure the read bandwidth and latency of the drive "
+                                  "holding this file or directory (1 GB is written there and "
+                                  "removed; reads bypass the page cache where the OS allows)")
 
 
 def cmd_models(args) -> None:
@@ -70,11 +75,10 @@ def cmd_calibrate(args) -> None:
     import sys
 
     from einpage.calibrate import calibrate
-    from einpage.cli.common import write_text
-    if args.output:
-        write_text(args.output, "")  # fail on an unwritable path before measuring
+    from einpage.cli.common import write_text  # -o was checked before measuring (main)
     profile = calibrate(args.backend, progress=lambda what: print(f"measuring {what} ...",
-                                                                  file=sys.stderr))
+                                                                  file=sys.stderr),
+                        disk=args.disk)
     text = json.dumps(profile.to_json(), indent=1)
     if not args.output:
         print(text)
@@ -84,7 +88,9 @@ def cmd_calibrate(args) -> None:
     print(f"wrote {args.output}: h2d {profile.h2d_bandwidth / 1e9:.2f} GB/s, d2h "
           f"{profile.d2h_bandwidth / 1e9:.2f} GB/s, matmul f32 {mm['f32'] / 1e9:.1f} GFLOP/s, "
           f"memory {profile.hbm_bandwidth / 1e9:.1f} GB/s, per node "
-          f"{profile.launch_overhead * 1e6:.0f} us")
+          f"{profile.launch_overhead * 1e6:.0f} us"
+          + (f", disk {profile.disk_bandwidth / 1e9:.2f} GB/s ({profile.disk_latency * 1e3:.2f} ms "
+             "per read)" if args.disk else ""))
 
 
 HANDLERS = {"models": cmd_models, "devices": cmd_devices, "calibrate": cmd_calibrate}

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from einpage.errors import InputError
-from einpage.units import parse_rate
+from einpage.units import format_size, parse_rate
 
 if TYPE_CHECKING:
     from einpage.models.text import TextCodec
@@ -119,6 +119,18 @@ def check_context(cfg, longest: int, new_tokens: int = 0) -> None:
                          f"model's context is {context} (max_position_embeddings)")
 
 
+def check_finite(logits: np.ndarray, lengths: np.ndarray) -> None:
+    """Refuse logits with NaN or inf at a row's real positions (pads are not looked at): a
+    next token or saved logits from them would mean nothing."""
+    real = np.arange(logits.shape[1])[None, :] < np.asarray(lengths)[:, None]
+    bad = real & ~np.isfinite(logits).all(axis=-1)
+    if bad.any():
+        row, pos = (int(v) for v in np.argwhere(bad)[0])
+        raise InputError(f"the model produced non-finite logits (NaN or inf; first at row {row}, "
+                         f"position {pos}): the weights hold NaN or inf, or the computation "
+                         "dtype overflows (try --dtype f32)")
+
+
 def report_logits(logits: np.ndarray, out_path: str | None, lengths: np.ndarray | None = None,
                   codec=None) -> None:
     """Save float32 logits (batch, length, vocab) to `out_path` (rows padded on the right: a
@@ -127,8 +139,15 @@ def report_logits(logits: np.ndarray, out_path: str | None, lengths: np.ndarray 
     logits = logits.astype(np.float32)
     lengths = (np.full(logits.shape[0], logits.shape[1], np.int64) if lengths is None
                else np.asarray(lengths))
+    check_finite(logits, lengths)
     if out_path:
-        np.save(out_path, logits)
+        from einpage.errors import OutputError
+        from einpage.outputs import save_npy
+        try:
+            save_npy(out_path, logits)  # exactly `out_path`: no .npy is added
+        except OutputError:  # the run's result is not lost with its file: print it, then fail
+            report_logits(logits, None, lengths, codec)
+            raise
         ragged = (lengths != logits.shape[1]).any()
         note = (f" (rows padded on the right; row lengths {','.join(map(str, lengths.tolist()))})"
                 if ragged else "")
@@ -141,39 +160,113 @@ def report_logits(logits: np.ndarray, out_path: str | None, lengths: np.ndarray 
         print(f"row {row}: next token {int(token)}{text}")
 
 
+#: `--policy`'s help: the eviction policies (`einpage.compiler.POLICIES`; a test keeps the two
+#: in step, and an unknown name is refused with the list)
+POLICY_HELP = ("eviction policy: reuse-distance (default: evict what is needed farthest ahead), "
+               "lru, layerwise (whole-layer weight streaming), none (no offload)")
+
+
+def check_budget(budget: int, profile, force: bool) -> str | None:
+    """A budget above `profile`'s memory is an `InputError` naming both; with `force` it is
+    allowed, and the warning to show is returned (else None)."""
+    if budget <= profile.memory_bytes:
+        return None
+    message = (f"--gpu-mem {format_size(budget)} is more than the "
+               f"{format_size(profile.memory_bytes)} of the device {profile.name}")
+    if not force:
+        raise InputError(f"{message}: pick a --device that has it, or add --force")
+    return message
+
+
+#: `--cpu-mem`'s default leaves this share of the available memory, and at least HOST_MARGIN_MIN
+#: bytes, to the rest of the machine (the Python process itself, the page cache, other programs)
+HOST_MARGIN_SHARE = 0.10
+HOST_MARGIN_MIN = 2 * 10**9
+
+
+def add_host_args(p) -> None:
+    p.add_argument("--cpu-mem", help="host memory budget: weight blocks kept in (pinned) host "
+                                     "memory, offloaded blocks, the KV store and the staging "
+                                     "buffers of disk reads; weight blocks that do not fit are "
+                                     "read from the checkpoint files every pass. 64GB, 64GiB, "
+                                     "... or 'unlimited' (default: $EINPAGE_CPU_MEM if set, "
+                                     "else this machine's available memory less 10%% and at "
+                                     "least 2 GB)")
+
+
+def available_host_memory() -> int | None:
+    """This machine's available memory (Linux `MemAvailable`, else free pages), or None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_budget(args) -> tuple[int | None, str]:
+    """`--cpu-mem` in bytes (None: unlimited) and, in words, where the figure came from."""
+    from einpage.units import parse_size
+    text = getattr(args, "cpu_mem", None)
+    source = "--cpu-mem"
+    if text is None and os.environ.get("EINPAGE_CPU_MEM"):
+        text, source = os.environ["EINPAGE_CPU_MEM"], "EINPAGE_CPU_MEM"
+    if text is not None:
+        if text.strip().lower() in ("unlimited", "none", "inf"):
+            return None, f"unlimited ({source})"
+        return parse_size(text, source), source
+    available = available_host_memory()
+    if available is None:
+        return None, "unlimited (this machine's memory is unknown; set --cpu-mem)"
+    margin = max(HOST_MARGIN_MIN, int(available * HOST_MARGIN_SHARE))
+    budget = max(available - margin, 1)
+    return budget, (f"this machine's available memory {format_size(available)} less "
+                    f"{format_size(margin)}; set --cpu-mem for another host")
+
+
 def add_device_args(p) -> None:
     p.add_argument("--device", help="device profile for the cost model (default h100-pcie; "
-                                    "see einpage devices)")
-    p.add_argument("--device-file", help="device profile as JSON (keys of einpage devices --json)")
+                                    "see einpage devices); with --device-file, the profile of "
+                                    "that name in the file")
+    p.add_argument("--device-file", help="device profile(s) as JSON: what einpage calibrate -o "
+                                         "or einpage devices --json writes (pick one of several "
+                                         "with --device)")
     p.add_argument("--h2d-bandwidth", help="override host<->device bandwidth, e.g. 25GB/s")
     p.add_argument("--flops", help="override peak matmul FLOP/s, e.g. 500T")
-    p.add_argument("--plot", help="write a timeline picture (PNG): device memory by role and "
-                                  "the three streams over predicted time")
+    p.add_argument("--disk-bandwidth", help="read bandwidth of the drive the checkpoint lies "
+                                            "on, e.g. 7GB/s (default: the profile's, 3 GB/s, "
+                                            "a PCIe Gen3 NVMe drive; einpage calibrate --disk "
+                                            "measures yours)")
+    from einpage.cli.outputs import OutputPath
+    p.add_argument("--plot", action=OutputPath,
+                   help="write a timeline picture (PNG): device memory by role and the three "
+                        "streams over predicted time")
 
 
 def profile_from_args(args, default: str | None = None):
-    """The device profile the flags ask for: `--device` or `--device-file` (else `default`, else
-    the cost model's default), then `--h2d-bandwidth` (both directions) and `--flops`."""
+    """The device profile the flags ask for: `--device` or `--device-file` (with `--device`:
+    the profile of that name in the file; else `default`, else the cost model's default), then
+    `--h2d-bandwidth` (both directions) and `--flops`."""
     from einpage.predict import DEFAULT_DEVICE, get_device, load_device_file, with_overrides
-    if args.device_file and args.device:
-        raise InputError("give --device or --device-file, not both")
-    profile = (load_device_file(args.device_file) if args.device_file
+    profile = (load_device_file(args.device_file, args.device) if args.device_file
                else get_device(args.device or default or DEFAULT_DEVICE))
     h2d, flops = getattr(args, "h2d_bandwidth", None), getattr(args, "flops", None)
+    disk = getattr(args, "disk_bandwidth", None)
     return with_overrides(
         profile,
         h2d_bandwidth=parse_rate(h2d, "--h2d-bandwidth", "B") if h2d is not None else None,
-        flops=parse_rate(flops, "--flops", "FLOPS") if flops is not None else None)
+        flops=parse_rate(flops, "--flops", "FLOPS") if flops is not None else None,
+        disk_bandwidth=parse_rate(disk, "--disk-bandwidth", "B") if disk is not None else None)
 
 
 def write_text(path: str, text: str) -> None:
     """Write `text` to a temporary file beside `path` and rename it into place: a failed write
-    (a full disk, no permission) leaves no half-written file and ends with one line."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, target)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    (a full disk, no permission) leaves no half-written file and ends with one line (an
+    `OutputError`). See `einpage.outputs`."""
+    from einpage.outputs import write_text as write
+    write(path, text)

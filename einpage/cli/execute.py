@@ -10,9 +10,12 @@ from typing import TextIO
 
 import numpy as np
 
-from einpage.cli.common import check_context, input_from_args, report_logits, write_text
+from einpage.cli.common import (POLICY_HELP, add_host_args, check_budget, host_budget, check_context, input_from_args,
+                                report_logits, write_text)
+from einpage.cli.outputs import Deferred, OutputPath
 from einpage.errors import InputError
 from einpage.ir.dtypes import DType, as_dtype
+from einpage.outputs import save_npy
 from einpage.units import parse_size
 
 
@@ -29,12 +32,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--tokens-file", help=".npy integer array of shape (batch, length)")
     p.add_argument("--random-weights", action="store_true",
                    help="make deterministic random weights for a preset")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int,
+                   help="seed (>= 0) of --random-weights (default 0) and, for generate, of "
+                        "sampling (default: a fresh seed, printed so the run can be repeated)")
     p.add_argument("--dtype", choices=[d.value for d in DType if d is not DType.i64],
-                   help="computation dtype (default: the checkpoint's; bf16 runs as f32 on NumPy)")
+                   help="dtype the weights and every intermediate result are stored in; each op "
+                        "computes in float32 (float64 for f64) and rounds its result to it. "
+                        "Default: the checkpoint's, except bf16, which runs as f32 (so --dtype "
+                        "bf16 on a bf16 checkpoint rounds every activation to bf16: not the "
+                        "default's numbers)")
     p.add_argument("--gpu-mem", help="device budget (e.g. 16GB, 512MiB) the plan is compiled "
                                      "for (default: the backend's memory)")
-    p.add_argument("--policy", default="reuse-distance", help="eviction policy")
+    p.add_argument("--force", action="store_true",
+                   help="allow a --gpu-mem above the memory of --device (a warning)")
+    add_host_args(p)
+    p.add_argument("--policy", help=POLICY_HELP + "; needs --gpu-mem")
     p.add_argument("--backend", default="auto", choices=("auto", "numpy", "threads", "cupy",
                                                           "reference"),
                    help="what runs the plan: cupy (an NVIDIA GPU), threads (a worker thread per "
@@ -43,41 +55,71 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "threads")
     p.add_argument("--timing", action="store_true",
                    help="print each measured pass next to its prediction")
-    p.add_argument("--trace", help="write the measured passes as a Chrome trace (Perfetto)")
-    p.add_argument("--device", help="device profile for the prediction --timing prints")
-    p.add_argument("--device-file", help="device profile as JSON (einpage calibrate -o)")
-    p.add_argument("--out", help="save results to this .npy file (run: float32 logits "
-                                 "(batch, longest prompt, vocab), rows padded on the right; "
-                                 "generate: the new ids (batch, N))")
+    p.add_argument("--trace", action=OutputPath,
+                   help="write the measured passes as a Chrome trace (Perfetto)")
+    p.add_argument("--device", help="device profile for the prediction --timing prints (see "
+                                    "einpage devices); with --device-file, the one of that name")
+    p.add_argument("--device-file", help="device profile(s) as JSON (einpage calibrate -o, "
+                                         "einpage devices --json) for --timing")
+    p.add_argument("--out", action=OutputPath,
+                   help="save results to this .npy file, exactly as named (no .npy is added; "
+                        "run: float32 logits (batch, longest prompt, vocab), rows padded on the "
+                        "right; generate: the new ids (batch, N))")
 
 
 def add_commands(sub) -> None:
     run = sub.add_parser("run", help="prefill: logits or each row's next token")
     _add_model_args(run)
-    run.add_argument("--checkpoint", help="weights for a plan file")
-    gen = sub.add_parser("generate", help="greedy decoding with the KV cache")
+    run.add_argument("--checkpoint", help="the checkpoint directory whose weights a plan file "
+                                          "runs with (plan files only)")
+    gen = sub.add_parser("generate", help="decoding with the KV cache: greedy (or sampled on "
+                                          "request) until EOS or --max-new-tokens")
     _add_model_args(gen)
-    gen.add_argument("--max-new-tokens", type=int, required=True)
+    gen.add_argument("--max-new-tokens", type=int, required=True,
+                     help="the most new tokens per row (fewer where a row reaches EOS)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop a row at the checkpoint's end-of-sequence id(s) "
+                          "(generation_config.json, else config.json, else the tokenizer's)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 (the default): greedy; above 0: sample from softmax(logits / T)")
+    gen.add_argument("--top-p", type=float,
+                     help="sample from the nucleus: the most likely tokens up to mass P, "
+                          "0 < P <= 1 (needs --temperature > 0)")
+    gen.add_argument("--top-k", type=int,
+                     help="sample from the K most likely tokens, K >= 1 (needs --temperature > 0)")
     gen.add_argument("--kv-granule", type=int, default=256,
                      help="KV-store capacities come in multiples of this (coarser past 2048: "
                           "at most 1/8 of a bucket is unused); one decode plan per bucket")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object: tokens, text (each row's continuation, where "
-                          "the checkpoint has a tokenizer), prompt_lengths, plans_compiled, "
-                          "prefill_s, decode_s, decode_tokens_per_s, ...")
+                     help="print one JSON object: tokens (rows padded after their EOS), "
+                          "new_lengths, finish_reason (eos or length), text (each row's "
+                          "continuation up to its EOS, where the checkpoint has a tokenizer), "
+                          "prompt_lengths, sampling, plans_compiled, prefill_s, decode_s, "
+                          "decode_tokens_per_s, ...")
 
 
 def _runner(args, weights):
     """Graph runner: the dense reference, or a plan per graph run on the chosen backend."""
     from einpage import runners
+    if (args.device or args.device_file) and not args.timing:
+        raise InputError("--device and --device-file price the passes --timing prints: add "
+                         "--timing")
     if args.backend == "reference":
-        if args.gpu_mem or args.timing or args.trace:
+        if args.gpu_mem or args.policy or args.timing or args.trace:
             raise InputError("--backend reference runs no plan: it takes no --gpu-mem, "
-                             "--timing or --trace")
+                             "--policy, --timing or --trace")
         return runners.dense_runner(weights)
     from einpage.compiler import CompileOptions
     budget = parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
-    options = CompileOptions(device_bytes=budget, policy=args.policy, device=_profile(args))
+    if args.policy and budget is None:
+        raise InputError("--policy chooses what a --gpu-mem budget evicts: give --gpu-mem too")
+    profile = _profile(args)
+    over = check_budget(budget, profile, args.force) if budget and profile else None
+    if over:
+        print(f"einpage: warning: {over}", file=sys.stderr)
+    host_bytes, _ = host_budget(args)
+    options = CompileOptions(device_bytes=budget, policy=args.policy or "reuse-distance",
+                             device=_profile(args), host_bytes=host_bytes)
     return runners.PlanRunner(weights, options, args.backend,
                               timing=bool(args.timing or args.trace))
 
@@ -99,21 +141,27 @@ def _after(args, runner) -> None:
 
 
 def _show_passes(args, passes, first: str = "prefill pass") -> None:
-    """--trace and --timing for `passes`: (memgraph, Measured, Simulation or None) each."""
+    """--trace and --timing for `passes`: (memgraph, Measured, Simulation or None) each. A
+    trace that cannot be written still lets the timing print, then fails (one line)."""
+    written = Deferred()
     if args.trace:
         from einpage.cli.trace import measured_events, trace_text
-        write_text(args.trace, trace_text(measured_events([(mg, m) for mg, m, _ in passes])))
-        print(f"wrote the measured trace of {len(passes)} pass(es) to {args.trace}")
+        events = trace_text(measured_events([(mg, m) for mg, m, _ in passes]))
+        if written.write(write_text, args.trace, events):
+            print(f"wrote the measured trace of {len(passes)} pass(es) to {args.trace}")
     if args.timing:
         from einpage.cli.timing import print_timing
         print_timing(passes, first)
+    written.finish()
 
 
 def _resolve(args):
     from einpage.models import resolve
     dtype = as_dtype(args.dtype) if args.dtype else None
-    cfg, weights = resolve(args.model, random_weights=args.random_weights, seed=args.seed,
-                           dtype=dtype)
+    if args.seed is not None and args.seed < 0:
+        raise InputError(f"--seed must be >= 0, got {args.seed}")
+    cfg, weights = resolve(args.model, random_weights=args.random_weights,
+                           seed=args.seed if args.seed is not None else 0, dtype=dtype)
     if weights is None:
         raise InputError(f"{args.model}: a preset has no weights; pass --random-weights or a "
                          "checkpoint directory")
@@ -130,6 +178,9 @@ def cmd_run(args) -> None:
     text input), or the logits saved with --out."""
     if Path(args.model).is_file():
         return run_plan(args)
+    if args.checkpoint:
+        raise InputError("--checkpoint gives the weights of a plan file; "
+                         f"{args.model} is not a plan file (its weights are its own)")
     from einpage.models.generation import prefill
     cfg, weights = _resolve(args)
     given = input_from_args(args, _checkpoint_dir(args.model))
@@ -168,50 +219,125 @@ class TextPrinter:
             self.out.flush()
 
 
+def _sampling_from_args(args):
+    """`--temperature`, `--top-p`, `--top-k`, `--seed` as a `Sampling`, each checked with its
+    flag's name. Sampling options with temperature 0 (greedy) are refused, not ignored; so is
+    `--seed` when it seeds nothing (greedy, no --random-weights)."""
+    import math
+    from einpage.models.generation import Sampling
+    t, p, k, seed = args.temperature, args.top_p, args.top_k, args.seed
+    if not math.isfinite(t) or t < 0:
+        raise InputError(f"--temperature must be a finite number >= 0 (0: greedy), got {t}")
+    if p is not None and not (0 < p <= 1):  # NaN fails too
+        raise InputError(f"--top-p must be in (0, 1], got {p}")
+    if k is not None and k < 1:
+        raise InputError(f"--top-k must be at least 1 (leave it out for no limit), got {k}")
+    if seed is not None and seed < 0:
+        raise InputError(f"--seed must be >= 0, got {seed}")
+    if t == 0:
+        given = [flag for flag, value in (("--top-p", p), ("--top-k", k)) if value is not None]
+        if given:
+            raise InputError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} "
+                             "to sampling only, and --temperature 0 (the default) is greedy "
+                             "decoding: add --temperature T > 0")
+        if seed is not None and not args.random_weights:
+            raise InputError("--seed seeds --random-weights and sampling, and this run has "
+                             "neither: add --temperature T > 0 to sample")
+        return Sampling()
+    return Sampling(t, 1.0 if p is None else p, k or 0, seed).resolved()
+
+
 def cmd_generate(args, out: TextIO | None = None) -> None:
-    """Greedy generation: the prefill, then decode steps on one plan per KV bucket, each held
-    open on the backend across its steps. Prints each row's text (text input; streamed for one
-    row on a terminal) or new ids, then the measured rates; `--json`: one object."""
-    from einpage.models.generation import generate
+    """Generation: the prefill, then decode steps on one plan per KV bucket, each held open on
+    the backend across its steps, until every row has reached its EOS (unless --ignore-eos) or
+    --max-new-tokens; greedy, or sampled with --temperature. Prints each row's text (text
+    input; streamed for one row on a terminal) or new ids up to its EOS, where rows stopped at
+    EOS, the sampling seed, then the measured rates; `--json`: one object."""
+    from einpage.errors import CheckpointError
+    from einpage.models.generation import check_special, generate
+    from einpage.models.text import end_of_sequence
     out = out or sys.stdout
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.kv_granule < 1:
         raise InputError(f"--kv-granule must be at least 1, got {args.kv_granule}")
+    sampling = _sampling_from_args(args)
     cfg, weights = _resolve(args)
+    eos = end_of_sequence(_checkpoint_dir(args.model))
+    try:
+        check_special(cfg, eos.ids, eos.pad_id)
+    except InputError as exc:
+        raise CheckpointError(f"{eos.source or args.model}: {exc}") from None
     given = input_from_args(args, _checkpoint_dir(args.model), want_codec=args.json)
     check_context(cfg, int(given.lengths.max()), args.max_new_tokens)
     runner = _runner(args, weights)
     printer = (TextPrinter(given.codec, given.tokens.shape[0], out)
                if given.text and not args.json else None)
     done = generate(cfg, given.tokens, args.max_new_tokens, runner, granule=args.kv_granule,
-                    on_token=printer.on_token if printer else None, lengths=given.lengths)
+                    on_token=printer.on_token if printer else None, lengths=given.lengths,
+                    eos_ids=eos.ids, ignore_eos=args.ignore_eos, pad_id=eos.pad_id,
+                    temperature=sampling.temperature, top_p=sampling.top_p,
+                    top_k=sampling.top_k, seed=sampling.seed)
     new = done.tokens
+    stops = not args.ignore_eos and bool(eos.ids)
     summary = {"tokens": new.tolist(), "batch": int(new.shape[0]),
                "prompt": int(given.tokens.shape[1]), "prompt_lengths": list(done.lengths),
-               "new_tokens": int(new.shape[1]), "plans_compiled": getattr(runner,
-                                                                         "plans_compiled", 0),
+               "new_tokens": int(new.shape[1]), "new_lengths": list(done.new_lengths),
+               "finish_reason": list(done.finish),
+               "eos_token_ids": list(eos.ids) if stops else [],
+               "pad_token_id": (eos.pad_id if eos.pad_id is not None else eos.ids[0])
+               if stops else None,
+               "sampling": None if sampling.greedy else {
+                   "temperature": sampling.temperature, "top_p": sampling.top_p,
+                   "top_k": sampling.top_k or None, "seed": done.seed},
+               "plans_compiled": getattr(runner, "plans_compiled", 0),
                "kv_capacities": list(done.capacities), "prefill_s": done.prefill_s,
                "decode_s": done.decode_s, "decode_steps": done.decode_steps, **done.rates(),
                "compile_s": getattr(runner, "compile_s", 0.0), "backend": getattr(
                    runner, "backend", "reference")}
     if given.codec is not None:
-        summary["text"] = [given.codec.decode(row) for row in new.tolist()]
-    if args.out:
-        np.save(args.out, new.astype(np.int64))
+        summary["text"] = [given.codec.decode(row) for row in done.rows()]
+    written = Deferred()  # a failed --out: the rows print as without it, then one line
+    if args.out and written.write(save_npy, args.out, new.astype(np.int64)):
         summary["out"] = args.out
     if args.json:
         print(json.dumps(summary, sort_keys=True), file=out)
     else:
         if printer is not None:
             printer.finish(summary["text"])
-        elif not args.out:
-            for row, ids in enumerate(new):
+        elif "out" not in summary:
+            for row, ids in enumerate(done.rows()):
                 print(f"row {row}: " + ",".join(str(int(t)) for t in ids), file=out)
-        if args.out:
+        if "out" in summary:
             print(f"saved new tokens {new.shape} to {args.out}", file=out)
+        _print_stops(summary, out)
         _print_rates(summary, out)
     _after(args, runner)
+    written.finish()
+
+
+def _print_stops(s: dict, out: TextIO) -> None:
+    """Where rows stopped at EOS (nothing when every row ran to --max-new-tokens) and the
+    sampling that picked the tokens (nothing for greedy): a line each."""
+    if "eos" in s["finish_reason"]:
+        at = [(row, n) for row, (n, why) in enumerate(zip(s["new_lengths"], s["finish_reason"]))
+              if why == "eos"]
+        if s["batch"] == 1:
+            where = f"after {at[0][1]} new tokens"
+        else:
+            where = ", ".join(f"row {row} after {n}" for row, n in at) + " new tokens"
+            rest = s["batch"] - len(at)
+            if rest:
+                where += f"; {rest} other row{'s' if rest > 1 else ''} ran to --max-new-tokens"
+        pad = "" if s["batch"] == 1 else f" (padded with id {s['pad_token_id']} after it)"
+        print(f"stopped at EOS {where}{pad}", file=out)
+    if s["sampling"]:
+        x = s["sampling"]
+        extra = "".join(f", {name} {x[key]}" for name, key in (("top-p", "top_p"),
+                                                              ("top-k", "top_k"))
+                        if x[key] not in (None, 1.0))
+        print(f"sampled at temperature {x['temperature']:g}{extra}, seed {x['seed']} (--seed "
+              "repeats it)", file=out)
 
 
 def _print_rates(s: dict, out: TextIO | None = None) -> None:
@@ -234,13 +360,28 @@ def run_plan(args) -> None:
     from einpage.compiler import validate
     from einpage.ir.memgraph import MemGraph
     from einpage.models.checkpoint import Checkpoint
+    from einpage.runners import plan_weights
+    fixed = [flag for flag, given in (("--gpu-mem", args.gpu_mem), ("--policy", args.policy),
+                                      ("--dtype", args.dtype), ("--force", args.force),
+                                      ("--random-weights", args.random_weights),
+                                      ("--seed", args.seed is not None)) if given]
+    if fixed:
+        raise InputError(f"{args.model} is a plan file: it runs with the budget, policy and "
+                         f"dtype it was compiled for, on the weights of --checkpoint; drop "
+                         f"{', '.join(fixed)}")
+    if args.backend == "reference":
+        raise InputError("--backend reference runs graphs, not plan files")
     if not args.checkpoint:
         raise InputError("running a plan file needs --checkpoint DIR with its weights")
-    given = input_from_args(args, Path(args.checkpoint))
-    tokens = given.tokens
     mg = MemGraph.load(args.model)
     validate(mg)
     want = {t.name: t for t in mg.inputs}
+    if mg.meta.get("phase") == "decode" or any(t.role == "cache" for t in mg.inputs):
+        raise InputError(f"{args.model} is a decode step: it runs inside a generation, from "
+                         "the KV store a prefill fills; use einpage generate CHECKPOINT "
+                         "--max-new-tokens N (it compiles its decode plans itself)")
+    given = input_from_args(args, Path(args.checkpoint))
+    tokens = given.tokens
     if "tokens" not in want or tuple(want["tokens"].shape) != tuple(tokens.shape):
         shape = tuple(want["tokens"].shape) if "tokens" in want else None
         raise InputError(f"{args.model}: the plan was compiled for tokens of shape {shape}, "
@@ -249,23 +390,13 @@ def run_plan(args) -> None:
     vocab = ckpt.config.vocab
     if tokens.min() < 0 or tokens.max() >= vocab:
         raise InputError(f"token id out of range for a vocabulary of {vocab}")
-    by_source = {t.source.input: t.source.checkpoint for t in mg.tensors
-                 if t.source is not None and t.source.checkpoint}
-    shapes = {t.source.input: t.source.full_shape for t in mg.tensors if t.source is not None}
-
-    def weights(name: str) -> np.ndarray:
-        return ckpt.array(by_source[name]).reshape(shapes[name])
-
+    weights = plan_weights(mg, ckpt)
     out = _run_plan_on_backend(args, mg, {"tokens": tokens}, weights)
     report_logits(out["logits"], args.out, given.lengths, given.codec if given.text else None)
 
 
 def _run_plan_on_backend(args, mg, inputs, weights) -> dict:
-    """A saved plan on --backend (the budget is the plan's; --gpu-mem does not apply)."""
-    if args.gpu_mem:
-        raise InputError("a plan file was compiled for its budget: drop --gpu-mem")
-    if args.backend == "reference":
-        raise InputError("--backend reference runs graphs, not plan files")
+    """A saved plan on --backend (the budget is the plan's)."""
     from einpage.runners import run_plan
     outputs, measured = run_plan(mg, inputs, weights, args.backend,
                                  timing=bool(args.timing or args.trace))

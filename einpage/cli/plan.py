@@ -3,45 +3,67 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
-from einpage.cli.common import add_device_args, profile_from_args, write_text
+from einpage.cli.common import (POLICY_HELP, add_device_args, add_host_args, host_budget, check_budget, profile_from_args,
+                                write_text)
+from einpage.cli.outputs import Deferred, OutputPath
 from einpage.cli.report import print_report
 from einpage.errors import EinpageError, InputError
 from einpage.ir.dtypes import as_dtype
 from einpage.units import format_size, parse_seconds, parse_size
 
+#: tokens per row of a prefill, and the position of a decode step, unless told
+DEFAULT_SEQ = 2048
+
 
 def add_commands(sub) -> None:
     c = sub.add_parser("compile", help="compile a model for a device budget (no weights, no GPU)")
     c.add_argument("model", help="preset name or checkpoint directory")
-    c.add_argument("--gpu-mem", required=True, help="device budget: 16GB (10^9), 16GiB (2^30), ...")
-    c.add_argument("--batch", type=int, default=1)
-    c.add_argument("--seq", type=int, default=2048, help="tokens per row (prefill)")
-    c.add_argument("--phase", choices=["prefill", "decode"], default="prefill")
+    c.add_argument("--gpu-mem", required=True,
+                   help="device budget: 16GB (10^9), 16GiB (2^30), ...; at most the --device's "
+                        "memory unless --force")
+    c.add_argument("--force", action="store_true",
+                   help="plan for a --gpu-mem above the --device's memory (a warning, not an "
+                        "error)")
+    c.add_argument("--batch", type=int, default=1, help="rows per pass (default 1)")
+    c.add_argument("--seq", type=int, help=f"prefill: tokens per row (default {DEFAULT_SEQ}); "
+                                           "a decode step takes --past instead")
+    c.add_argument("--phase", choices=["prefill", "decode"], default="prefill",
+                   help="prefill (the prompt; default) or decode (one step of a generation)")
     c.add_argument("--past", type=int, help="decode: the step's position, i.e. the rows already "
-                                            "in the KV store (default: --seq)")
+                                            f"in the KV store (default {DEFAULT_SEQ}: the step "
+                                            "after the default prefill)")
     c.add_argument("--capacity", type=int, help="decode: slots of the KV store the plan reads "
                                                 "(default: the bucket that holds --past + 1)")
     c.add_argument("--max-new-tokens", type=int,
                    help="report the whole generation: the prefill of --seq tokens, then the "
                         "decode steps, one plan per KV bucket")
-    c.add_argument("--dtype", choices=["f16", "bf16", "f32"])
-    c.add_argument("--policy", default="reuse-distance")
+    c.add_argument("--dtype", choices=["f16", "bf16", "f32"],
+                   help="dtype of the weights and activations the plan holds (default: the "
+                        "model's; a bf16 checkpoint is planned in f32, as run computes it)")
+    c.add_argument("--policy", default="reuse-distance", help=POLICY_HELP)
     c.add_argument("--block-bytes", help="target working set of one task (default: budget/8)")
     c.add_argument("--lookahead", help="how far prefetch runs ahead of execution: bytes (2GB), "
                                        "predicted compute (30ms, 0.5s), or auto (search the "
                                        "window of least simulated makespan); default: as far "
                                        "as memory allows")
-    c.add_argument("-o", "--output", help="write the plan (JSON memgraph) here")
+    c.add_argument("-o", "--output", action=OutputPath,
+                   help="write the plan (JSON memgraph) here; a name ending in .gz is written "
+                        "gzip-compressed (every reader takes both)")
     c.add_argument("--json", action="store_true", help="print the report as one JSON object")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
-    c.add_argument("--trace", help="write the predicted pass as a Chrome trace (Perfetto)")
+    c.add_argument("--trace", action=OutputPath,
+                   help="write the predicted pass as a Chrome trace (Perfetto)")
+    add_host_args(c)
     add_device_args(c)
     i = sub.add_parser("inspect", help="report on a saved plan (validated and simulated)")
-    i.add_argument("plan")
-    i.add_argument("--json", action="store_true")
-    i.add_argument("--dot", help="write the memgraph as Graphviz dot (small plans)")
-    i.add_argument("--trace", help="write the predicted pass as a Chrome trace (Perfetto)")
+    i.add_argument("plan", help="a plan file (einpage compile -o)")
+    i.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    i.add_argument("--dot", action=OutputPath,
+                   help="write the memgraph as Graphviz dot (small plans)")
+    i.add_argument("--trace", action=OutputPath,
+                   help="write the predicted pass as a Chrome trace (Perfetto)")
     add_device_args(i)
 
 
@@ -66,8 +88,9 @@ def _graph(args):
     for."""
     from einpage.models import llama, resolve
     from einpage.models.kvstore import capacity_for
-    cfg, _ = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None)
-    for name, value in (("--batch", args.batch), ("--seq", args.seq)):
+    cfg, checkpoint = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None)
+    seq = DEFAULT_SEQ if args.seq is None else args.seq
+    for name, value in (("--batch", args.batch), ("--seq", seq)):
         if value < 1:
             raise InputError(f"{name} must be at least 1, got {value}")
     workload = {"model": cfg.name, "phase": args.phase, "batch": args.batch,
@@ -75,11 +98,14 @@ def _graph(args):
     if args.phase == "prefill":
         if args.past is not None or args.capacity is not None:
             raise InputError("--past and --capacity describe a decode step: add --phase decode")
-        graph = llama.prefill_graph(cfg).bind(B=args.batch, S=args.seq)
-        tokens = args.batch * args.seq
-        workload.update(seq=args.seq, tokens=tokens)
+        graph = llama.prefill_graph(cfg).bind(B=args.batch, S=seq)
+        tokens = args.batch * seq
+        workload.update(seq=seq, tokens=tokens)
     else:
-        past = args.seq if args.past is None else args.past
+        if args.seq is not None:
+            raise InputError("--seq is the prompt of a prefill; a decode step reads --past rows "
+                             f"of the KV store (default {DEFAULT_SEQ}): drop --seq, give --past")
+        past = DEFAULT_SEQ if args.past is None else args.past
         if past < 0:
             raise InputError(f"--past must be non-negative, got {past}")
         ring = cfg.kv_ring  # every layer windowed: the store holds the window's rows only
@@ -92,6 +118,10 @@ def _graph(args):
         tokens = args.batch
         workload.update(seq=1, past=past, capacity=capacity, tokens=tokens)
     sources = {name: llama.hf_tensor(name) for name in llama.weight_shapes(cfg)}
+    if checkpoint is not None:  # the dtype its files hold: `run plan --checkpoint` checks it
+        stored = {checkpoint.checkpoint.tensors[hf].dtype.value for hf in sources.values()}
+        if len(stored) == 1:
+            workload["weights_dtype"] = stored.pop()
     return cfg, graph, sources, tokens, workload
 
 
@@ -100,32 +130,30 @@ def cmd_compile(args) -> None:
     from einpage.compiler import CompileOptions, compile_graph
     profile = profile_from_args(args)
     device_bytes = parse_size(args.gpu_mem, "--gpu-mem")
+    over = check_budget(device_bytes, profile, args.force)
     if args.max_new_tokens is not None:
+        if over:
+            print(f"einpage: warning: {over}", file=sys.stderr)
         return _generation_report(args, profile, device_bytes)
     cfg, graph, sources, tokens, workload = _graph(args)
     progress = Progress(enabled=False if args.quiet else None)
+    host_bytes, host_source = host_budget(args)
     options = CompileOptions(
         device_bytes=device_bytes, policy=args.policy, device=profile,
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
-        sources=sources, workload=workload, progress=progress, **_lookahead(args.lookahead))
+        sources=sources, workload={**workload, "host_budget": host_source},
+        progress=progress, host_bytes=host_bytes, **_lookahead(args.lookahead))
     try:
         compiled = compile_graph(graph, options)
     finally:
         progress.close()
     report = compiled.report
-    if device_bytes > profile.memory_bytes:
-        report = report.with_notes(warning=f"--gpu-mem {format_size(device_bytes)} is more than "
-                                           f"the {format_size(profile.memory_bytes)} of a "
-                                           f"{profile.name}")
-    if args.output:
-        compiled.memgraph.save(args.output)
-        report = report.with_notes(plan=args.output)
-    if args.plot:
-        from einpage.cli.plot import plot_timeline
-        plot_timeline(compiled.memgraph, compiled.simulation, args.plot)
-        report = report.with_notes(plot=args.plot)
-    report = _trace(args, compiled.memgraph, compiled.simulation, report)
+    if over:
+        report = report.with_notes(warning=over)
+    report, written = _write_outputs(args, compiled.memgraph, compiled.simulation, report,
+                                     plan=args.output)
     _show(report, args.json)
+    written.finish()  # a failed output: the report above, then one line and exit 2
 
 
 def _generation_report(args, profile, device_bytes: int) -> None:
@@ -144,11 +172,13 @@ def _generation_report(args, profile, device_bytes: int) -> None:
             raise InputError(f"{flag} writes one plan: compile --phase prefill or --phase "
                              "decode for it (--max-new-tokens compiles several)")
     cfg, _ = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None)
+    host_bytes, _ = host_budget(args)
     options = CompileOptions(
-        device_bytes=device_bytes, policy=args.policy, device=profile,
+        device_bytes=device_bytes, policy=args.policy, device=profile, host_bytes=host_bytes,
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         **_lookahead(args.lookahead))
-    f = forecast_generation(cfg, args.batch, args.seq, args.max_new_tokens, options)
+    seq = DEFAULT_SEQ if args.seq is None else args.seq
+    f = forecast_generation(cfg, args.batch, seq, args.max_new_tokens, options)
     if args.json:
         print(json.dumps(f.to_json(), sort_keys=True))
         return
@@ -180,26 +210,33 @@ def cmd_inspect(args) -> None:
     profile = profile_from_args(args, default=saved if saved in PROFILES else None)
     valid = validate(mg)
     sim = simulate(mg, profile)
-    report = PlanReport.of_plan(mg, valid, sim)
-    if args.dot:
-        from einpage.cli.dot import to_dot
-        write_text(args.dot, to_dot(mg))
-        report = report.with_notes(dot=args.dot)
-    if args.plot:
-        from einpage.cli.plot import plot_timeline
-        plot_timeline(mg, sim, args.plot)
-        report = report.with_notes(plot=args.plot)
-    report = _trace(args, mg, sim, report)
+    report = PlanReport.of_plan(mg, valid, sim, profile=profile)
+    report, written = _write_outputs(args, mg, sim, report)
     _show(report, args.json, source=args.plan)
+    written.finish()
 
 
-def _trace(args, mg, sim, report):
-    """--trace: the predicted pass as a Chrome trace."""
-    if not args.trace:
-        return report
-    from einpage.cli.trace import predicted_events, trace_text
-    write_text(args.trace, trace_text(predicted_events(mg, sim)))
-    return report.with_notes(trace=args.trace)
+def _write_outputs(args, mg, sim, report, plan: str | None = None):
+    """The files asked for, most costly to make again first: the plan (`-o`), the predicted
+    trace, the dot graph, the timeline plot. Each is written whole or not at all; a failed one
+    does not stop the others. Returns the report noting each file written, and the `Deferred`
+    whose `finish()` raises the first failure (after the report is shown)."""
+    written = Deferred()
+    if plan and written.write(mg.save, plan):
+        report = report.with_notes(plan=plan)
+    if getattr(args, "trace", None):
+        from einpage.cli.trace import predicted_events, trace_text
+        if written.write(lambda: write_text(args.trace, trace_text(predicted_events(mg, sim)))):
+            report = report.with_notes(trace=args.trace)
+    if getattr(args, "dot", None):
+        from einpage.cli.dot import to_dot
+        if written.write(lambda: write_text(args.dot, to_dot(mg))):
+            report = report.with_notes(dot=args.dot)
+    if getattr(args, "plot", None):
+        from einpage.cli.plot import plot_timeline
+        if written.write(plot_timeline, mg, sim, args.plot):
+            report = report.with_notes(plot=args.plot)
+    return report, written
 
 
 def _show(report, as_json: bool, source: str | None = None) -> None:

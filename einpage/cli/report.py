@@ -1,5 +1,8 @@
 """The printed plan report: one function for `compile` (a plan just made, with the compiler's
-figures) and `inspect` (a plan read from a file), both from a `PlanReport`."""
+figures) and `inspect` (a plan read from a file), both from a `PlanReport`.
+
+First what bounds the pass, in plain words; then the time, the memory and the traffic, each
+figure with its unit and what it means. Every figure is one of `PlanReport.to_json`'s."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,48 +16,156 @@ NOTES = (("plan", "plan written to"), ("plot", "timeline written to"),
          ("dot", "graph written to"), ("trace", "predicted trace written to"),
          ("warning", "warning:"))
 
+_LINK = {"h2d": "host->device", "d2h": "device->host"}
+
 
 def print_report(r: PlanReport, source: str | None = None) -> None:
     """The text report; `source` names the plan file of an `inspect`."""
-    w, c, t = r.workload, r.compiled, r.traffic
+    for line in report_lines(r, source):
+        print(line)
+
+
+def report_lines(r: PlanReport, source: str | None = None) -> list[str]:
+    w, c = r.workload, r.compiled
+    lines = [_headline(r, source), "  " + bound_sentence(r)]
+    lines += _time_lines(r)
+    lines += _memory_lines(r)
     if c is not None:
-        where = (f"past={w.get('past')} capacity={w.get('capacity')}" if w.get("phase") == "decode"
-                 else f"seq={w.get('seq', '?')}")
-        print(f"einpage plan: {w.get('model', '?')} {w.get('phase', '')} "
-              f"batch={w.get('batch', '?')} {where} "
-              f"{w.get('dtype', '')} policy={w.get('policy', '?')}  (sizes in GB = 10^9 bytes)")
-        print(f"  tasks {c.tasks}, memgraph nodes {r.nodes}, compiled in "
-              f"{c.compile_seconds:.2f} s")
-        print(f"  peak {_gb(r.peak_bytes)} of budget {_gb(r.device_bytes)}; lower bound "
-              f"{_gb(c.lower_bound_bytes)} (resident weights + largest task); smallest workable "
-              f"budget {_gb(c.min_budget_bytes)}")
-        print(f"  weights {_gb(c.weight_bytes)}: resident {_gb(c.resident_bytes)}, streamed per "
-              f"pass {_gb(c.streamed_weight_bytes)}")
+        lines.append(f"  weights {_gb(c.weight_bytes)}: resident {_gb(c.resident_bytes)} (loaded "
+                     f"once, kept on the device), streamed {_gb(c.streamed_weight_bytes)} each "
+                     "pass")
         if c.kv_bytes:
-            print(f"  KV store {_gb(c.kv_bytes)}: resident {_gb(c.kv_resident_bytes)}, streamed "
-                  f"per step {_gb(c.kv_streamed_bytes)}")
-        print(f"  a pass must move at least {_gb(c.min_stream_bytes)} (weights + KV - budget)")
-    else:
-        print(f"einpage plan {source}: {r.nodes} nodes, {r.tensors} tensors, valid")
-        print("  made for: " + ", ".join(f"{k}={w[k]}" for k in sorted(w)))
-        print(f"  peak {_gb(r.peak_bytes)} of budget {_gb(r.device_bytes)} "
-              f"(live bytes peak {_gb(r.live_peak_bytes)})")
-    print(f"  reloads {t.reload_count} ({_gb(t.reload_bytes)}), offloads "
-          f"{t.offload_count} ({_gb(t.offload_bytes)}), outputs written back "
-          f"{t.writeback_count} ({_gb(t.writeback_bytes)})")
-    sim, tps = r.simulation, r.tokens_per_s
-    rate = (f" ({tps:,.0f} tokens/s)" if tps >= 100 else f" ({tps:.3g} tokens/s)") if tps else ""
-    print(f"  predicted on {sim.device}: {_secs(sim.makespan_s)} per pass{rate}; compute "
-          f"{_secs(sim.compute_s)}, h2d {_secs(sim.h2d_s)}, d2h {_secs(sim.d2h_s)}, "
-          f"compute stalled {_secs(sim.stall_s)}")
-    print(f"  lower bound {_secs(sim.lower_bound_s)} (compute, {_gb(sim.h2d_min_bytes)} "
-          f"that must cross host->device, d2h); efficiency {sim.efficiency:.3f}")
-    lookahead = c.lookahead if c is not None else w.get("lookahead")
-    if lookahead is not None:
-        print(f"  look-ahead: {lookahead}")
+            lines.append(f"  KV store {_gb(c.kv_bytes)}: resident {_gb(c.kv_resident_bytes)}, "
+                         f"streamed {_gb(c.kv_streamed_bytes)} each step")
+    lines += _host_lines(r)
+    t = r.traffic
+    lines.append(f"  traffic per pass: {t.reload_count} reloads ({_gb(t.reload_bytes)} "
+                 f"host->device), {t.offload_count} activation spills ({_gb(t.offload_bytes)} "
+                 f"device->host, reloaded later), {t.writeback_count} outputs written back "
+                 f"({_gb(t.writeback_bytes)})")
+    if c is not None:
+        lines.append(f"  tasks {c.tasks}, memgraph nodes {r.nodes}; compiled in "
+                     f"{c.compile_seconds:.2f} s")
+        lines.append("  " + lookahead_sentence(c))
+    elif w.get("lookahead") is not None:
+        lines.append(f"  look-ahead: {w['lookahead']}")
     for key, label in NOTES:
         if key in r.notes:
-            print(f"  {label} {r.notes[key]}")
+            lines.append(f"  {label} {r.notes[key]}")
+    return lines
+
+
+def _headline(r: PlanReport, source: str | None) -> str:
+    w = r.workload
+    if r.compiled is None:
+        made = ", ".join(f"{k}={w[k]}" for k in sorted(w))
+        return (f"einpage plan {source}: {r.nodes} nodes, {r.tensors} tensors, valid; budget "
+                f"{_gb(r.device_bytes)}  (GB = 10^9 bytes)" + (f"\n  made for: {made}"
+                                                                if made else ""))
+    if w.get("phase") == "decode":
+        where = (f"one decode step at position {w.get('past')} (KV store of "
+                 f"{w.get('capacity')} slots)")
+    else:
+        where = f"{w.get('seq', '?')} tokens per row"
+    return (f"einpage plan: {w.get('model', '?')} {w.get('phase', '')}, batch {w.get('batch', '?')}, "
+            f"{where}, {w.get('dtype', '?')}, policy {w.get('policy', '?')}, budget "
+            f"{_gb(r.device_bytes)}  (GB = 10^9 bytes)")
+
+
+def bound_sentence(r: PlanReport) -> str:
+    """What bounds the pass, in plain words: the busiest engine and what it carries."""
+    sim, t = r.simulation, r.traffic
+    kind = r.bound_by
+    whole = f"of the {_secs(sim.makespan_s)} pass"
+    if kind == "compute":
+        moved = (f"; the host->device link is busy {_secs(sim.h2d_s)} carrying "
+                 f"{_gb(sim.h2d_bytes)}" if sim.h2d_bytes else "; nothing crosses the host link")
+        return f"compute-bound: compute busy {_secs(sim.compute_s)} {whole}{moved}"
+    if kind == "h2d":
+        parts = [(t.reload_weight_bytes, "weights"), (t.reload_kv_bytes, "KV cache"),
+                 (t.reload_activation_bytes, "activations and inputs")]
+        what = ", ".join(f"{label} {_gb(n)}" for n, label in parts if n)
+        return (f"transfer-bound: {_gb(sim.h2d_bytes)} cross the host->device link each pass "
+                f"({what}); the link is busy {_secs(sim.h2d_s)}, compute "
+                f"{_secs(sim.compute_s)} {whole}")
+    if kind == "d2h":
+        return (f"write-back-bound: {_gb(sim.d2h_bytes)} cross the device->host link each pass; "
+                f"the link is busy {_secs(sim.d2h_s)}, compute {_secs(sim.compute_s)} {whole}")
+    disk_bytes = getattr(sim, "disk_bytes", 0)
+    return (f"disk-bound: {_gb(disk_bytes)} are read from disk each pass; the disk is busy "
+            f"{_secs(getattr(sim, 'disk_s', 0.0))}, compute {_secs(sim.compute_s)} {whole}")
+
+
+def _time_lines(r: PlanReport) -> list[str]:
+    sim, tps = r.simulation, r.tokens_per_s
+    rate = (f" ({tps:,.0f} tokens/s)" if tps >= 100 else f" ({tps:.3g} tokens/s)") if tps else ""
+    lines = [f"  predicted on {sim.device}: {_secs(sim.makespan_s)} per pass{rate}; busy: "
+             f"compute {_secs(sim.compute_s)}, host->device {_secs(sim.h2d_s)}, device->host "
+             f"{_secs(sim.d2h_s)}; compute waits {_secs(sim.stall_s)} for data"]
+    b = r.bound
+    if b is not None:
+        disk = (f"; {_gb(b.disk_bytes)} of them that the host budget cannot hold, read from "
+                f"disk: {_secs(b.disk_s)}" if b.disk_bytes else "")
+        lines.append(f"  lower bound for any plan at this budget: {_secs(b.seconds)} (the most of "
+                     f"compute {_secs(b.compute_s)}; {_gb(b.stream_bytes)} that no plan can keep "
+                     f"on the device, over the host->device link: {_secs(b.stream_s)}{disk}); "
+                     f"efficiency {r.efficiency:.3f} (bound / predicted time)")
+    else:
+        lines.append("  lower bound for any plan at this budget: unknown (the plan file does not "
+                     "record the bytes no plan can avoid; compile it again)")
+    disk = getattr(sim, "disk_min_bytes", 0)
+    lines.append(f"  this plan's own bound: {_secs(sim.lower_bound_s)} (its compute, and each "
+                 f"byte it streams moved once: {_gb(sim.h2d_min_bytes)} host->device"
+                 + (f", {_gb(disk)} from disk" if disk else "")
+                 + f"); plan efficiency {sim.efficiency:.3f}")
+    return lines
+
+
+def _memory_lines(r: PlanReport) -> list[str]:
+    c = r.compiled
+    least = (f"; no placement of it fits in less than {_gb(c.lower_bound_bytes)} (resident "
+             "blocks + the largest task's other blocks)" if c is not None else "")
+    lines = [f"  device memory: needs {_gb(r.live_peak_bytes)} (live peak: the most bytes live at "
+             f"once, in plan order){least}; reserves {_gb(r.arena_bytes)} (arena: the highest "
+             f"byte it addresses) of the {_gb(r.device_bytes)} budget"]
+    if c is not None:
+        lines.append(f"  largest task: {_gb(c.largest_task_bytes)} at once, with blocks cut for "
+                     f"{_gb(c.block_bytes)} working sets; not the smallest workable budget: a "
+                     "smaller budget cuts finer blocks")
+    return lines
+
+
+def _host_lines(r: PlanReport) -> list[str]:
+    """The host tier (compiler.tiers): the budget, what it holds, what is read from disk."""
+    w = r.workload
+    if "host_peak_bytes" not in w:
+        return []
+    budget = w.get("host_bytes")
+    where = f" ({w['host_budget']})" if w.get("host_budget") else ""
+    limit = f"budget {_gb(budget)}{where}" if budget else f"no budget{where}"
+    line = (f"  host memory: {limit}; holds {_gb(w['host_peak_bytes'])}: streamed weights "
+            f"pinned {_gb(w.get('pinned_bytes', 0))}, offloaded blocks, outputs, KV store and "
+            f"inputs {_gb(w.get('host_fixed_bytes', 0))}")
+    if not w.get("disk_blocks"):
+        return [line]
+    sim = r.simulation
+    return [line + f", staging buffers {_gb(w.get('staging_bytes', 0))}",
+            f"  disk: {w['disk_blocks']} weight blocks ({_gb(w.get('disk_weight_bytes', 0))}) "
+            f"are read from the checkpoint each pass: {_gb(sim.disk_bytes)} in "
+            f"{_secs(sim.disk_s)} of disk time"]
+
+
+def lookahead_sentence(c) -> str:
+    """The look-ahead used, and what it changed against the default (as far as memory allows)."""
+    default, ours = c.default_lookahead_makespan_s, c.lookahead_makespan_s
+    if default is None or ours is None:
+        return f"look-ahead: {c.lookahead} (the default: prefetch as far as memory allows)"
+    how = "chosen by --lookahead auto" if c.lookahead.startswith("auto") else "set by --lookahead"
+    change = (ours - default) / default if default > 0 else 0.0
+    verdict = (f"{-change:.1%} faster" if change < -5e-4 else
+               f"{change:.1%} slower" if change > 5e-4 else "the same")
+    return (f"look-ahead: {c.lookahead} ({how}): {_secs(ours)} per pass against "
+            f"{_secs(default)} with the default (as far as memory allows), {verdict}")
 
 
 def _gb(n) -> str:

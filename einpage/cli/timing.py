@@ -26,13 +26,18 @@ def print_measured(m, sim, title: str = "pass") -> None:
                  ("compute stall", m.compute_stall_s, sim.stall_s if sim else None),
                  ("h2d busy", m.busy_s("h2d"), sim.h2d_s if sim else None),
                  ("d2h busy", m.busy_s("d2h"), sim.d2h_s if sim else None)]
+        if m.bytes("disk") or (sim and sim.disk_bytes):
+            rows.append(("disk busy", m.busy_s("disk"), sim.disk_s if sim else None))
     for label, got, want in rows:
         ratio = f"  ({got / want:.2f}x)" if want else ""
         print(f"  {label:<14} {_secs(got):>10} | {_secs(want):>10}{ratio}")
     if have:
-        for q in ("h2d", "d2h"):
+        for q in ("h2d", "d2h", "disk"):
             nbytes = m.bytes(q)
-            pred = (sim.h2d_bytes if q == "h2d" else sim.d2h_bytes) if sim else None
+            pred = {"h2d": sim.h2d_bytes, "d2h": sim.d2h_bytes,
+                    "disk": sim.disk_bytes}[q] if sim else None
+            if q == "disk" and not nbytes and not pred:
+                continue
             print(f"  {q + ' bytes':<14} {format_size(nbytes):>10} | "
                   f"{format_size(pred) if pred is not None else '-':>10}   achieved "
                   f"{_rate(nbytes, m.busy_s(q))}")

@@ -58,7 +58,7 @@ def measured_events(passes, label: str = "measured") -> list[dict]:
 def predicted_events(mg: MemGraph, sim) -> list[dict]:
     """The simulator's timeline of `mg` (a `Simulation`)."""
     spans = [(n.id, sim.engine[n.id], sim.start[n.id], sim.end[n.id],
-              mg.tensors[n.tensor].bytes if sim.engine[n.id] in ("h2d", "d2h") else 0)
+              mg.tensors[n.tensor].bytes if sim.engine[n.id] in ("h2d", "d2h", "disk") else 0)
              for n in mg.nodes if sim.engine[n.id] is not None]
     return pass_events(mg, spans, 1, f"predicted ({sim.device})")
 

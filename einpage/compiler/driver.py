@@ -2,7 +2,7 @@
 
     Graph --partition--> TaskGraph --order--> task order --resident (policy)--> weights kept
           --lower, simulate (search: look-ahead windows, resident shares)--> MemGraph
-          --validate--> PlanReport
+          --tiers (host budget: pinned or read from disk)--> MemGraph --validate--> PlanReport
 
 Each pass is a function of the pass before; the search (`einpage.compiler.search`) lowers the
 taskgraph once per candidate and keeps the fastest plan."""
@@ -20,8 +20,10 @@ from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.policies import Policy, Residency, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
-from einpage.compiler.resident import (PassNeeds, choose_resident, everything_fits, pass_needs,
-                                       persistent_blocks)
+from einpage.compiler.resident import (PassNeeds, choose_resident, everything_fits,
+                                       memory_lower_bound, min_stream_bytes, pass_needs,
+                                       persistent_blocks, working_set)
+from einpage.compiler.tiers import place_tiers
 from einpage.compiler.validator import validate
 from einpage.errors import BudgetError
 from einpage.ir.graph import Graph
@@ -49,6 +51,7 @@ class CompileOptions:
     workload: Mapping[str, object] = field(default_factory=dict)  # what the plan is for (meta)
     progress: Callable[[str, int, int], None] | None = None  # (stage, done, total)
     drop_constant_blocks: bool = True   # no tasks for blocks known at partition time (masks)
+    host_bytes: int | None = None       # host budget (--cpu-mem); None: unlimited, no disk tier
 
 
 @dataclass(frozen=True)
@@ -78,29 +81,48 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     t0 = time.perf_counter()
     block = options.block_bytes or max(4096, int(options.device_bytes * options.block_fraction))
     planned = _plan(graph, options, block)
+    rungs = [planned.rung]  # the partitions of the ladder: the problem's bound is the least
     if (options.block_bytes is None and not planned.fits
             and planned.needs.activation_peak * FINER ** 2 < options.device_bytes):
         for _ in range(FINER_STEPS):
-            block = planned.needs.max_working_set // FINER
+            block = rungs[-1].max_working_set // FINER
             if block < MIN_BLOCK:
                 break
+            if planned.rung.block != rungs[-1].block:  # searched no further: bound only
+                rungs.append(_rung(graph, options, block))
+                continue
             finer = _plan(graph, options, block)
+            rungs.append(finer.rung)
             best = planned.trials.best().simulation.makespan_s
-            if finer.trials.best().simulation.makespan_s >= best * (1 - search.AUTO_TOLERANCE):
-                break
-            planned = finer
-    tg, needs, trials = planned.tg, planned.needs, planned.trials
+            if finer.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
+                planned = finer
+    tg, trials = planned.tg, planned.trials
     best = trials.best()
-    mg = best.memgraph
+    tiered = place_tiers(best.memgraph, best.simulation, options.host_bytes, trials.profile)
+    mg = tiered.memgraph
     valid = validate(mg) if options.validate else None
-    figures = _figures(tg, needs, best, trials, options, time.perf_counter() - t0)
+    figures = _figures(planned, best, rungs, _default_lookahead(trials, best, options), options,
+                       time.perf_counter() - t0)
     meta = {"policy": options.policy, "device": trials.profile.name, "lookahead": figures.lookahead,
             "tasks": figures.tasks, "resident_bytes": figures.resident_bytes,
+            "min_stream_bytes": figures.min_stream_bytes,
             "weight_bytes": figures.weight_bytes, "kv_bytes": figures.kv_bytes,
-            "kv_resident_bytes": figures.kv_resident_bytes, **options.workload}
+            "kv_resident_bytes": figures.kv_resident_bytes, **tiered.choice.to_json(),
+            **options.workload}
     mg = replace(mg, meta=MappingProxyType(meta))
-    return Compiled(mg, tg, tuple(trials.order), PlanReport.of_plan(mg, valid, best.simulation, figures),
-                    best.simulation)
+    return Compiled(mg, tg, tuple(trials.order),
+                    PlanReport.of_plan(mg, valid, tiered.simulation, figures, trials.profile),
+                    tiered.simulation)
+
+
+class _Rung(NamedTuple):
+    """One partition of the ladder (`FINER`), for the problem's bound: what any plan of it must
+    copy host->device (`resident.min_stream_bytes`) and its compute time (every plan of a
+    taskgraph runs the same tasks)."""
+    block: int
+    max_working_set: int
+    min_stream_bytes: int
+    compute_s: float
 
 
 class _Planned(NamedTuple):
@@ -108,6 +130,17 @@ class _Planned(NamedTuple):
     needs: PassNeeds
     fits: bool            # everything stays on the device: nothing streams
     trials: search.Trials
+    rung: _Rung
+
+
+def _rung(graph: Graph, options: CompileOptions, block: int) -> _Rung:
+    """The bound figures of the partition for `block`, for a rung the search did not lower."""
+    tg = partition(graph, PartitionOptions(block, options.cuts, options.sources,
+                                           drop_constant_blocks=options.drop_constant_blocks))
+    ws = max((working_set(tg, t) for t in range(len(tg.tasks))), default=0)
+    seconds = task_seconds(options.device or get_device(DEFAULT_DEVICE), tg)
+    return _Rung(block, ws, min_stream_bytes(tg, memory_aware_order(tg), options.device_bytes),
+                 sum(seconds))
 
 
 def _plan(graph: Graph, options: CompileOptions, block: int) -> _Planned:
@@ -119,25 +152,28 @@ def _plan(graph: Graph, options: CompileOptions, block: int) -> _Planned:
                                            drop_constant_blocks=options.drop_constant_blocks))
     order = memory_aware_order(tg)
     needs = pass_needs(tg, order)
-    _check_largest_task(needs, options.device_bytes)
+    _check_largest_task(needs, options.device_bytes, block)
     fits = everything_fits(needs, options.device_bytes)
     residency = policy.resident(tg, order, options.device_bytes, fits)
     seconds = tuple(task_seconds(profile, tg))
     trials = search.Trials(tg, order, _lower_options(options, policy, fits, seconds), profile,
                            options.progress)
     _search(trials, options, needs, residency, seconds)
-    return _Planned(tg, needs, fits, trials)
+    rung = _Rung(block, needs.max_working_set, min_stream_bytes(tg, order, options.device_bytes),
+                 sum(seconds))
+    return _Planned(tg, needs, fits, trials, rung)
 
 
 def _key(trial: search.Trial) -> tuple[float, int]:
     return (trial.simulation.makespan_s, trial.simulation.h2d_bytes)
 
 
-def _check_largest_task(needs: PassNeeds, device_bytes: int) -> None:
+def _check_largest_task(needs: PassNeeds, device_bytes: int, block: int) -> None:
     if needs.max_working_set > device_bytes:
         raise BudgetError(f"budget {format_size(device_bytes)} is too small: one task "
-                          f"needs {format_size(needs.max_working_set)} at once; the smallest budget "
-                          f"that would work is {format_size(needs.max_working_set)}",
+                          f"needs {format_size(needs.max_working_set)} at once with blocks cut for "
+                          f"{format_size(block)} working sets; the smallest budget that could "
+                          f"work at this block size is {format_size(needs.max_working_set)}",
                           needs.max_working_set, device_bytes)
 
 
@@ -176,8 +212,26 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
         trials.run(resident, window)
 
 
-def _figures(tg: TaskGraph, needs: PassNeeds, best: search.Trial, trials: search.Trials,
-             options: CompileOptions, elapsed: float) -> CompileFigures:
+def _default_lookahead(trials: search.Trials, best: search.Trial,
+                       options: CompileOptions) -> float | None:
+    """The makespan of the same resident set with the default look-ahead (as far as memory
+    allows), for the report to weigh `--lookahead` against: from the trials of `auto`, or one more
+    lowering for a window the user set; None without `--lookahead`."""
+    if options.auto_lookahead:
+        same = [t.simulation.makespan_s for t in trials.items
+                if t.window is None and t.resident == best.resident]
+        return min(same, default=None)
+    if options.lookahead_bytes is None and options.lookahead_seconds is None:
+        return None
+    reference = trials.reference(best.resident)
+    return reference.makespan_s if reference is not None else None
+
+
+def _figures(planned: _Planned, best: search.Trial, rungs: list[_Rung],
+             default_makespan: float | None, options: CompileOptions,
+             elapsed: float) -> CompileFigures:
+    tg, needs, trials = planned.tg, planned.needs, planned.trials
+
     def resident_bytes(blocks, role: str | None = None) -> int:
         return sum(aligned(tg.blocks[b].bytes) for b in blocks
                    if role is None or tg.blocks[b].role == role)
@@ -190,14 +244,17 @@ def _figures(tg: TaskGraph, needs: PassNeeds, best: search.Trial, trials: search
                                    resident_bytes(t.resident), t.live_peak)
                       for t in trials.items) if len(trials.items) > 1 else ()
     return CompileFigures(
-        tasks=len(tg.tasks), blocks=len(tg.blocks),
-        lower_bound_bytes=kept + kept_kv + needs.max_working_set,
-        min_budget_bytes=needs.max_working_set,
+        tasks=len(tg.tasks), blocks=len(tg.blocks), block_bytes=planned.rung.block,
+        lower_bound_bytes=memory_lower_bound(tg, best.resident),
+        largest_task_bytes=needs.max_working_set,
         weight_bytes=needs.weight_bytes, resident_bytes=kept,
         streamed_weight_bytes=needs.weight_bytes - kept,
         kv_bytes=needs.kv_bytes, kv_resident_bytes=kept_kv,
         kv_streamed_bytes=needs.kv_bytes - kept_kv,
-        min_stream_bytes=max(0, needs.persistent_bytes - options.device_bytes),
+        min_stream_bytes=min(r.min_stream_bytes for r in rungs),
+        min_compute_s=min(r.compute_s for r in rungs),
         activation_peak_bytes=needs.activation_peak, compile_seconds=round(elapsed, 3),
         tasks_per_second=round(len(tg.tasks) / elapsed, 1) if elapsed > 0 else None,
-        lookahead=lookahead(best.window), trials=summaries)
+        lookahead=lookahead(best.window), lookahead_makespan_s=best.simulation.makespan_s,
+        default_lookahead_makespan_s=default_makespan,
+        trials=summaries)

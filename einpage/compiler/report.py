@@ -15,13 +15,17 @@ from einpage.predict.simulator import Simulation
 @dataclass(frozen=True, slots=True)
 class Traffic:
     """Bytes a plan moves per pass. `offload_*` spills a block that is needed again (it comes
-    back by a reload); `writeback_*` sends a finished output to the host, once."""
+    back by a reload); `writeback_*` sends a finished output to the host, once. The reloads by
+    what they carry: weights, the KV store, and activations (spilled ones coming back, inputs)."""
     reload_count: int
     reload_bytes: int
     offload_count: int
     offload_bytes: int
     writeback_count: int
     writeback_bytes: int
+    reload_weight_bytes: int = 0
+    reload_kv_bytes: int = 0
+    reload_activation_bytes: int = 0
 
     @staticmethod
     def of(mg: MemGraph) -> "Traffic":
@@ -32,9 +36,16 @@ class Traffic:
         at_host = {o.tensor for o in mg.outputs if o.at == "host"}
         back = {final[t] for t in at_host if t in final}
         spills = [n for n in mg.nodes if n.kind == "offload" and n.id not in back]
+        by_role = {"weight": 0, "cache": 0}
+        for n in mg.nodes:
+            if n.kind == "reload":
+                t = mg.tensors[n.tensor]
+                role = t.role if t.role in by_role else "activation"
+                by_role[role] = by_role.get(role, 0) + t.bytes
         return Traffic(mg.count("reload"), mg.moved_bytes("reload"), len(spills),
                        sum(mg.tensors[n.tensor].bytes for n in spills), len(back),
-                       sum(mg.tensors[mg.nodes[i].tensor].bytes for i in back))
+                       sum(mg.tensors[mg.nodes[i].tensor].bytes for i in back),
+                       by_role["weight"], by_role["cache"], by_role.get("activation", 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,31 +59,80 @@ class TrialSummary:
 
 @dataclass(frozen=True, slots=True)
 class CompileFigures:
-    """What only the compiler knows: the taskgraph, the pass's needs, the search."""
+    """What only the compiler knows: the taskgraph, the pass's needs, the search.
+
+    `lower_bound_bytes` is the least memory a plan with this resident set can live in (its
+    resident blocks + the largest task's other blocks; never above the plan's live peak).
+    `largest_task_bytes` is the largest task's working set at this partition (blocks cut for
+    `block_bytes`): not the smallest budget that works, since a smaller budget cuts finer blocks.
+    `min_stream_bytes` and `min_compute_s` are the problem's, not the plan's: the fewest bytes any
+    plan must copy host->device per pass at this budget (`resident.min_stream_bytes`), and the
+    least compute time of the plans tried."""
     tasks: int
     blocks: int
-    lower_bound_bytes: int        # resident weights and KV + the largest task's working set
-    min_budget_bytes: int         # the largest task's working set
+    lower_bound_bytes: int        # resident weights and KV + the largest task's other blocks
+    largest_task_bytes: int       # the largest task's working set at this block size
     weight_bytes: int
     resident_bytes: int           # weights kept on the device for every pass
     streamed_weight_bytes: int
     kv_bytes: int                 # the KV store the pass reads (0 for a prefill)
     kv_resident_bytes: int        # ... of which stays on the device across passes
     kv_streamed_bytes: int        # ... of which streams in each pass
-    min_stream_bytes: int         # weights + KV - budget: what no plan can keep resident
+    min_stream_bytes: int         # what no plan can avoid copying host->device at this budget
     activation_peak_bytes: int
     compile_seconds: float
     tasks_per_second: float | None
     lookahead: str
+    block_bytes: int = 0          # the working set the partition aimed for (budget/8 unless set)
+    min_compute_s: float = 0.0    # the least compute time of the plans tried
+    lookahead_makespan_s: float | None = None  # the search's makespan with `lookahead` ...
+    default_lookahead_makespan_s: float | None = None  # ... and with the default, to compare
     trials: tuple[TrialSummary, ...] = ()
+
+    @property
+    def min_budget_bytes(self) -> int:
+        """The old name of `largest_task_bytes` (it never was the smallest workable budget)."""
+        return self.largest_task_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ProblemBound:
+    """The least time any plan of this problem (graph, budgets, device) can take per pass: the
+    least compute time; the bytes no plan can avoid copying host->device (`stream_bytes`) over
+    the link's bandwidth; and of those, the bytes that a host budget of `host_bytes` cannot hold
+    (they must be read from disk) over the disk's bandwidth; whichever is most. Each plan also
+    has its own bound (`Simulation.lower_bound_s`, from the bytes it chose to stream); only this
+    one compares plans with each other."""
+    compute_s: float
+    stream_bytes: int
+    stream_s: float
+    disk_bytes: int = 0
+    disk_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.stream_s, self.disk_s)
+
+    @staticmethod
+    def of(compute_s: float, stream_bytes: int, profile,
+           host_bytes: int | None = None) -> "ProblemBound":
+        disk = max(0, stream_bytes - host_bytes) if isinstance(host_bytes, int) else 0
+        disk_bw = getattr(profile, "disk_bandwidth", None)
+        return ProblemBound(compute_s, stream_bytes, stream_bytes / profile.h2d_bandwidth,
+                            disk, disk / disk_bw if disk and disk_bw else 0.0)
 
 
 @dataclass(frozen=True)
 class PlanReport:
+    """Memory: `live_peak_bytes` is what the plan needs (the most bytes live at once in its node
+    order), `arena_bytes` what it reserves (the highest arena byte it addresses; the allocator
+    spreads blocks over the budget, so this is near the budget whenever the plan streams), both
+    of the budget `device_bytes`. Time: `efficiency` against the problem's bound (`bound`), and
+    `plan_efficiency` against the plan's own (`simulation.lower_bound_s`)."""
     device_bytes: int
     nodes: int
     tensors: int
-    peak_bytes: int
+    arena_bytes: int
     live_peak_bytes: int | None
     traffic: Traffic
     simulation: Simulation
@@ -80,17 +140,51 @@ class PlanReport:
     compiled: CompileFigures | None = None         # None for a plan read from a file
     workload: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
     notes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    bound: ProblemBound | None = None              # None: the plan file does not say
 
     @staticmethod
     def of_plan(mg: MemGraph, valid: ValidationReport | None, simulation: Simulation,
-                compiled: CompileFigures | None = None) -> "PlanReport":
-        """The report of `mg` (its `meta` is the workload), validated and simulated."""
+                compiled: CompileFigures | None = None, profile=None) -> "PlanReport":
+        """The report of `mg` (its `meta` is the workload), validated and simulated. The
+        problem's bound needs the device `profile` it was simulated on and the bytes no plan can
+        avoid (the compiler's figures, or the plan's `meta` for a saved plan, whose compute then
+        stands for the least compute)."""
         tokens = mg.meta.get("tokens")
+        stream = compiled.min_stream_bytes if compiled else mg.meta.get("min_stream_bytes")
+        compute = compiled.min_compute_s if compiled else simulation.compute_s
+        bound = (ProblemBound.of(compute, stream, profile, mg.meta.get("host_bytes"))
+                 if isinstance(stream, int) and profile is not None else None)
         return PlanReport(mg.device_bytes, len(mg.nodes), len(mg.tensors),
                           valid.peak_bytes if valid else mg.high_water(),
-                          valid.live_peak_bytes if valid else None, Traffic.of(mg), simulation,
-                          tokens if isinstance(tokens, int) else None, compiled,
-                          MappingProxyType(dict(mg.meta)))
+                          valid.live_peak_bytes if valid else mg.live_peak(), Traffic.of(mg),
+                          simulation, tokens if isinstance(tokens, int) else None, compiled,
+                          MappingProxyType(dict(mg.meta)), bound=bound)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The old name of `arena_bytes`."""
+        return self.arena_bytes
+
+    @property
+    def efficiency(self) -> float | None:
+        """The problem's bound over the predicted time (None where the bound is unknown)."""
+        if self.bound is None:
+            return None
+        s = self.simulation.makespan_s
+        return self.bound.seconds / s if s > 0 else 1.0
+
+    @property
+    def plan_efficiency(self) -> float:
+        """The plan's own bound over the predicted time."""
+        return self.simulation.efficiency
+
+    @property
+    def bound_by(self) -> str:
+        """The engine busiest in the predicted pass: compute, h2d, d2h or disk."""
+        sim = self.simulation
+        busy = {"compute": sim.compute_s, "h2d": sim.h2d_s, "d2h": sim.d2h_s,
+                "disk": getattr(sim, "disk_s", 0.0)}
+        return max(busy, key=lambda k: (busy[k], k == "compute"))
 
     def with_notes(self, **notes: str) -> "PlanReport":
         """Where outputs were written, warnings: shown after the figures."""
@@ -107,14 +201,27 @@ class PlanReport:
         sim = self.simulation
         out: dict = dict(self.workload)
         out.update(device_bytes=self.device_bytes, nodes=self.nodes, tensors=self.tensors,
-                   peak_bytes=self.peak_bytes, live_peak_bytes=self.live_peak_bytes)
+                   arena_bytes=self.arena_bytes, live_peak_bytes=self.live_peak_bytes,
+                   peak_bytes=self.arena_bytes)  # peak_bytes: the old name of arena_bytes
         out.update({f.name: getattr(self.traffic, f.name) for f in fields(Traffic)})
         out.update(device=sim.device, makespan_s=sim.makespan_s, compute_s=sim.compute_s,
                    h2d_s=sim.h2d_s, d2h_s=sim.d2h_s, stall_s=sim.stall_s,
                    stall_h2d_s=sim.stall_h2d_s, late_reloads=sim.late_reloads,
-                   lower_bound_s=sim.lower_bound_s, efficiency=round(sim.efficiency, 4),
-                   h2d_bytes=sim.h2d_bytes, h2d_min_bytes=sim.h2d_min_bytes,
-                   d2h_bytes=sim.d2h_bytes)
+                   h2d_bytes=sim.h2d_bytes, d2h_bytes=sim.d2h_bytes, bound_by=self.bound_by,
+                   plan_lower_bound_s=sim.lower_bound_s,
+                   plan_efficiency=round(sim.efficiency, 4), plan_h2d_min_bytes=sim.h2d_min_bytes)
+        # the problem's bound: any plan at this budget (None where a saved plan does not say)
+        b = self.bound
+        out.update(lower_bound_s=b.seconds if b else None,
+                   efficiency=round(self.efficiency, 4) if b else None,
+                   lower_bound_compute_s=b.compute_s if b else None,
+                   lower_bound_stream_s=b.stream_s if b else None,
+                   lower_bound_disk_s=b.disk_s if b else None)
+        # the disk tier (compiler.tiers): bytes read from disk per pass and the host budget
+        out.update(disk_s=sim.disk_s, disk_read_bytes=sim.disk_bytes,
+                   disk_min_bytes=sim.disk_min_bytes,
+                   host_bytes=self.workload.get("host_bytes"),
+                   host_peak_bytes=self.workload.get("host_peak_bytes"))
         if self.tokens:
             out["tokens_per_s"] = self.tokens_per_s
         if self.compiled is not None:

@@ -41,6 +41,14 @@ Invariants:
 8. One instance per tensor: a tensor is never created while it has a live instance; a `free`,
    `offload` or `frees` entry names a live instance; and the ender of a tensor's previous instance
    is an ancestor of its next creator (so "one live instance at a time" holds in every order).
+9. The disk tier, by the same rules on the host arena: a `read` has an `input` at disk of its
+   tensor among its ancestors, and the tensor was never written (the file holds its initial
+   data); its staging buffer lies inside `[0, host_arena_bytes)` at a multiple of
+   `HOST_ALIGNMENT`, never overlaps a live staging buffer, and every access of the buffer's
+   earlier occupant (its read and the reload that consumed it) is an ancestor of the read. A
+   `reload` with a `host_offset` consumes the live staging buffer of its tensor at exactly that
+   offset, whose read is an ancestor; a tensor has one staging buffer at a time, and every read
+   is consumed by the end.
 
 Host-side hazards need no rule of their own: by 3, 4, 6 and 8 every write of a tensor, every
 reload and every offload of it are totally ordered by the edges, so its versions, and the host
@@ -60,8 +68,8 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from einpage.errors import PlanError
-from einpage.ir.memgraph import (ALIGNMENT, ApplyNode, FreeNode, InputNode, MemGraph, MemNode,
-                                 OffloadNode, ReloadNode)
+from einpage.ir.memgraph import (ALIGNMENT, HOST_ALIGNMENT, ApplyNode, FreeNode, InputNode,
+                                 MemGraph, MemNode, OffloadNode, ReadNode, ReloadNode)
 
 __all__ = ["ValidationReport", "validate"]
 
@@ -81,12 +89,17 @@ class ValidationReport:
     reload_bytes: int
     offloads: int
     offload_bytes: int
+    reads: int = 0            # disk -> host staging reads (the disk tier)
+    read_bytes: int = 0
+    host_arena_bytes: int = 0
 
     def __str__(self) -> str:
         return (f"valid memgraph: {self.nodes} nodes, {self.instances} instances, peak "
                 f"{self.peak_bytes} B (live {self.live_peak_bytes} B) of {self.device_bytes} B, "
                 f"reload {self.reloads}x {self.reload_bytes} B, offload {self.offloads}x "
-                f"{self.offload_bytes} B")
+                f"{self.offload_bytes} B"
+                + (f", read {self.reads}x {self.read_bytes} B through a host arena of "
+                   f"{self.host_arena_bytes} B" if self.reads else ""))
 
 
 def validate(mg: MemGraph) -> ValidationReport:
@@ -245,21 +258,31 @@ class _Checker:
         self.host_nodes: dict[int, list[int]] = {}  # tensor -> nodes that made that host copy
         self.host_inputs: dict[int, list[int]] = {}  # tensor -> its inputs at host
         self.instances = 0
-        self.traffic = {"reload": [0, 0], "offload": [0, 0]}
+        self.traffic = {"reload": [0, 0], "offload": [0, 0], "read": [0, 0]}
+        self.host_arena = _Arena(max(mg.host_arena_bytes, 1))
+        self.staged: dict[int, _Instance] = {}      # tensor -> its live staging buffer
+        self.disk_inputs: dict[int, list[int]] = {}  # tensor -> its inputs at disk
+        self.buffers = 0
 
     # ------------------------------------------------------------ driver
     def run(self) -> ValidationReport:
-        handlers = {"input": self._input, "reload": self._reload, "offload": self._offload,
-                    "free": self._free, "apply": self._apply}
+        handlers = {"input": self._input, "read": self._read, "reload": self._reload,
+                    "offload": self._offload, "free": self._free, "apply": self._apply}
         for node in self.nodes:
             handlers[node.kind](node)
+        for inst in self.staged.values():
+            raise self.mg.error(inst.creator, f"{self._kind(inst.creator)} reads "
+                                              f"{self._name(inst.tensor)} from disk, but no "
+                                              "reload consumes its staging buffer")
         self._check_outputs()
         traffic = self.traffic
         return ValidationReport(
             device_bytes=self.mg.device_bytes, nodes=len(self.nodes), instances=self.instances,
             peak_bytes=self.mg.high_water(), live_peak_bytes=self.mg.live_peak(),
             reloads=traffic["reload"][0], reload_bytes=traffic["reload"][1],
-            offloads=traffic["offload"][0], offload_bytes=traffic["offload"][1])
+            offloads=traffic["offload"][0], offload_bytes=traffic["offload"][1],
+            reads=traffic["read"][0], read_bytes=traffic["read"][1],
+            host_arena_bytes=self.mg.host_arena_bytes)
 
     # ------------------------------------------------------------ messages
     def _fail(self, node: MemNode, message: str):
@@ -383,16 +406,69 @@ class _Checker:
             if node.offset is None:
                 self._fail(node, f"input of {self._name(t)} at device has no offset")
             self._create(node, t, node.offset)
+        elif node.at == "disk":
+            if node.offset is not None:
+                self._fail(node, f"input of {self._name(t)} at disk has an offset ({node.offset})")
+            self.disk_inputs.setdefault(t, []).append(node.id)
+            self.host_inputs.setdefault(t, []).append(node.id)
         else:
-            self._fail(node, f"at is {node.at!r}, expected 'host' or 'device'")
+            self._fail(node, f"at is {node.at!r}, expected 'host', 'device' or 'disk'")
+
+    def _read(self, node: ReadNode) -> None:
+        """Rule 9 for a read: a staging buffer of the host arena, filled from the file."""
+        t = self._tensor(node, node.tensor)
+        at = node.host_offset
+        nbytes = self.tensors[t].bytes
+        if not isinstance(at, int):
+            self._fail(node, f"{self._name(t)} has host_offset {at!r}, expected an int")
+        if at % HOST_ALIGNMENT:
+            self._fail(node, f"staging buffer of {self._name(t)} at host {_at(at)} is not "
+                             f"aligned to {HOST_ALIGNMENT} bytes")
+        if at < 0 or at + nbytes > self.mg.host_arena_bytes:
+            self._fail(node, f"staging buffer of {self._name(t)} at [{at}, {at + nbytes}) lies "
+                             f"outside the host arena [0, {self.mg.host_arena_bytes})")
+        disk = self.disk_inputs.get(t)
+        if not disk or not self.ancestry.any_of(disk, node.id):
+            self._fail(node, f"reads {self._name(t)} from disk, but no input of it at disk is "
+                             "an ancestor")
+        if t in self.last_write:
+            self._fail(node, f"reads {self._name(t)} from disk after "
+                             f"{self._kind(self.last_write[t])} wrote it (the file is stale)")
+        old = self.staged.get(t)
+        if old is not None:
+            self._fail(node, f"reads {self._name(t)} while its staging buffer at host "
+                             f"{_at(old.offset)} (filled by {self._kind(old.creator)}) is not "
+                             "yet consumed")
+        inst = _Instance(self.buffers, t, at, nbytes, node.id)
+        self.buffers += 1
+        previous = self.host_arena.claim(at, at + nbytes, inst)
+        for occ in previous:
+            if occ.ender is None:
+                self._fail(node, f"reads {self._name(t)} into host [{at}, {at + nbytes}), which "
+                                 f"overlaps the live staging buffer of {self._name(occ.tensor)} "
+                                 f"at [{occ.offset}, {occ.offset + occ.nbytes}) (filled by "
+                                 f"{self._kind(occ.creator)})")
+        missing = self.ancestry.missing([occ.ender for occ in previous], node.id)
+        if missing:
+            occ = next(o for o in previous if o.ender == missing[0])
+            self._fail(node, f"reads {self._name(t)} into host [{at}, {at + nbytes}), bytes last "
+                             f"held by {self._name(occ.tensor)}, but {self._kind(occ.ender)}, "
+                             "which consumed them, is not an ancestor (a missing host-reuse edge)")
+        self.staged[t] = inst
+        self.traffic["read"][0] += 1
+        self.traffic["read"][1] += nbytes
 
     def _reload(self, node: ReloadNode) -> None:
         t = self._tensor(node, node.tensor)
         self._create(node, t, node.offset)
+        if node.host_offset is not None:
+            self._reload_staged(node, t)
+            return
         host = self.host_nodes.get(t)
         if host is None:
+            disk = " (it is at disk: a read must stage it)" if t in self.disk_inputs else ""
             self._fail(node, f"reloads {self._name(t)}, which has no host copy (no input at host "
-                             f"or offload of it comes before)")
+                             f"or offload of it comes before){disk}")
         v = self.version.get(t, 0)
         if self.host_version[t] != v:
             self._fail(node, f"reloads a stale host copy of {self._name(t)}: made by "
@@ -402,6 +478,23 @@ class _Checker:
             made = ", ".join(self._kind(h) for h in host)
             self._fail(node, f"reloads {self._name(t)}, but no host copy of it ({made}) is an "
                              f"ancestor")
+        self.traffic["reload"][0] += 1
+        self.traffic["reload"][1] += self.tensors[t].bytes
+
+    def _reload_staged(self, node: ReloadNode, t: int) -> None:
+        """Rule 9 for a reload from a staging buffer: it consumes the buffer."""
+        inst = self.staged.get(t)
+        if inst is None or inst.offset != node.host_offset:
+            where = ("no staging buffer of it is live" if inst is None else
+                     f"its staging buffer is at host {_at(inst.offset)}")
+            self._fail(node, f"reloads {self._name(t)} from host {_at(node.host_offset)}, but "
+                             f"{where}")
+        if self.ancestry.missing([inst.creator], node.id):
+            self._fail(node, f"reloads {self._name(t)} from host {_at(inst.offset)}, but "
+                             f"{self._kind(inst.creator)}, which reads it from disk, is not an "
+                             "ancestor")
+        inst.ender = node.id
+        del self.staged[t]
         self.traffic["reload"][0] += 1
         self.traffic["reload"][1] += self.tensors[t].bytes
 

@@ -1,15 +1,21 @@
 """The memgraph: every block at an exact byte offset of one device arena, with explicit reload,
 offload and free nodes and dependency edges (DESIGN.md, "MemGraph file format", version 1).
 
-Node kinds: `input` (at host, or at device with an offset), `reload` (host -> device), `offload`
-(device -> host; the device copy stays live), `free` (ends a device instance), `apply` (a block
-op: reads, one write, optionally accumulating). `nodes` is one valid sequential order; the edges
+Node kinds: `input` (at host, at disk, or at device with an offset), `read` (disk -> a staging
+buffer at `host_offset` of the host arena), `reload` (host -> device; from the staging buffer at
+`host_offset` when it has one), `offload` (device -> host; the device copy stays live), `free`
+(ends a device instance), `apply` (a block op: reads, one write, optionally accumulating). `nodes` is one valid sequential order; the edges
 alone must make every topological order correct (see `einpage.compiler.validator`).
 """
 from __future__ import annotations
 
+import gc
+import gzip
 import json
 import math
+import threading
+import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -17,6 +23,7 @@ from types import MappingProxyType
 from typing import Mapping, Union
 
 from einpage.errors import PlanError
+from einpage.outputs import atomic_open
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.ir.ops import BlockOp, op_from_json, op_text
 from einpage.ir.tensors import LogicalTensor, Source
@@ -24,6 +31,8 @@ from einpage.ir.tensors import LogicalTensor, Source
 FORMAT = "einpage.memgraph"
 VERSION = 1
 ALIGNMENT = 256
+#: staging buffers in the host arena start at page boundaries (direct I/O needs them)
+HOST_ALIGNMENT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +56,7 @@ class Access:
 class InputNode:
     id: int
     tensor: int
-    at: str  # "host" | "device"
+    at: str  # "host" | "device" | "disk" (read from the checkpoint file each pass)
     offset: int | None = None
     deps: tuple[int, ...] = ()
     kind = "input"
@@ -59,7 +68,20 @@ class ReloadNode:
     tensor: int
     offset: int
     deps: tuple[int, ...]
+    host_offset: int | None = None  # from the staging buffer a `read` filled; None: host copy
     kind = "reload"
+
+
+@dataclass(frozen=True, slots=True)
+class ReadNode:
+    """Disk -> host: the tensor's block read from its checkpoint file into the staging buffer
+    `[host_offset, host_offset + bytes)` of the host arena; the reload that names the same
+    `host_offset` consumes it (its bytes may then take another read)."""
+    id: int
+    tensor: int
+    host_offset: int
+    deps: tuple[int, ...]
+    kind = "read"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +114,8 @@ class ApplyNode:
     kind = "apply"
 
 
-MemNode = Union[InputNode, ReloadNode, OffloadNode, FreeNode, ApplyNode]
-_NODE_TYPES = (InputNode, ReloadNode, OffloadNode, FreeNode, ApplyNode)
+MemNode = Union[InputNode, ReadNode, ReloadNode, OffloadNode, FreeNode, ApplyNode]
+_NODE_TYPES = (InputNode, ReadNode, ReloadNode, OffloadNode, FreeNode, ApplyNode)
 
 
 def _tensor_ids(n: MemNode) -> list:
@@ -133,22 +155,26 @@ class MemGraph:
     results: tuple[LogicalTensor, ...] = ()
     meta: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}),
                                        compare=False)  # what the plan was made for; read-only
+    host_arena_bytes: int = 0  # the staging buffers of `read` nodes: one host arena
 
     # ------------------------------------------------------------ structure
     def verify(self) -> None:
         """Check the structure every reader of a plan relies on; raise `PlanError` naming the
         first broken rule (and showing the nodes around it). Invariants:
 
-        - `device_bytes` is a positive int;
+        - `device_bytes` is a positive int; `host_arena_bytes` a non-negative int;
         - `tensors[k].id == k`; every shape entry is a non-negative int; a tensor's `bytes` is
           `prod(shape) * dtype.itemsize`;
-        - every node is one of the five kinds; `nodes[k].id == k`; every dep is an int id `< k`;
+        - every node is one of the six kinds; `nodes[k].id == k`; every dep is an int id `< k`;
         - every tensor id a node or an output names exists.
 
         The rules of memory (liveness, overlap, host copies) are the validator's
         (`einpage.compiler.validate`), which calls this first."""
         if not isinstance(self.device_bytes, int) or self.device_bytes <= 0:
             raise PlanError(f"device_bytes is {self.device_bytes!r}, expected a positive int")
+        if not isinstance(self.host_arena_bytes, int) or self.host_arena_bytes < 0:
+            raise PlanError(f"host_arena_bytes is {self.host_arena_bytes!r}, expected a "
+                            "non-negative int")
         for k, t in enumerate(self.tensors):
             if t.id != k:
                 raise PlanError(f"tensor %t{k}: id is {t.id}, expected its position {k}")
@@ -200,6 +226,11 @@ class MemGraph:
     def moved_bytes(self, kind: str) -> int:
         return sum(self.tensors[n.tensor].bytes for n in self.nodes if n.kind == kind)
 
+    def host_arena_peak(self) -> int:
+        """Highest byte of the host arena a `read` names (0 without a disk tier)."""
+        return max((n.host_offset + self.tensors[n.tensor].bytes for n in self.nodes
+                    if isinstance(n, ReadNode)), default=0)
+
     @cached_property
     def instances(self) -> tuple[Instance, ...]:
         """Every device instance, replayed once in node order: where it lies, the node that
@@ -238,7 +269,7 @@ class MemGraph:
         top = max((i.offset + i.bytes for i in self.instances), default=0)
         for n in self.nodes:
             accesses = (*n.reads, n.write, *n.frees) if isinstance(n, ApplyNode) else (
-                [Access(n.tensor, n.offset)] if n.offset is not None else [])
+                [Access(n.tensor, n.offset)] if getattr(n, "offset", None) is not None else [])
             for a in accesses:
                 top = max(top, a.offset + self.tensors[a.tensor].bytes)
         for o in self.outputs:
@@ -275,7 +306,8 @@ class MemGraph:
 
     # ------------------------------------------------------------ printer
     def __str__(self) -> str:
-        lines = [f"memgraph device_bytes={self.device_bytes} tensors={len(self.tensors)} "
+        host = f" host_arena_bytes={self.host_arena_bytes}" if self.host_arena_bytes else ""
+        lines = [f"memgraph device_bytes={self.device_bytes}{host} tensors={len(self.tensors)} "
                  f"nodes={len(self.nodes)}"]
         lines += [format_node(self, n) for n in self.nodes]
         lines += [f"output {o.name}{list(o.origin)} = %t{o.tensor} at {o.at}"
@@ -284,8 +316,9 @@ class MemGraph:
 
     # ------------------------------------------------------------ JSON
     def to_json(self) -> dict:
+        host = {"host_arena_bytes": self.host_arena_bytes} if self.host_arena_bytes else {}
         return {
-            "format": FORMAT, "version": VERSION, "device_bytes": self.device_bytes,
+            "format": FORMAT, "version": VERSION, "device_bytes": self.device_bytes, **host,
             "tensors": [_tensor_json(t) for t in self.tensors],
             "nodes": [_node_json(n) for n in self.nodes],
             "outputs": [{"tensor": o.tensor, "at": o.at, "offset": o.offset, "name": o.name,
@@ -296,7 +329,23 @@ class MemGraph:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), separators=(",", ":")))
+        """Write the plan to `path`: compact JSON (DESIGN.md, version 1), gzip-compressed when
+        the name ends in `.gz` (about 10x smaller; `load` reads both, by content). Whole or not
+        at all: a temporary file beside `path` renamed into place (`einpage.outputs`); a
+        failure (no such directory, a full disk, a file-size limit) is an `OutputError`."""
+        with _bulk():
+            _ops_json.cache = {}  # ops many nodes share are printed once
+            try:
+                data = json.dumps(self.to_json(), separators=(",", ":")).encode()
+            finally:
+                _ops_json.cache = None
+        with atomic_open(path, "wb") as fh:
+            if str(path).lower().endswith(".gz"):
+                with gzip.GzipFile(filename="", mode="wb", fileobj=fh, compresslevel=GZIP_LEVEL,
+                                   mtime=0) as gz:  # no name, no time: the same plan, same bytes
+                    gz.write(data)
+            else:
+                fh.write(data)
 
     @staticmethod
     def from_json(data: dict) -> "MemGraph":
@@ -322,7 +371,8 @@ class MemGraph:
             inputs = tuple(_logical_from(t) for t in data.get("inputs", ()))
             results = tuple(_logical_from(t) for t in data.get("results", ()))
             return MemGraph(int(data["device_bytes"]), tensors, tuple(nodes), outputs, inputs,
-                            results, MappingProxyType(dict(data.get("meta", {}))))
+                            results, MappingProxyType(dict(data.get("meta", {}))),
+                            int(data.get("host_arena_bytes", 0)))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -330,20 +380,86 @@ class MemGraph:
 
     @staticmethod
     def load(path: str | Path) -> "MemGraph":
+        """Read a plan file: JSON (DESIGN.md, version 1) or the same JSON gzip-compressed (told
+        apart by its first bytes, whatever the name). Every failure is one `PlanError` naming
+        the file: missing, unreadable, a corrupt or truncated gzip stream, not JSON, not a
+        plan."""
         try:
-            text = Path(path).read_text()
+            raw = Path(path).read_bytes()
         except FileNotFoundError:
             raise PlanError(f"{path}: no such plan file") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise PlanError(f"{path}: cannot read: {exc}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"{path}: not JSON: {exc}") from None
-        try:
-            return MemGraph.from_json(data)
-        except PlanError as exc:
-            raise PlanError(f"{path}: {exc}") from None
+        except OSError as exc:
+            raise PlanError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        if raw[:2] == GZIP_MAGIC:
+            try:
+                raw = gzip.decompress(raw)
+            except (OSError, EOFError, zlib.error) as exc:
+                raise PlanError(f"{path}: corrupt gzip file ({exc})") from None
+        with _bulk():
+            try:
+                data = json.loads(raw)
+            except UnicodeDecodeError as exc:
+                raise PlanError(f"{path}: cannot read: not UTF-8 text ({exc.reason} at byte "
+                                f"{exc.start})") from None
+            except json.JSONDecodeError as exc:
+                raise PlanError(f"{path}: not JSON: {exc}") from None
+            try:
+                return MemGraph.from_json(data)
+            except PlanError as exc:
+                raise PlanError(f"{path}: {exc}") from None
+
+
+#: `save`'s gzip level for a `.gz` name: zlib's default (level 9 is slower for ~5% less)
+GZIP_LEVEL = 6
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+@contextmanager
+def _bulk():
+    """Reading or writing a whole plan: millions of small dicts and lists, none of them in a
+    reference cycle, so the cyclic garbage collector is paused (it would otherwise walk them
+    again and again: json.loads of a 69 MB plan, 3.1 s -> 1.0 s)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+#: an op's JSON text (the `repr` of its dict: equal text, equal op) -> the op, parsed once: the
+#: nodes of a plan share a few dozen distinct ops (sympy parsing dominated `load`)
+_ops_from: dict[str, BlockOp] = {}
+_OPS_FROM_LIMIT = 1 << 16
+
+
+def _op_from(data: dict) -> BlockOp:
+    key = repr(data)
+    op = _ops_from.get(key)
+    if op is None:
+        if len(_ops_from) >= _OPS_FROM_LIMIT:
+            _ops_from.clear()
+        op = _ops_from[key] = op_from_json(data)
+    return op
+
+
+#: `cache`: op -> its JSON dict while one `save` runs (per thread; None otherwise, so that
+#: `to_json` callers never share a dict between nodes)
+_ops_json = threading.local()
+
+
+def _op_json(op: BlockOp) -> dict:
+    cache = getattr(_ops_json, "cache", None)
+    if cache is None:
+        return op.to_json()
+    try:
+        out = cache.get(op)
+    except TypeError:  # an op that cannot be hashed: printed every time
+        return op.to_json()
+    if out is None:
+        out = cache[op] = op.to_json()
+    return out
 
 
 def _opt_int(v):
@@ -362,13 +478,17 @@ def _tensor_json(t: TensorInfo) -> dict:
 
 def _tensor_from(d: dict) -> TensorInfo:
     src = d.get("source")
-    source = None if src is None else Source(str(src["input"]), tuple(int(v) for v in src["origin"]),
-                                             tuple(int(v) for v in src["full_shape"]),
+    source = None if src is None else Source(str(src["input"]), tuple(map(int, src["origin"])),
+                                             tuple(map(int, src["full_shape"])),
                                              None if src.get("checkpoint") is None
                                              else str(src["checkpoint"]))
-    return TensorInfo(int(d["id"]), int(d["bytes"]), as_dtype(d["dtype"]),
-                      tuple(int(v) for v in d["shape"]), str(d.get("name", "")),
+    dtype = d["dtype"]
+    return TensorInfo(int(d["id"]), int(d["bytes"]), _DTYPES.get(dtype) or as_dtype(dtype),
+                      tuple(map(int, d["shape"])), str(d.get("name", "")),
                       str(d.get("role", "activation")), source)
+
+
+_DTYPES = {d.value: d for d in DType}  # a plan's dtype names, looked up without an Enum call
 
 
 def _logical_json(t: LogicalTensor) -> dict:
@@ -395,22 +515,31 @@ def _node_json(n: MemNode) -> dict:
                    write={"tensor": n.write.tensor, "offset": n.write.offset},
                    accumulate=n.accumulate,
                    frees=[{"tensor": a.tensor, "offset": a.offset} for a in n.frees],
-                   op=n.op.to_json())
+                   op=_op_json(n.op))
+    elif isinstance(n, ReadNode):
+        out.update(tensor=n.tensor, host_offset=n.host_offset)
     else:
         out.update(tensor=n.tensor, offset=n.offset)
+        if isinstance(n, ReloadNode) and n.host_offset is not None:
+            out["host_offset"] = n.host_offset
     out["deps"] = list(n.deps)
     return out
 
 
 def _node_from(d: dict) -> MemNode:
-    kind, nid, deps = d["kind"], int(d["id"]), tuple(int(v) for v in d.get("deps", ()))
+    kind, nid, deps = d["kind"], int(d["id"]), tuple(map(int, d.get("deps", ())))
     if kind == "input":
         return InputNode(nid, int(d["tensor"]), str(d["at"]), _opt_int(d.get("offset")), deps)
     if kind == "apply":
-        return ApplyNode(nid, tuple(_access(a) for a in d["reads"]), _access(d["write"]),
-                         bool(d["accumulate"]), op_from_json(d["op"]), deps,
-                         tuple(_access(a) for a in d.get("frees", ())))
-    cls = {"reload": ReloadNode, "offload": OffloadNode, "free": FreeNode}.get(kind)
+        return ApplyNode(nid, tuple(map(_access, d["reads"])), _access(d["write"]),
+                         bool(d["accumulate"]), _op_from(d["op"]), deps,
+                         tuple(map(_access, d.get("frees", ()))))
+    if kind == "read":
+        return ReadNode(nid, int(d["tensor"]), int(d["host_offset"]), deps)
+    if kind == "reload":
+        return ReloadNode(nid, int(d["tensor"]), int(d["offset"]), deps,
+                          _opt_int(d.get("host_offset")))
+    cls = {"offload": OffloadNode, "free": FreeNode}.get(kind)
     if cls is None:
         raise ValueError(f"unknown node kind {kind!r}")
     return cls(nid, int(d["tensor"]), int(d["offset"]), deps)
@@ -422,6 +551,11 @@ def format_node(mg: MemGraph, n: MemNode) -> str:
     if isinstance(n, InputNode):
         where = f" @0x{n.offset:08x}" if n.at == "device" else ""
         return f"%{n.id} = input %t{n.tensor} at {n.at}{where}{deps}"
+    if isinstance(n, ReadNode):
+        return f"%{n.id} = read %t{n.tensor} -> host @0x{n.host_offset:08x}{deps}"
+    if isinstance(n, ReloadNode) and n.host_offset is not None:
+        return (f"%{n.id} = reload %t{n.tensor} host @0x{n.host_offset:08x} -> "
+                f"@0x{n.offset:08x}{deps}")
     if isinstance(n, ApplyNode):
         args = ", ".join(f"%t{a.tensor}@0x{a.offset:08x}" for a in n.reads)
         acc = " +=" if n.accumulate else ""

@@ -4,6 +4,7 @@ weights come from."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from einpage.ir.dtypes import DType
@@ -37,3 +38,14 @@ class LogicalTensor:
 #: Where weights come from, for every runtime: a weight input's name -> its whole logical array
 #: (anything with `.shape` and basic slicing; a memory map is read only where a block is sliced).
 WeightSource = Callable[[str], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class FileTensor:
+    """Where a whole weight lies in a file, for the disk tier's reader: `path`, the byte `offset`
+    of its first element, the file's dtype, and its logical shape (C order). A `WeightSource`
+    that lies in files offers `locate(name) -> FileTensor`."""
+    path: Path
+    offset: int
+    dtype: DType
+    shape: tuple[int, ...]

@@ -278,6 +278,15 @@ class CheckpointWeights:
                                   f"{tuple(view.shape)}, expected {want}")
         return view.reshape(llama.weight_shapes(self.config)[name])
 
+    def locate(self, name: str):
+        """Where weight `name` lies in the files (`runtime.diskread.FileTensor`): the disk tier
+        reads its blocks with `preadv` instead of through the memory map."""
+        from einpage.ir.tensors import FileTensor
+        self(name)  # checks the shape
+        ref = self.checkpoint.tensors[llama.hf_tensor(name)]
+        return FileTensor(ref.file, ref.offset, ref.dtype,
+                          tuple(llama.weight_shapes(self.config)[name]))
+
     def check(self) -> None:
         """Every weight the model needs is present with the right shape (reads no data)."""
         for name in llama.weight_shapes(self.config):
@@ -285,22 +294,105 @@ class CheckpointWeights:
 
 
 class RandomWeights:
-    """Deterministic random weights for a preset, made on the fly per tensor (seed, name): a
-    `einpage.runtime.WeightSource`."""
+    """Deterministic random weights for a preset: a `einpage.runtime.WeightSource` whose
+    `weights(name)` is a `RandomArray`, made block by block as the runtime reads it (never the
+    whole tensor, so a 7B model runs on random weights in little memory). Each element depends
+    only on (seed, name, its index): every block, budget and backend sees the same weights.
+    Norm gains are about 1 (spread 0.1), biases small (0.02), matrices of spread
+    1/sqrt(fan-in) (the embedding 1), each uniform with that standard deviation."""
 
     def __init__(self, config: ModelConfig, seed: int = 0):
         self.config, self.seed = config, seed
         self.shapes = llama.weight_shapes(config)
 
-    def __call__(self, name: str) -> np.ndarray:
+    def __call__(self, name: str) -> "RandomArray":
         import zlib
         shape = self.shapes[name]
-        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+        key = _mix64((int(self.seed) & _MASK64) * _GAMMA + zlib.crc32(name.encode()))
         short = name.rsplit(".", 1)[-1]
         if short.endswith("norm"):
-            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            return RandomArray(shape, key, 1.0, 0.1)
         if short in ("bq", "bk", "bv", "bo"):
-            return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+            return RandomArray(shape, key, 0.0, 0.02)
         fan_in = shape[-1] if short != "wo" else int(np.prod(shape[1:]))
-        std = 1.0 if name == "embed" else fan_in ** -0.5
-        return (std * rng.standard_normal(shape)).astype(np.float32)
+        return RandomArray(shape, key, 0.0, 1.0 if name == "embed" else fan_in ** -0.5)
+
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (2^64 / golden ratio)
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer on a Python int (the per-tensor key)."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class RandomArray:
+    """A lazy float32 array: element `i` (flat, C order) is `loc + scale * u`, with `u` uniform
+    of unit variance on [-sqrt(3), sqrt(3)) from SplitMix64 of `(key, i)`, a counter-based
+    generator: any box is made directly from its indices, in memory of the box's size. Slicing
+    (`a[box]`, ints and slices as NumPy's basic indexing) returns an ndarray; `np.asarray(a)` the
+    whole."""
+
+    dtype = np.dtype(np.float32)
+    _CHUNK = 1 << 16  # elements hashed at a time: the temporaries stay in cache
+
+    def __init__(self, shape: tuple[int, ...], key: int, loc: float, scale: float):
+        self.shape, self.key = tuple(int(s) for s in shape), key
+        self.loc, self.scale = loc, scale
+        self.ndim = len(self.shape)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self[...]
+        return whole if dtype is None else whole.astype(dtype)
+
+    def __getitem__(self, index) -> np.ndarray:
+        axes = _basic_index(index, self.ndim)
+        strides = np.cumprod((self.shape[1:] + (1,))[::-1])[::-1]
+        picked = [np.arange(n, dtype=np.int64)[sub] for n, sub in zip(self.shape, axes)]
+        kept = [p for p in picked if p.ndim == 1]
+        base = sum(int(p) * int(st) for p, st in zip(picked, strides) if p.ndim == 0)
+        out = np.empty(tuple(len(p) for p in kept), np.float32)
+        if out.size == 0:
+            return out
+        steps = [p * int(st) for p, st in zip(picked, strides) if p.ndim == 1]
+        rows = out.reshape(len(kept[0]) if kept else 1, -1)
+        per_row = max(1, self._CHUNK // max(rows.shape[1], 1))
+        inner = np.zeros(1, np.int64)
+        if len(steps) > 1:  # the offsets of one row's elements, in C order
+            inner = sum(np.ix_(*steps[1:]), np.zeros((), np.int64)).ravel()
+        lead = steps[0] if steps else np.zeros(1, np.int64)
+        for start in range(0, rows.shape[0], per_row):
+            flat = (base + lead[start:start + per_row, None] + inner[None, :]).astype(np.uint64)
+            rows[start:start + per_row] = self._values(flat)
+        return out
+
+    def _values(self, flat: np.ndarray) -> np.ndarray:
+        z = flat * np.uint64(_GAMMA) + np.uint64(self.key)
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+        u = (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)  # [0, 1), exact
+        return (self.loc + self.scale * np.sqrt(3.0) * (2.0 * u - 1.0)).astype(np.float32)
+
+
+def _basic_index(index, ndim: int) -> list:
+    """`index` (an int, a slice, Ellipsis or a tuple of them) as one int or slice per axis."""
+    parts = list(index) if isinstance(index, tuple) else [index]
+    if any(p is None or isinstance(p, (list, np.ndarray)) for p in parts):
+        raise TypeError("RandomArray takes basic indexing only (ints, slices, ...)")
+    if Ellipsis in parts:
+        at = parts.index(Ellipsis)
+        parts[at:at + 1] = [slice(None)] * (ndim - len(parts) + 1)
+    if len(parts) > ndim:
+        raise IndexError(f"too many indices for a {ndim}-d array")
+    return parts + [slice(None)] * (ndim - len(parts))

@@ -5,7 +5,8 @@ plus a kernel launch. A contraction whose join is a (scaled) product of two or m
 on matrix units (`matmul_flops`, 2 FLOPs per multiply-add); everything else (elementwise joins,
 max/min aggregation, fills, gathers, copies) on vector units, one FLOP per operand per element of
 the join space. Bytes are every operand read once and the output written once (read and written
-when accumulating). A transfer costs its bytes over the link bandwidth plus the copy latency.
+when accumulating). A transfer costs its bytes over the link bandwidth plus the copy latency; a
+read from disk its bytes over the disk's read bandwidth plus its latency.
 """
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ def h2d_seconds(profile: DeviceProfile, nbytes: int) -> float:
 
 def d2h_seconds(profile: DeviceProfile, nbytes: int) -> float:
     return nbytes / profile.d2h_bandwidth + profile.copy_latency
+
+
+def disk_seconds(profile: DeviceProfile, nbytes: int) -> float:
+    return nbytes / profile.disk_bandwidth + profile.disk_latency
 
 
 def task_seconds(profile: DeviceProfile, tg) -> list[float]:

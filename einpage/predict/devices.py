@@ -3,7 +3,8 @@
 A profile holds what the cost model needs to turn a memgraph node into seconds: peak dense FLOP/s
 per dtype for matrix products (`matmul_flops`) and for elementwise work (`vector_flops`), HBM
 bandwidth, host<->device bandwidth each way (pinned memory), copy latency, kernel-launch overhead
-and memory.
+and memory, and the machine's disk: read bandwidth and latency of the drive the checkpoint lies
+on (the third tier).
 
 Where the numbers come from: FLOP/s and HBM bandwidth are the vendor datasheet figures (dense, no
 structured sparsity). Host links are not measured on einpage's target machines (no GPU host was
@@ -23,6 +24,13 @@ from einpage.errors import InputError
 _PCIE = {3: 15.75e9, 4: 31.5e9, 5: 63.0e9}  # raw bytes/s per direction, x16
 _PINNED_SHARE = 0.8
 
+#: The disk a profile assumes unless told (`--disk-bandwidth`, `einpage calibrate --disk`): a
+#: mainstream PCIe Gen3 x4 NVMe drive's sequential read, 3.0-3.5 GB/s on datasheets (Samsung
+#: 970 EVO Plus 3.5, WD SN750 3.4 GB/s), taken at the lower 3 GB/s; Gen4 drives reach 7 GB/s.
+#: Latency per read request (queue depth 1, a large block): about 0.1 ms.
+DEFAULT_DISK_BANDWIDTH = 3.0e9
+DEFAULT_DISK_LATENCY = 100e-6
+
 
 def _pcie(gen: int) -> float:
     return _PCIE[gen] * _PINNED_SHARE
@@ -40,6 +48,8 @@ class DeviceProfile:
     copy_latency: float = 10e-6              # seconds per transfer
     launch_overhead: float = 5e-6            # seconds per kernel
     source: str = ""
+    disk_bandwidth: float = DEFAULT_DISK_BANDWIDTH  # bytes/s, checkpoint file -> host memory
+    disk_latency: float = DEFAULT_DISK_LATENCY      # seconds per read
 
     def flops(self, dtype: str, matmul: bool) -> float:
         table = self.matmul_flops if matmul else self.vector_flops
@@ -52,7 +62,8 @@ class DeviceProfile:
                 "vector_flops": dict(self.vector_flops), "hbm_bandwidth": self.hbm_bandwidth,
                 "h2d_bandwidth": self.h2d_bandwidth, "d2h_bandwidth": self.d2h_bandwidth,
                 "memory_bytes": self.memory_bytes, "copy_latency": self.copy_latency,
-                "launch_overhead": self.launch_overhead, "source": self.source}
+                "launch_overhead": self.launch_overhead, "source": self.source,
+                "disk_bandwidth": self.disk_bandwidth, "disk_latency": self.disk_latency}
 
 
 T = 1e12
@@ -121,18 +132,20 @@ def get_device(name: str) -> DeviceProfile:
 _REQUIRED = ("matmul_flops", "hbm_bandwidth", "h2d_bandwidth")
 
 
-def load_device_file(path: str | Path) -> DeviceProfile:
+def load_device_file(path: str | Path, name: str | None = None) -> DeviceProfile:
     """A profile from JSON: the keys of `DeviceProfile.to_json`. `matmul_flops`, `hbm_bandwidth`
     and `h2d_bandwidth` are required; `vector_flops` defaults to `matmul_flops`, `d2h_bandwidth`
-    to `h2d_bandwidth`, the rest to the defaults of `DeviceProfile`."""
+    to `h2d_bandwidth`, the rest to the defaults of `DeviceProfile`. The file holds one profile
+    (`einpage calibrate -o`) or several (`einpage devices --json`: an object of profiles by
+    name, or a list of profiles): `name` picks one of several; without it the file must hold
+    exactly one."""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise InputError(f"{path}: no such device profile") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"{path}: not a JSON device profile ({exc})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: a device profile is a JSON object")
+    data = _pick_profile(data, path, name)
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise InputError(f"{path}: device profile lacks {', '.join(missing)}")
@@ -150,11 +163,41 @@ def load_device_file(path: str | Path) -> DeviceProfile:
             memory_bytes=int(_positive(data.get("memory_bytes", 80e9), "memory_bytes")),
             copy_latency=_non_negative(data.get("copy_latency", 10e-6), "copy_latency"),
             launch_overhead=_non_negative(data.get("launch_overhead", 5e-6), "launch_overhead"),
-            source=str(data.get("source", f"device file {path}")))
+            source=str(data.get("source", f"device file {path}")),
+            disk_bandwidth=_positive(data.get("disk_bandwidth", DEFAULT_DISK_BANDWIDTH),
+                                     "disk_bandwidth"),
+            disk_latency=_non_negative(data.get("disk_latency", DEFAULT_DISK_LATENCY),
+                                       "disk_latency"))
     except InputError as exc:
         raise InputError(f"{path}: {exc}") from None
     return profile
 
+
+def _pick_profile(data, path, name: str | None) -> dict:
+    """The one profile of a device file: `data` itself, or the entry called `name` (or the only
+    entry) of an object of profiles by name or of a list of profiles."""
+    if isinstance(data, dict) and data and not any(k in data for k in _REQUIRED) and all(
+            isinstance(v, dict) for v in data.values()):
+        entries = [(str(key), {"name": key, **value}) for key, value in data.items()]
+    elif isinstance(data, list) and data and all(isinstance(v, dict) for v in data):
+        entries = [(str(v.get("name", k)), v) for k, v in enumerate(data)]
+    elif isinstance(data, dict):
+        if name is not None and str(data.get("name", name)) != name:
+            raise InputError(f"{path}: the profile is {data['name']!r}, not --device {name!r}")
+        return data
+    else:
+        raise InputError(f"{path}: a device profile is a JSON object (or several: a list, or "
+                         "an object of them by name)")
+    if name is None:
+        if len(entries) == 1:
+            return entries[0][1]
+        raise InputError(f"{path} holds {len(entries)} profiles: pick one with --device "
+                         f"({', '.join(n for n, _ in entries)})")
+    for entry_name, entry in entries:
+        if entry_name == name:
+            return entry
+    raise InputError(f"{path}: no profile {name!r}; it holds "
+                     f"{', '.join(n for n, _ in entries)}")
 
 def _number(value, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -189,8 +232,12 @@ def _rates(value, key: str) -> dict:
 
 
 def with_overrides(profile: DeviceProfile, h2d_bandwidth: float | None = None,
-                   flops: float | None = None) -> DeviceProfile:
-    """`profile` with a measured host link (both directions) or matmul peak (every dtype)."""
+                   flops: float | None = None,
+                   disk_bandwidth: float | None = None) -> DeviceProfile:
+    """`profile` with a measured host link (both directions), matmul peak (every dtype) or disk
+    read bandwidth."""
+    if disk_bandwidth is not None:
+        profile = replace(profile, disk_bandwidth=disk_bandwidth)
     if h2d_bandwidth is not None:
         profile = replace(profile, h2d_bandwidth=h2d_bandwidth, d2h_bandwidth=h2d_bandwidth)
     if flops is not None:

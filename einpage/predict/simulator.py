@@ -1,14 +1,16 @@
 """The stream simulator: a memgraph run as the CuPy runtime runs it, in predicted seconds.
 
-Three engines, each in order: the compute stream runs `apply` nodes, the host->device copy engine
-runs `reload` nodes and the device->host copy engine runs `offload` nodes, each in the order of the
-node list (CUDA streams are FIFO and the runtime enqueues nodes in that order). A node starts when
+Four engines, each in order: the compute stream runs `apply` nodes, the host->device copy engine
+runs `reload` nodes, the device->host copy engine runs `offload` nodes and the disk reader runs
+`read` nodes (disk -> host staging), each in the order of the node list (CUDA streams are FIFO and the runtime enqueues nodes in that order). A node starts when
 every dependency has finished and its engine is free; `input` and `free` nodes take no time (they
 finish when their dependencies do). Durations come from `einpage.predict.cost`.
 
 The lower bound for the same graph is `max(compute, min h2d bytes / h2d bandwidth, d2h bytes /
-d2h bandwidth)`, where the minimum host->device bytes count each tensor that starts on the host
-and is needed on the device once (a weight block that does not stay resident, the token ids).
+d2h bandwidth, min disk bytes / disk bandwidth)`, where the minimum host->device bytes count each
+tensor that starts on the host (or the disk) and is needed on the device once (a weight block
+that does not stay resident, the token ids), and the minimum disk bytes each tensor at disk that
+is read, once.
 Efficiency is lower bound / makespan.
 """
 from __future__ import annotations
@@ -16,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph
-from einpage.predict.cost import d2h_seconds, h2d_seconds, op_seconds
+from einpage.predict.cost import d2h_seconds, disk_seconds, h2d_seconds, op_seconds
 from einpage.predict.devices import DeviceProfile
 
-ENGINES = ("compute", "h2d", "d2h")
-_ENGINE_OF = {"apply": "compute", "reload": "h2d", "offload": "d2h"}
+ENGINES = ("compute", "h2d", "d2h", "disk")
+_ENGINE_OF = {"apply": "compute", "reload": "h2d", "offload": "d2h", "read": "disk"}
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class Simulation:
     device: str
     start: tuple[float, ...]        # per node, seconds
     end: tuple[float, ...]
-    engine: tuple[str | None, ...]  # per node: compute | h2d | d2h | None (instant)
+    engine: tuple[str | None, ...]  # per node: compute | h2d | d2h | disk | None (instant)
     makespan_s: float
     compute_s: float                # busy time of each engine
     h2d_s: float
@@ -40,6 +42,9 @@ class Simulation:
     h2d_min_bytes: int
     d2h_bytes: int
     lower_bound_s: float
+    disk_s: float = 0.0             # busy time of the disk reader
+    disk_bytes: int = 0             # read from disk this pass
+    disk_min_bytes: int = 0         # ... of which no plan with this tier choice can avoid
 
     @property
     def efficiency(self) -> float:
@@ -67,6 +72,8 @@ def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
             out.append(h2d_seconds(profile, tensors[n.tensor].bytes))
         elif n.kind == "offload":
             out.append(d2h_seconds(profile, tensors[n.tensor].bytes))
+        elif n.kind == "read":
+            out.append(disk_seconds(profile, tensors[n.tensor].bytes))
         else:
             out.append(0.0)
     return out
@@ -75,9 +82,15 @@ def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
 def min_h2d_bytes(mg: MemGraph) -> int:
     """Bytes that must cross host->device once per pass: every tensor that starts on the host
     and is reloaded at least once, counted once."""
-    at_host = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at == "host"}
+    at_host = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at in ("host", "disk")}
     reloaded = {n.tensor for n in mg.nodes if n.kind == "reload"}
     return sum(mg.tensors[t].bytes for t in at_host & reloaded)
+
+
+def min_disk_bytes(mg: MemGraph) -> int:
+    """Bytes that must come from disk once per pass: every tensor at disk that is read, once."""
+    read = {n.tensor for n in mg.nodes if n.kind == "read"}
+    return sum(mg.tensors[t].bytes for t in read)
 
 
 def simulate(mg: MemGraph, profile: DeviceProfile,
@@ -90,11 +103,11 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
     start = [0.0] * n_nodes
     end = [0.0] * n_nodes
     engine: list[str | None] = [None] * n_nodes
-    free_at = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0}
-    busy = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0}
+    free_at = dict.fromkeys(ENGINES, 0.0)
+    busy = dict.fromkeys(ENGINES, 0.0)
     stall = stall_h2d = 0.0
     late: set[int] = set()
-    h2d_bytes = d2h_bytes = 0
+    h2d_bytes = d2h_bytes = disk_bytes = 0
     for k, n in enumerate(mg.nodes):
         ready, last = 0.0, None
         for d in n.deps:
@@ -115,16 +128,19 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
                     late.add(last)
         elif eng == "h2d":
             h2d_bytes += mg.tensors[n.tensor].bytes
-        else:
+        elif eng == "d2h":
             d2h_bytes += mg.tensors[n.tensor].bytes
+        else:
+            disk_bytes += mg.tensors[n.tensor].bytes
         start[n.id], end[n.id] = t0, t0 + dur[n.id]
         free_at[eng] = end[n.id]
         busy[eng] += dur[n.id]
     makespan = max(end, default=0.0)
     h2d_min = min_h2d_bytes(mg)
+    disk_min = min_disk_bytes(mg)
     lower = max(busy["compute"], h2d_min / profile.h2d_bandwidth,
-                d2h_bytes / profile.d2h_bandwidth)
+                d2h_bytes / profile.d2h_bandwidth, disk_min / profile.disk_bandwidth)
     return Simulation(profile.name, tuple(start), tuple(end), tuple(engine), makespan,
                       busy["compute"], busy["h2d"], busy["d2h"], stall, stall_h2d, len(late),
                       h2d_bytes, h2d_min,
-                      d2h_bytes, lower)
+                      d2h_bytes, lower, busy["disk"], disk_bytes, disk_min)

@@ -19,7 +19,7 @@ import numpy as np
 
 from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
-                                 OutputRef, ReloadNode)
+                                 OutputRef, ReadNode, ReloadNode)
 from einpage.ir.tensors import WeightSource
 from einpage.runtime.blockops import apply_into
 from einpage.runtime.planio import PlanIO, arena_view
@@ -100,8 +100,10 @@ class NumpyExecutor:
         if poison_freed:  # only the bytes the plan touches: np.zeros pages in lazily
             self.arena[:min(mg.high_water(), mg.device_bytes)] = POISON
         self.host: dict[int, np.ndarray | None] = {}
-        handlers = {"input": self._input, "reload": self._reload, "offload": self._offload,
-                    "free": self._free, "apply": self._apply}
+        # the host arena of the disk tier's staging buffers, poisoned like the device arena
+        self.staging = np.full(mg.host_arena_bytes, POISON if poison_freed else 0, np.uint8)
+        handlers = {"input": self._input, "read": self._read, "reload": self._reload,
+                    "offload": self._offload, "free": self._free, "apply": self._apply}
         for nid in sequence:
             node = mg.nodes[nid]
             try:
@@ -118,10 +120,26 @@ class NumpyExecutor:
             self.host[n.tensor] = None  # the source is the host copy; read at reload
         elif n.at == "device":
             self._view(n.tensor, n.offset)[...] = self.io.source_block(n.tensor)
-        else:
-            raise PlanError(f"input at {n.at!r}; expected 'host' or 'device'")
+        elif n.at != "disk":  # at disk: only a read brings it into host memory
+            raise PlanError(f"input at {n.at!r}; expected 'host', 'device' or 'disk'")
+
+    def _staged(self, tid: int, host_offset: int) -> np.ndarray:
+        t = self.mg.tensors[tid]
+        nbytes = t.bytes
+        if host_offset < 0 or host_offset + nbytes > len(self.staging):
+            raise PlanError(f"%t{tid} at host offset {host_offset} lies outside the host arena "
+                            f"of {len(self.staging)} bytes")
+        return self.staging[host_offset:host_offset + nbytes].view(t.dtype.numpy).reshape(t.shape)
+
+    def _read(self, n: ReadNode) -> None:
+        self._staged(n.tensor, n.host_offset)[...] = self.io.source_block(n.tensor)
 
     def _reload(self, n: ReloadNode) -> None:
+        if n.host_offset is not None:  # from its staging buffer, which it consumes
+            self._view(n.tensor, n.offset)[...] = self._staged(n.tensor, n.host_offset)
+            if self.poison_freed:
+                self._staged(n.tensor, n.host_offset).view(np.uint8)[...] = POISON
+            return
         if n.tensor not in self.host:
             raise PlanError(f"%t{n.tensor} has no host copy (no input at host or offload of it "
                             f"ran before)")

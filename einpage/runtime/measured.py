@@ -15,7 +15,7 @@ class Span:
     queue: str
     start: float
     end: float
-    nbytes: int   # bytes copied (h2d, d2h); 0 for compute
+    nbytes: int   # bytes copied (h2d, d2h) or read from disk; 0 for compute
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Measured:
                "load_bytes": self.load_bytes, "compute_stall_s": self.compute_stall_s}
         for q in QUEUES:
             out[f"{q}_busy_s"] = self.busy_s(q)
-        for q in ("h2d", "d2h"):
+        for q in ("h2d", "d2h", "disk"):
             out[f"{q}_bytes"] = self.bytes(q)
             out[f"{q}_bytes_per_s"] = self.rate(q)
         out["h2d_hidden_fraction"] = self.hidden_fraction("h2d")

@@ -1,5 +1,6 @@
 """The stream executor: a memgraph run as it was priced, its stream program on a backend with one
-worker thread per queue (DESIGN.md, "Stream program").
+worker thread per queue (DESIGN.md, "Stream program"); the disk queue's thread is the reader
+that fills host staging buffers from the checkpoint files ahead of the reloads.
 
 A `StreamSession` holds a plan open on its backend for many passes (the decode steps of a
 generation): the arena, the host buffers and the blocks that stay on the device live from the
@@ -169,7 +170,8 @@ class _Pass:
         steps_of = {q: [s for s in self.program.steps if s.queue == q] for q in QUEUES}
         self.origin = backend.stamp("compute") if self.timing else None
         t0 = time.perf_counter()
-        self._on_queues({q: (lambda q=q: self._queue(q, steps_of[q])) for q in QUEUES})
+        self._on_queues({q: (lambda q=q: self._queue(q, steps_of[q])) for q in QUEUES
+                         if steps_of[q]})
         self._finish()
         wall = time.perf_counter() - t0
         spans = self._spans() if self.timing else ()
@@ -206,8 +208,10 @@ class _Pass:
             self.backend.run(n)
         elif queue == "h2d":
             self.backend.copy_h2d(n)
-        else:
+        elif queue == "d2h":
             self.backend.copy_d2h(n)
+        else:
+            self.backend.read_disk(n)
 
     # ------------------------------------------------------------------ workers and faults
     def _on_queues(self, work: dict[str, Callable[[], None]]) -> None:

@@ -1,7 +1,8 @@
-"""The stream program: a memgraph put on three in-order queues, the way the plan was priced.
+"""The stream program: a memgraph put on in-order queues, the way the plan was priced.
 
 Every node that does work goes on one queue: `compute` (apply), `h2d` (reload, input at device),
-`d2h` (offload). `free` nodes and inputs at host move no byte: they only order, so they fold
+`d2h` (offload), `disk` (read: checkpoint file -> host staging buffer). `free` nodes and inputs at
+host or disk move no byte: they only order, so they fold
 into the nodes that depend on them (a node's *queue deps* are its deps with every folded node
 replaced by that node's own queue deps, transitively). A queue runs its nodes in plan order, so
 a node needs at most one wait per other queue: on the latest node of that queue among its queue
@@ -23,20 +24,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from einpage.errors import PlanError
-from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph, MemNode, OffloadNode, ReloadNode
+from einpage.ir.memgraph import (ApplyNode, InputNode, MemGraph, MemNode, OffloadNode, ReadNode,
+                                 ReloadNode)
 from einpage.ir.tensors import PERSISTENT_ROLES
 
-QUEUES = ("compute", "h2d", "d2h")
+QUEUES = ("compute", "h2d", "d2h", "disk")
 
 
 def queue_of(n: MemNode) -> str | None:
-    """The queue a node runs on, or None for a node that only orders (free, input at host)."""
+    """The queue a node runs on, or None for a node that only orders (free, input at host or
+    disk)."""
     if isinstance(n, ApplyNode):
         return "compute"
     if isinstance(n, ReloadNode) or (isinstance(n, InputNode) and n.at == "device"):
         return "h2d"
     if isinstance(n, OffloadNode):
         return "d2h"
+    if isinstance(n, ReadNode):
+        return "disk"
     return None
 
 

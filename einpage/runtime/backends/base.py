@@ -4,7 +4,10 @@ which queue, the waits, stopping every queue on an error, timing, assembling out
 stream executor's (`einpage.runtime.stream_executor`), shared by every backend.
 
 The executor calls a backend from one worker thread per queue: `copy_h2d` only from the h2d
-thread, `copy_d2h` only from the d2h thread, `run` only from the compute thread. A call *issues*
+thread, `copy_d2h` only from the d2h thread, `run` only from the compute thread, `read_disk` only
+from the disk thread (the reader: checkpoint file -> host staging buffer, done on the host before
+the call returns; a `wait` of the disk queue blocks the reader until the awaited node is
+complete, since the staging bytes it overwrites may still be in use). A call *issues*
 the node on its queue: the threads backend does the work before returning, the CUDA backend
 enqueues it on the queue's stream. `record(queue, node)` makes an event after what the queue has
 issued; the executor calls `wait(queue, node)` only after that node's `record` returned, and the
@@ -20,8 +23,9 @@ from typing import Any, ContextManager
 
 import numpy as np
 
-from einpage.ir.memgraph import (ALIGNMENT, ApplyNode, InputNode, MemGraph, OffloadNode, OutputRef,
-                                 ReloadNode)
+from einpage.errors import PlanError
+from einpage.ir.memgraph import (ALIGNMENT, HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph,
+                                 OffloadNode, OutputRef, ReadNode, ReloadNode)
 from einpage.runtime.planio import PlanIO
 
 
@@ -42,12 +46,18 @@ class Backend(ABC):
 
     @abstractmethod
     def copy_h2d(self, n: ReloadNode | InputNode) -> None:
-        """Issue a block's copy into the arena: from its host copy (an earlier offload) or its
-        source (a weight block from the checkpoint, an activation input)."""
+        """Issue a block's copy into the arena: from its host copy (an earlier offload), its
+        staging buffer (a reload with a `host_offset`, filled by a `read`) or its source (a
+        weight block from the checkpoint, an activation input)."""
 
     @abstractmethod
     def copy_d2h(self, n: OffloadNode) -> None:
         """Issue a copy of an instance into the tensor's host buffer."""
+
+    @abstractmethod
+    def read_disk(self, n: ReadNode) -> None:
+        """Read a block from its checkpoint file into the host arena's staging buffer at
+        `n.host_offset` (see `staging_view`); done when the call returns."""
 
     @abstractmethod
     def run(self, n: ApplyNode) -> None:
@@ -133,3 +143,21 @@ def host_view(buffer: np.ndarray, mg: MemGraph, layout: HostLayout, tid: int) ->
     start = layout.offsets[tid]
     nbytes = int(np.prod(t.shape, dtype=np.int64)) * t.dtype.itemsize
     return buffer[start:start + nbytes].view(t.dtype.numpy).reshape(t.shape)
+
+
+def staging_view(arena: np.ndarray, mg: MemGraph, tid: int, host_offset: int) -> np.ndarray:
+    """The staging buffer of tensor `tid` at `host_offset` of the host arena (a `uint8` array of
+    `mg.host_arena_bytes`): a typed view."""
+    t = mg.tensors[tid]
+    nbytes = int(np.prod(t.shape, dtype=np.int64)) * t.dtype.itemsize
+    if host_offset < 0 or host_offset + nbytes > len(arena):
+        raise PlanError(f"%t{tid} at host offset {host_offset} lies outside the host arena of "
+                        f"{len(arena)} bytes")
+    return arena[host_offset:host_offset + nbytes].view(t.dtype.numpy).reshape(t.shape)
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A `uint8` array of `nbytes` whose start is aligned to `HOST_ALIGNMENT`."""
+    raw = np.empty(nbytes + HOST_ALIGNMENT, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % HOST_ALIGNMENT
+    return raw[skip:skip + nbytes]

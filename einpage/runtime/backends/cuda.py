@@ -13,7 +13,10 @@ tensor's host copy, each streamed weight block (read from its source at `open`, 
 one async copy from pinned memory), then one staging slot as large as the largest `input at
 device` block: such a block (a resident weight loaded with the model, an activation) is read
 from its source into the slot and copied asynchronously; the next one waits on the host for
-that copy's event before reusing the slot.
+that copy's event before reusing the slot. Last, the host arena of a plan with a disk tier
+(`mg.host_arena_bytes`, page-aligned): the staging buffers its `read` nodes fill from the
+checkpoint files (`runtime.diskread`, on the disk queue's reader thread) and its reloads copy
+from asynchronously.
 
 Streams. Three `Stream(non_blocking=True)`: compute, h2d, d2h; a queue's worker thread runs
 inside `queue_context`, which makes the device and the queue's stream current (cuBLAS and every
@@ -42,16 +45,19 @@ from typing import Any, Iterator
 import numpy as np
 
 from einpage.errors import BackendError, ExecutionError, InputError, PlanError
-from einpage.ir.memgraph import (ApplyNode, InputNode, MemGraph, OffloadNode, OutputRef,
+from einpage.ir.memgraph import (HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph, OffloadNode,
+                                 OutputRef, ReadNode,
                                  ReloadNode)
 from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.runtime.backends.apply_plan import (STATUS_BYTES, CopyApply, KernelApply,
                                                  MatmulApply, aligned, plan_applies,
                                                  workspace_bytes, workspace_for)
-from einpage.runtime.backends.base import Backend, HostLayout, host_layout, host_view
+from einpage.runtime.backends.base import (Backend, HostLayout, host_layout, host_view,
+                                           staging_view)
 from einpage.runtime.backends.cuda_source import (DEVICE_DTYPE, ElementwiseSource, KernelSource,
                                                   convert_kernel, tag_of)
 from einpage.runtime.backends.gemm_plan import MatmulOps, execute_matmul
+from einpage.runtime.diskread import DiskReader
 from einpage.runtime.planio import PlanIO, instance_bytes
 
 __all__ = ["CupyBackend", "cuda_usable", "workspace_bytes"]
@@ -168,6 +174,8 @@ class CupyBackend(Backend):
         self._streams: dict[str, Any] = {}
         self._events: dict[int, Any] = {}
         self._staged = None          # event of the last copy out of the staging slot
+        self._arena_at = 0           # where the host arena (disk staging buffers) starts
+        self.reader: DiskReader | None = None
         self._plans: dict = {}
         self._top = 0                # bump pointer into the workspace slots (compute thread)
 
@@ -189,7 +197,8 @@ class CupyBackend(Backend):
         try:
             with self._device:
                 self._open_device(cp, mg.device_bytes, workspace)
-                self._open_host(cp, layout.nbytes + staging)
+                arena_at = -(-(layout.nbytes + staging) // HOST_ALIGNMENT) * HOST_ALIGNMENT
+                self._open_host(cp, arena_at + mg.host_arena_bytes)
         except BaseException as exc:
             self.close()
             if isinstance(exc, (BackendError, PlanError)):
@@ -204,6 +213,8 @@ class CupyBackend(Backend):
         self._plans = plans
         self.layout = layout
         self._staging_at = layout.nbytes
+        self._arena_at = arena_at
+        self.reader = DiskReader(io)
         try:
             self._fill_host(mg, io)
         except BaseException:
@@ -218,7 +229,9 @@ class CupyBackend(Backend):
         self._ws_at = device_bytes
         self._ws_size = workspace - STATUS_BYTES
         self._status_at = device_bytes + self._ws_size
-        self._streams = {q: cp.cuda.Stream(non_blocking=True) for q in ("compute", "h2d", "d2h")}
+        # the disk queue's reads run on the host; its stream only carries its events
+        self._streams = {q: cp.cuda.Stream(non_blocking=True)
+                         for q in ("compute", "h2d", "d2h", "disk")}
         self._ptr(self._status_at).memset_async(0, STATUS_BYTES, self._streams["compute"])
         self._staged = cp.cuda.Event(block=True, disable_timing=True)
 
@@ -263,6 +276,8 @@ class CupyBackend(Backend):
             h2d.synchronize()  # `values` is pageable and short-lived: done before returning
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
         for stream in self._streams.values():
             try:
                 stream.synchronize()  # nothing may still read or write what is freed below
@@ -294,6 +309,9 @@ class CupyBackend(Backend):
         self._events[node] = event
 
     def wait(self, queue: str, node: int) -> None:
+        if queue == "disk":  # the reader writes host memory now: the awaited copy must be done
+            self._events[node].synchronize()
+            return
         self._streams[queue].wait_event(self._events[node])
 
     def stamp(self, queue: str) -> Any:
@@ -356,9 +374,17 @@ class CupyBackend(Backend):
     def _host_ptr(self, tid: int) -> int:
         return self._pinned_ptr + self.layout.offsets[tid]
 
+    def read_disk(self, n: ReadNode) -> None:
+        arena = self.host[self._arena_at:]
+        self.reader.read(n.tensor, staging_view(arena, self.mg, n.tensor, n.host_offset))
+
     def copy_h2d(self, n: ReloadNode | InputNode) -> None:
         dst, nbytes = self._instance(n.tensor, n.offset)
         h2d = self._streams["h2d"]
+        if isinstance(n, ReloadNode) and n.host_offset is not None:
+            dst.copy_from_host_async(self._pinned_ptr + self._arena_at + n.host_offset, nbytes,
+                                     h2d)
+            return
         if isinstance(n, ReloadNode):
             if n.tensor not in self.layout.offsets:
                 raise PlanError(f"reload %{n.id}: %t{n.tensor} has no host copy")

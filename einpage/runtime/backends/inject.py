@@ -37,6 +37,10 @@ class Wrapped(Backend):
         self._before("d2h")
         self.inner.copy_d2h(n)
 
+    def read_disk(self, n) -> None:
+        self._before("disk")
+        self.inner.read_disk(n)
+
     def run(self, n) -> None:
         self._before("compute")
         self.inner.run(n)
@@ -80,7 +84,7 @@ class Delayed(Wrapped):
         super().__init__(inner)
         self.max_delay_s = max_delay_s
         self.rngs = {q: np.random.default_rng([seed, k])
-                     for k, q in enumerate(("compute", "h2d", "d2h"))}
+                     for k, q in enumerate(("compute", "h2d", "d2h", "disk"))}
 
     def _before(self, queue: str) -> None:
         time.sleep(float(self.rngs[queue].random()) * self.max_delay_s)

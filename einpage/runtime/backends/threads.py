@@ -3,7 +3,10 @@ queue's calls do their work before returning (so `record` and `wait` need nothin
 executor's host-side flags), and the three worker threads overlap for real: NumPy drops the GIL
 in BLAS and in large copies. A reload of a weight block reads it from its source — for a
 checkpoint, the memory-mapped safetensors file — straight into the arena on the h2d thread, so
-on a CPU the "link" is the disk or the page cache, and those reads overlap compute.
+on a CPU the "link" is the disk or the page cache, and those reads overlap compute. A plan with a
+disk tier has a host arena of staging buffers: its reader (the disk queue's thread) reads each
+block a `read` names from the checkpoint file (`runtime.diskread`), and the reload copies it from
+there into the arena.
 """
 from __future__ import annotations
 
@@ -11,21 +14,27 @@ import time
 
 import numpy as np
 
-from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph, OffloadNode, OutputRef, ReloadNode
-from einpage.runtime.backends.base import Backend, HostLayout, host_layout, host_view
+from einpage.ir.memgraph import (ApplyNode, InputNode, MemGraph, OffloadNode, OutputRef, ReadNode,
+                                 ReloadNode)
+from einpage.runtime.backends.base import (Backend, HostLayout, aligned_empty, host_layout,
+                                           host_view, staging_view)
 from einpage.runtime.blockops import apply_into
+from einpage.runtime.diskread import DiskReader
 from einpage.runtime.planio import PlanIO, arena_view
 
 
 class ThreadsBackend(Backend):
     name = "threads"
 
-    def __init__(self, poison: bool = False) -> None:
+    def __init__(self, poison: bool = False, drop_cache: bool = False) -> None:
         """`poison` fills the arena with 0xFF first (NaN in every float dtype), so a read of
-        bytes no node wrote yet shows up in the answer (for tests)."""
-        self.poison = poison
+        bytes no node wrote yet shows up in the answer (for tests); `drop_cache` drops the pages
+        of every disk read from the page cache (`DiskReader`), so each pass reads the drive."""
+        self.poison, self.drop_cache = poison, drop_cache
         self.arena: np.ndarray | None = None
         self.host: np.ndarray | None = None
+        self.staging: np.ndarray | None = None
+        self.reader: DiskReader | None = None
 
     def open(self, mg: MemGraph, io: PlanIO) -> None:
         self.mg, self.io = mg, io
@@ -36,13 +45,21 @@ class ThreadsBackend(Backend):
         self.arena[:mg.high_water()] = 0xFF if self.poison else 0
         self.host = np.zeros(self.layout.nbytes, dtype=np.uint8)
         self.host[:] = 0
+        self.staging = aligned_empty(mg.host_arena_bytes)
+        self.staging[:] = 0xFF if self.poison else 0
+        self.reader = DiskReader(io, self.drop_cache)
 
     def _view(self, tid: int, offset: int | None) -> np.ndarray:
         return arena_view(self.arena, self.mg, tid, offset)
 
+    def read_disk(self, n: ReadNode) -> None:
+        self.reader.read(n.tensor, staging_view(self.staging, self.mg, n.tensor, n.host_offset))
+
     def copy_h2d(self, n: ReloadNode | InputNode) -> None:
         out = self._view(n.tensor, n.offset)
-        if n.tensor in self.layout.offloaded and isinstance(n, ReloadNode):
+        if isinstance(n, ReloadNode) and n.host_offset is not None:
+            np.copyto(out, staging_view(self.staging, self.mg, n.tensor, n.host_offset))
+        elif n.tensor in self.layout.offloaded and isinstance(n, ReloadNode):
             np.copyto(out, host_view(self.host, self.mg, self.layout, n.tensor))
         else:
             self.io.read_into(n.tensor, out)
@@ -84,4 +101,6 @@ class ThreadsBackend(Backend):
         return self.io.source_block(ref.tensor)
 
     def close(self) -> None:
-        self.arena = self.host = None
+        if self.reader is not None:
+            self.reader.close()
+        self.arena = self.host = self.staging = self.reader = None

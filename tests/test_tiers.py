@@ -1,0 +1,368 @@
+"""The disk tier (compiler/tiers.py, runtime/diskread.py): a host budget small enough that some
+weight blocks are read from the checkpoint files every pass. The plan is validated like the
+device arena (and the validator is shown rejecting broken disk plans), runs in random
+topological orders, on the threads backend and on the CuPy stand-in, and gives the logits of the
+unconstrained run."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from einpage.compiler import CompileOptions, compile_graph, validate
+from einpage.compiler.tiers import (STAGING_BLOCKS, choose_pinned, host_needs, place_tiers,
+                                    with_disk_tier)
+from einpage.errors import BudgetError, PlanError
+from einpage.ir.dtypes import DType
+from einpage.ir.memgraph import HOST_ALIGNMENT, InputNode, MemGraph, ReadNode, ReloadNode
+from einpage.models import llama, resolve
+from einpage.predict import get_device, simulate, with_overrides
+from einpage.runtime import executor
+from einpage.ir.tensors import FileTensor
+from einpage.runtime.diskread import DiskReader, block_runs
+from einpage.runtime.planio import PlanIO
+from einpage.runtime.stream_executor import run_streams
+from einpage.runtime.streams import check_program, compile_streams
+
+from test_cli import assert_one_line_error, cli
+
+H100 = get_device("h100-pcie")
+
+
+# ------------------------------------------------------------------ a tiered plan of a fixture
+@pytest.fixture(scope="module")
+def tiny(request):
+    from conftest import FIXTURES
+    path = FIXTURES / "tiny-llama-f32"
+    if not (path / "model.safetensors").exists():
+        pytest.skip(f"Hugging Face fixture {path} not found")
+    cfg, weights = resolve(str(path))
+    ids = np.load(path / "input_ids.npy")
+    graph = llama.prefill_graph(cfg).bind(B=ids.shape[0], S=ids.shape[1])
+    base = CompileOptions(cfg.weight_bytes() // 4)
+    free = compile_graph(graph, base)
+    needs = host_needs(free.memgraph)
+    largest = max(free.memgraph.tensors[t].bytes for t in needs.streamed)
+    host = needs.fixed_bytes + STAGING_BLOCKS[0] * -(-largest // HOST_ALIGNMENT) * HOST_ALIGNMENT \
+        + needs.streamed_bytes // 3
+    tiered = compile_graph(graph, dataclasses.replace(base, host_bytes=host))
+    want = executor.run(free.memgraph, {"tokens": ids}, weights)["logits"]
+    return dict(cfg=cfg, weights=weights, ids=ids, graph=graph, free=free, tiered=tiered,
+                host=host, want=want, path=path)
+
+
+def test_some_weights_come_from_disk_within_the_host_budget(tiny):
+    mg = tiny["tiered"].memgraph
+    report = validate(mg)
+    assert report.reads > 0 and report.read_bytes > 0
+    assert mg.host_arena_bytes > 0 and mg.host_arena_peak() <= mg.host_arena_bytes
+    meta = mg.meta
+    assert meta["host_bytes"] == tiny["host"]
+    assert meta["host_peak_bytes"] <= tiny["host"]
+    assert meta["disk_weight_bytes"] > 0 and meta["pinned_bytes"] > 0
+    sim = tiny["tiered"].simulation
+    assert sim.disk_bytes == report.read_bytes >= sim.disk_min_bytes > 0
+    assert sim.disk_s > 0
+    at_disk = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at == "disk"}
+    assert at_disk == {n.tensor for n in mg.nodes if isinstance(n, ReadNode)}
+    # the device side of the plan is the unconstrained plan's
+    free = tiny["free"].memgraph
+    assert [n.kind for n in mg.nodes if n.kind != "read"] == [n.kind for n in free.nodes]
+    assert mg.device_bytes == free.device_bytes
+
+
+def test_tiered_logits_equal_the_unconstrained_run(tiny):
+    mg, ids, weights, want = tiny["tiered"].memgraph, tiny["ids"], tiny["weights"], tiny["want"]
+    assert np.array_equal(executor.run(mg, {"tokens": ids}, weights)["logits"], want)
+    for seed in range(3):
+        got = executor.run(mg, {"tokens": ids}, weights, order=seed)["logits"]
+        assert np.array_equal(got, want), seed
+
+
+def test_threads_backend_reads_the_safetensors_file(tiny):
+    mg, ids, weights, want = tiny["tiered"].memgraph, tiny["ids"], tiny["weights"], tiny["want"]
+    program = compile_streams(mg, preload=True)
+    check_program(mg, program)
+    assert program.report()["disk_nodes"] == mg.count("read") > 0
+    from einpage.runtime.backends.inject import Delayed
+    from einpage.runtime.backends.threads import ThreadsBackend
+    for seed in range(2):  # random delays per queue: the edges are the only ordering
+        run = run_streams(mg, {"tokens": ids}, weights,
+                          backend=Delayed(ThreadsBackend(poison=True), seed, 2e-4))
+        assert np.array_equal(run.outputs["logits"], want)
+        assert run.measured.bytes("disk") == validate(mg).read_bytes
+    run = run_streams(mg, {"tokens": ids}, weights,
+                      backend=ThreadsBackend(poison=True, drop_cache=True))
+    assert np.array_equal(run.outputs["logits"], want)
+
+
+def test_cupy_stand_in_runs_the_disk_tier(tiny):
+    fake = pytest.importorskip("fake_cupy")
+    try:
+        fake.install()
+    except Exception as exc:  # no C++ compiler for the stand-in's kernels
+        pytest.skip(f"CuPy stand-in unavailable: {exc}")
+    from einpage.runtime.backends.cuda import CupyBackend
+    mg, ids, weights, want = tiny["tiered"].memgraph, tiny["ids"], tiny["weights"], tiny["want"]
+    got = run_streams(mg, {"tokens": ids}, weights, backend=CupyBackend()).outputs["logits"]
+    assert np.abs(got - want).max() < 1e-5
+
+
+def test_json_round_trip_keeps_the_disk_tier(tiny, tmp_path):
+    mg = tiny["tiered"].memgraph
+    again = MemGraph.from_json(json.loads(json.dumps(mg.to_json())))
+    def shape(g):
+        return [(n.kind, n.deps, getattr(n, "tensor", None), getattr(n, "host_offset", None),
+                 getattr(n, "at", None)) for n in g.nodes]
+    assert shape(again) == shape(mg) and again.host_arena_bytes == mg.host_arena_bytes
+    assert validate(again) == validate(mg)
+    assert "read %t" in str(mg) and "host_arena_bytes=" in str(mg)
+
+
+# ------------------------------------------------------------------ the validator rejects
+def _reads(mg):
+    return [n for n in mg.nodes if isinstance(n, ReadNode)]
+
+
+def _with(mg, node, **changes):
+    nodes = list(mg.nodes)
+    nodes[node.id] = dataclasses.replace(node, **changes)
+    return dataclasses.replace(mg, nodes=tuple(nodes))
+
+
+def _rejects(mg, *fragments):
+    with pytest.raises(PlanError) as info:
+        validate(mg)
+    for f in fragments:
+        assert f in str(info.value), str(info.value)
+
+
+def _reload_of(mg, read):
+    return next(n for n in mg.nodes if isinstance(n, ReloadNode) and read.id in n.deps)
+
+
+def test_rejects_a_reload_without_its_read_edge(tiny):
+    mg = tiny["tiered"].memgraph
+    r = _reads(mg)[0]
+    reload = _reload_of(mg, r)
+    _rejects(_with(mg, reload, deps=tuple(d for d in reload.deps if d != r.id)),
+             "(reload)", "not an ancestor")
+
+
+def test_rejects_a_missing_host_reuse_edge(tiny):
+    mg = tiny["tiered"].memgraph
+    reused = next(r for r in _reads(mg) if any(isinstance(mg.nodes[d], ReloadNode)
+                                               for d in r.deps))
+    _rejects(_with(mg, reused, deps=tuple(d for d in reused.deps
+                                          if not isinstance(mg.nodes[d], ReloadNode))),
+             "(read)", "host-reuse edge")
+
+
+def test_rejects_overlapping_live_staging_buffers(tiny):
+    mg = tiny["tiered"].memgraph
+    reads = _reads(mg)
+    first, second = reads[0], reads[1]
+    assert first.host_offset != second.host_offset
+    moved = _with(mg, second, host_offset=first.host_offset)
+    with pytest.raises(PlanError) as info:
+        validate(moved)
+    assert "(read)" in str(info.value) or "(reload)" in str(info.value)
+
+
+def test_rejects_misplaced_staging_buffers(tiny):
+    mg = tiny["tiered"].memgraph
+    r = _reads(mg)[0]
+    _rejects(_with(mg, r, host_offset=r.host_offset + 256), "not aligned")
+    _rejects(_with(mg, r, host_offset=mg.host_arena_bytes), "outside the host arena")
+    reload = _reload_of(mg, r)
+    _rejects(_with(mg, reload, host_offset=r.host_offset + HOST_ALIGNMENT), "(reload)",
+             "staging buffer")
+    _rejects(_with(mg, reload, host_offset=None), "no host copy", "at disk")
+
+
+def test_rejects_a_read_of_a_tensor_not_at_disk(tiny):
+    mg = tiny["tiered"].memgraph
+    r = _reads(mg)[0]
+    inp = next(n for n in mg.nodes if isinstance(n, InputNode) and n.tensor == r.tensor)
+    _rejects(_with(mg, inp, at="host"), "(read)", "no input of it at disk")
+
+
+def test_rejects_a_read_nothing_consumes(tiny):
+    mg = tiny["tiered"].memgraph
+    r = _reads(mg)[-1]
+    reload = _reload_of(mg, r)
+    nodes = list(mg.nodes)
+    nodes[reload.id] = dataclasses.replace(reload, host_offset=None,
+                                           deps=tuple(d for d in reload.deps if d != r.id))
+    inp = next(n for n in mg.nodes if isinstance(n, InputNode) and n.tensor == r.tensor)
+    broken = dataclasses.replace(mg, nodes=tuple(nodes))
+    # the reload now reads a host copy: give it one, so only the unconsumed read is wrong
+    broken = _with(broken, inp, at="disk")
+    with pytest.raises(PlanError):
+        validate(broken)
+
+
+# ------------------------------------------------------------------ the choice
+def test_unlimited_or_ample_host_memory_changes_nothing(tiny):
+    free = tiny["free"]
+    same = place_tiers(free.memgraph, free.simulation, None, H100)
+    assert same.memgraph is free.memgraph
+    needs = host_needs(free.memgraph)
+    ample = place_tiers(free.memgraph, free.simulation, needs.fixed_bytes + needs.streamed_bytes,
+                        H100)
+    assert ample.memgraph is free.memgraph and ample.choice.disk_bytes == 0
+
+
+def test_a_host_budget_too_small_names_the_one_that_works(tiny):
+    free = tiny["free"]
+    needs = host_needs(free.memgraph)
+    with pytest.raises(BudgetError) as info:
+        place_tiers(free.memgraph, free.simulation, needs.fixed_bytes, H100)
+    smallest = info.value.needed
+    assert "smallest host budget that would work" in str(info.value)
+    place_tiers(free.memgraph, free.simulation, smallest, H100)  # and it does work
+
+
+def test_disk_bandwidth_prices_the_reads(tiny):
+    mg = tiny["tiered"].memgraph
+    slow = simulate(mg, with_overrides(H100, disk_bandwidth=1e6))
+    fast = simulate(mg, with_overrides(H100, disk_bandwidth=1e12))
+    assert slow.makespan_s > fast.makespan_s
+    assert slow.lower_bound_s == pytest.approx(max(slow.compute_s, slow.h2d_min_bytes / H100.h2d_bandwidth,
+                                                   slow.d2h_bytes / H100.d2h_bandwidth,
+                                                   slow.disk_min_bytes / 1e6))
+    assert slow.makespan_s >= slow.disk_min_bytes / 1e6
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 50), st.integers(1, 3)), min_size=1, max_size=30),
+       st.floats(0, 1.2))
+def test_pinned_blocks_fit_and_favour_blocks_read_twice(blocks, share):
+    sizes = {t: b * HOST_ALIGNMENT for t, (b, _) in enumerate(blocks)}
+    reloads = {t: r for t, (_, r) in enumerate(blocks)}
+
+    class Needs:
+        streamed = tuple(sizes)
+    Needs.reloads = reloads
+    capacity = int(sum(sizes.values()) * share)
+    pinned = choose_pinned(Needs, sizes.__getitem__, capacity)
+    assert sum(sizes[t] for t in pinned) <= capacity
+    left = capacity - sum(sizes[t] for t in pinned)
+    assert all(sizes[t] > left for t in sizes if t not in pinned)  # nothing more fits
+
+
+def test_staging_buffers_form_a_ring_with_reuse_edges(tiny):
+    free = tiny["free"].memgraph
+    needs = host_needs(free)
+    disk = frozenset(needs.streamed)
+    largest = max(-(-free.tensors[t].bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT for t in disk)
+    for blocks in (1, 2, 3):
+        mg = with_disk_tier(free, disk, blocks * largest)
+        validate(mg)
+        assert mg.host_arena_peak() <= blocks * largest
+        got = executor.run(mg, {"tokens": tiny["ids"]}, tiny["weights"], order=blocks)["logits"]
+        assert np.array_equal(got, tiny["want"])
+
+
+# ------------------------------------------------------------------ reading blocks from files
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_block_runs_cover_the_box(data):
+    full = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)))
+    origin = tuple(data.draw(st.integers(0, f - 1)) for f in full)
+    shape = tuple(data.draw(st.integers(1, f - o)) for f, o in zip(full, origin))
+    whole = np.arange(int(np.prod(full)), dtype=np.int32).reshape(full)
+    starts, run = block_runs(full, origin, shape, 4)
+    raw = whole.reshape(-1).view(np.uint8)
+    got = np.concatenate([raw[s:s + run] for s in starts]).view(np.int32).reshape(shape)
+    want = whole[tuple(slice(o, o + n) for o, n in zip(origin, shape))]
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("file_dtype", ["f32", "bf16"])
+def test_disk_reader_reads_blocks_of_a_file(tmp_path, file_dtype):
+    from checkpoints import write_safetensors
+    from einpage.models.checkpoint import read_safetensors_header
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    write_safetensors(tmp_path / "w.safetensors", {"pad": np.ones(3, np.float32), "w": w},
+                      file_dtype)
+    ref = read_safetensors_header(tmp_path / "w.safetensors")["w"]
+    stored = w if file_dtype == "f32" else w.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    class Source:
+        def __call__(self, name):
+            return stored
+
+        def locate(self, name):
+            return FileTensor(ref.file, ref.offset, ref.dtype, (64, 48))
+
+    from einpage.ir.memgraph import TensorInfo
+    from einpage.ir.tensors import Source as Src
+    boxes = [((0, 0), (64, 48)), ((16, 0), (16, 48)), ((0, 24), (64, 24)), ((5, 7), (9, 30))]
+    tensors = tuple(TensorInfo(k, int(np.prod(s)) * 4, DType.f32, s, "w", "weight",
+                               Src("w", o, (64, 48), "w")) for k, (o, s) in enumerate(boxes))
+    mg = MemGraph(1 << 20, tensors, (), ())
+    reader = DiskReader(PlanIO(mg, {}, Source()), drop_cache=True)
+    try:
+        for k, (o, s) in enumerate(boxes):
+            out = np.empty(s, np.float32)
+            reader.read(k, out)
+            assert np.array_equal(out, stored[o[0]:o[0] + s[0], o[1]:o[1] + s[1]]), (o, s)
+        assert reader.bytes_read > 0
+    finally:
+        reader.close()
+
+
+# ------------------------------------------------------------------ the command line
+def test_compile_reports_the_tiers(capsys):
+    assert cli("compile", "llama-7b", "--gpu-mem", "8GB", "--cpu-mem", "8GB", "--json") == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["host_bytes"] == 8 * 10**9 and 0 < d["host_peak_bytes"] <= 8 * 10**9
+    assert d["disk_read_bytes"] > 0 and d["disk_s"] > 0
+    assert d["plan_lower_bound_s"] >= d["disk_read_bytes"] / 3e9 - 1e-9
+    assert cli("compile", "llama-7b", "--gpu-mem", "8GB", "--cpu-mem", "8GB",
+               "--disk-bandwidth", "7GB/s", "--json") == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["disk_s"] < d["disk_s"] and fast["makespan_s"] <= d["makespan_s"]
+    assert cli("compile", "llama-7b", "--gpu-mem", "8GB", "--cpu-mem", "unlimited",
+               "--json") == 0
+    none = json.loads(capsys.readouterr().out)
+    assert none["disk_read_bytes"] == 0 and none["host_bytes"] is None
+
+
+def test_compile_host_budget_too_small(capsys):
+    code = cli("compile", "llama-7b", "--gpu-mem", "8GB", "--cpu-mem", "1GB")
+    assert_one_line_error(capsys, code, "smallest host budget that would work")
+
+
+def test_run_with_a_host_budget_gives_the_same_logits(capsys, tmp_path, tiny):
+    out_free, out_tier = tmp_path / "free.npy", tmp_path / "tier.npy"
+    budget = str(tiny["cfg"].weight_bytes() // 4)
+    common = ("run", str(tiny["path"]), "--tokens-file", str(tiny["path"] / "input_ids.npy"),
+              "--gpu-mem", budget, "--backend", "threads")
+    assert cli(*common, "--cpu-mem", "unlimited", "--out", str(out_free)) == 0
+    assert cli(*common, "--cpu-mem", str(tiny["host"]), "--out", str(out_tier)) == 0
+    capsys.readouterr()
+    assert np.array_equal(np.load(out_free), np.load(out_tier))
+
+
+def test_default_host_budget_is_available_memory_less_a_margin(monkeypatch):
+    import argparse
+
+    from einpage.cli import common
+    args = argparse.Namespace(cpu_mem=None)
+    monkeypatch.delenv("EINPAGE_CPU_MEM", raising=False)
+    monkeypatch.setattr(common, "available_host_memory", lambda: 10 * 10**9)
+    budget, source = common.host_budget(args)
+    assert budget == 8 * 10**9 and "available memory 10.00 GB less 2.00 GB" in source
+    monkeypatch.setattr(common, "available_host_memory", lambda: 100 * 10**9)
+    assert common.host_budget(args)[0] == 90 * 10**9
+    monkeypatch.setenv("EINPAGE_CPU_MEM", "12GB")
+    assert common.host_budget(args) == (12 * 10**9, "EINPAGE_CPU_MEM")
+    assert common.host_budget(argparse.Namespace(cpu_mem="unlimited"))[0] is None
