@@ -102,36 +102,10 @@ SHAPE = dict(hidden=1024, layers=16, heads=16, kv_heads=16, intermediate=2816, v
 
 
 def write_model(directory: Path) -> Path:
-    """A LLaMA checkpoint of SHAPE, random f32 weights, written layer by layer (kept)."""
-    from safetensors.numpy import save_file
-    if (directory / "model.safetensors").exists():
-        return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    h, f, v = SHAPE["hidden"], SHAPE["intermediate"], SHAPE["vocab"]
-    rng = np.random.default_rng(0)
-
-    def mat(*shape):
-        return (0.02 * rng.standard_normal(shape, dtype=np.float32))
-
-    w = {"model.embed_tokens.weight": mat(v, h), "model.norm.weight": np.ones(h, np.float32),
-         "lm_head.weight": mat(v, h)}
-    for i in range(SHAPE["layers"]):
-        p = f"model.layers.{i}."
-        w.update({p + "input_layernorm.weight": np.ones(h, np.float32),
-                  p + "post_attention_layernorm.weight": np.ones(h, np.float32),
-                  p + "self_attn.q_proj.weight": mat(h, h), p + "self_attn.k_proj.weight": mat(h, h),
-                  p + "self_attn.v_proj.weight": mat(h, h), p + "self_attn.o_proj.weight": mat(h, h),
-                  p + "mlp.gate_proj.weight": mat(f, h), p + "mlp.up_proj.weight": mat(f, h),
-                  p + "mlp.down_proj.weight": mat(h, f)})
-    save_file(w, str(directory / "model.safetensors"))
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-              "hidden_size": h, "intermediate_size": f, "num_attention_heads": SHAPE["heads"],
-              "num_key_value_heads": SHAPE["kv_heads"], "num_hidden_layers": SHAPE["layers"],
-              "vocab_size": v, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-              "max_position_embeddings": 2048, "tie_word_embeddings": False,
-              "hidden_act": "silu", "torch_dtype": "float32"}
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
+    """A LLaMA checkpoint of SHAPE, random f32 weights (kept between runs)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from stream_cpu_bench import write_model as write
+    return write(directory, SHAPE)
 
 
 def cmd_measure(args) -> None:

@@ -37,11 +37,12 @@ from einpage.runtime.stream_executor import run_streams
 SHAPE = dict(hidden=768, layers=12, heads=12, kv_heads=12, intermediate=2048, vocab=32000)
 
 
-def write_model(directory: Path) -> Path:
-    """A LLaMA checkpoint of SHAPE with random f32 weights (kept between runs)."""
+def write_model(directory: Path, shape: dict = SHAPE) -> Path:
+    """A LLaMA checkpoint of `shape` with random f32 weights (kept between runs)."""
     if (directory / "model.safetensors").exists():
         return directory
     directory.mkdir(parents=True, exist_ok=True)
+    SHAPE = shape  # noqa: N806 - the layout below reads it
     h, f, v = SHAPE["hidden"], SHAPE["intermediate"], SHAPE["vocab"]
     rng = np.random.default_rng(0)
 
