@@ -13,9 +13,9 @@ import pytest
 import sympy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_cli_predict import _main
 from test_compile import random_graphs
 
-from einpage.cli import main
 from einpage.cli.plot import (_BAR_COLORS, _COLORS, _spans, plan_title, plot_timeline,
                               timeline_figures)
 from einpage.cli.report import report_lines
@@ -99,14 +99,11 @@ def test_largest_task_keeps_its_old_name():
     assert c.report.peak_bytes == c.report.arena_bytes == c.report.to_json()["peak_bytes"]
 
 
+
 # ------------------------------------------------------------------ the command line
 
 def _run(capsys, *argv):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
+    code, out, err = _main(capsys, *argv)
     assert code == 0, err
     return out
 
