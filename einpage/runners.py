@@ -52,8 +52,10 @@ class PlanRunner:
     """Compiles every graph for the budget and runs the plan on `backend` (`numpy`: the
     sequential executor; `threads`, `cupy`: the stream executor; `auto`: cupy where a GPU is
     usable, else threads), keeping each pass in `passes`. With `options.device_bytes` None the
-    budget is the backend's memory (`backend_memory`). On cupy the budget holds the backend's
-    workspace for temporaries too: the plan gets the rest.
+    budget is the backend's memory (`backend_memory`). On cupy the budget is all the process
+    takes of the device: the CUDA context and cuBLAS handles (measured), cuBLAS's workspace and
+    the apply workspace come out of it, the plan gets the rest (`reservation` says how much
+    went where).
 
     Plans are cached by graph for the life of the runner (a decode step's graph is the same for
     every step of a KV bucket: one compile). `open(graph)` holds its plan open on the backend for
@@ -64,11 +66,14 @@ class PlanRunner:
         from einpage.runtime.backends import resolve
         self.weights, self.timing = weights, timing
         self.backend = "numpy" if backend == "numpy" else resolve(backend)
+        self.context_bytes = 0
         if self.backend == "cupy":
             from einpage.runtime.backends import make_backend
-            make_backend("cupy")  # fails here, with one line, where no GPU is usable
-        budget = options.device_bytes or backend_memory(self.backend)
+            # fails here, with one line, where no GPU is usable
+            self.context_bytes = make_backend("cupy").context_bytes()
+        budget = options.device_bytes or backend_memory(self.backend) + self.context_bytes
         self.options = replace(options, device_bytes=budget)
+        self.reservation = None  # on cupy: what the budget holds besides the plan (last plan)
         self.passes: list[Pass] = []
         self._plans: dict[Graph, tuple[Compiled, int]] = {}
         self.compile_s = 0.0
@@ -94,23 +99,27 @@ class PlanRunner:
         return PlanSession(self, compiled, workspace)
 
     def _compile(self, graph: Graph) -> tuple[Compiled, int]:
-        """The plan, and on cupy the workspace it needs: compiled for the budget less a reserve
-        that grows to what the plan's kernels need (a couple of rounds at most)."""
+        """The plan, and on cupy the apply workspace it needs: compiled for the arena the budget
+        leaves once the CUDA context, cuBLAS's workspace and the plan's own apply workspace are
+        taken (`cuda_memory.reserve`); the workspace is known only from the plan, so a couple
+        of rounds at most."""
         budget = self.options.device_bytes
         if self.backend != "cupy":
             return compile_graph(graph, self.options), 0
-        from einpage.runtime.backends.cuda import workspace_bytes
-        reserve = max(budget // 64, 1 << 20)
+        from einpage.runtime.backends.apply_plan import STATUS_BYTES, workspace_bytes
+        from einpage.runtime.backends.cuda_memory import reserve
+        workspace = STATUS_BYTES
         for _ in range(4):
-            if reserve >= budget:
-                break
-            compiled = compile_graph(graph, replace(self.options, device_bytes=budget - reserve))
+            reservation = reserve(budget, self.context_bytes, workspace)
+            compiled = compile_graph(graph, replace(self.options,
+                                                    device_bytes=reservation.arena))
             need = workspace_bytes(compiled.memgraph)
-            if need <= reserve:
-                return compiled, reserve
-            reserve = need
+            if need <= workspace:
+                self.reservation = reservation
+                return compiled, workspace
+            workspace = need
         raise BudgetError(f"the budget of {budget} bytes cannot hold both a plan and the "
-                          f"{reserve} bytes of workspace its kernels need", reserve, budget)
+                          f"{workspace} bytes of workspace its kernels need", workspace, budget)
 
 
 class PlanSession:

@@ -56,3 +56,21 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured max abs errors")
         for label in sorted(_ERRORS):
             terminalreporter.write_line(f"{label:<60} {_ERRORS[label]:.3e}")
+
+
+#: The only reasons a test may skip for (a skip for any other reason hides a broken test, as
+#: `fake_cupy.install()` once did): the machine has no GPU, or no CUDA compiler, or it has a GPU
+#: (a test of what happens without one).
+SKIP_REASONS = ("no GPU", "no CUDA compiler", "a GPU is usable here")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+        if not reason.startswith(SKIP_REASONS):
+            report.outcome = "failed"
+            report.longrepr = (f"skipped for a reason that is not allowed ({reason!r}): only "
+                               f"{' / '.join(SKIP_REASONS)} may skip a test (tests/conftest.py)")

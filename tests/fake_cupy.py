@@ -1,19 +1,20 @@
 """A host stand-in for CuPy, for the CuPy backend's tests (`test_cuda_source`,
-`test_cuda_backend`): `FakeCupy` is the part of the CuPy v14.2.0 API the backend calls, over NumPy
-arrays in raw host memory, whose `ElementwiseKernel` / `ReductionKernel` compile the generated CUDA
-C for the host with g++ (`HostKernels`: batched into shared libraries, loaded with ctypes). Where
-real CuPy would allocate a temporary (matmul on non-contiguous operands, a 1x1 dot, CUB
-reductions, arrays made without `memptr`) it asserts or allocates through the thread's
-allocator, so a test sees it.
+`test_cuda_backend`): `FakeCupy` is the part of the CuPy v14.2.0 API the backend calls (and
+libcublas's `cublasSetWorkspace`, which CuPy does not wrap), over raw host memory, asynchronous
+and checked as a device is (see `FakeCupy`); its `ElementwiseKernel` / `ReductionKernel` compile
+the generated CUDA C for the host with g++ (`HostKernels`: batched into shared libraries, loaded
+with ctypes; `-ffp-contract=off`, as NVRTC's `--fmad=false`).
 
 `installed(monkeypatch, tmp_path_factory)` is a fixture body: `FakeCupy` as `sys.modules["cupy"]`
-for one test, with the backend's caches of CuPy objects cleared around it (skips without g++).
+for one test, with the backend's caches of CuPy objects cleared around it (skips without g++);
+`install(kernels)` does the same for a script.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import math
+import random
 import re
 import shutil
 import subprocess
@@ -25,10 +26,11 @@ import weakref
 from pathlib import Path
 from typing import Iterator
 
+import ml_dtypes
 import numpy as np
 import pytest
 
-from einpage.runtime.backends import cuda, cuda_source, gemm_plan
+from einpage.runtime.backends import cuda, cuda_memory, cuda_source, gemm_plan
 
 CXX = shutil.which("g++") or shutil.which("c++")
 
@@ -180,7 +182,7 @@ class HostKernels:
         if not lib.exists():
             cpp = self.directory / f"k_{digest}.cpp"
             cpp.write_text(text)
-            result = subprocess.run([CXX, "-O1", "-shared", "-fPIC", "-w", "-o", str(lib),
+            result = subprocess.run([CXX, "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-w", "-o", str(lib),
                                      str(cpp)], capture_output=True, text=True)
             assert result.returncode == 0, result.stderr[-4000:]
         dll = ctypes.CDLL(str(lib))
@@ -203,104 +205,261 @@ def _call(fn, arrays, shape, strides, scalars, nout=0):
 
 # ---------------------------------------------------------------------- a stand-in for CuPy
 
+class CUDARuntimeError(RuntimeError):
+    """`cupy.cuda.runtime.CUDARuntimeError`: `status`, and CuPy's message form."""
+
+    def __init__(self, name: str, message: str):
+        self.status = name
+        super().__init__(f"{name}: {message}")
+
+
+class CUBLASError(RuntimeError):
+    """`cupy_backends.cuda.libs.cublas.CUBLASError`."""
+
+    def __init__(self, name: str, message: str = ""):
+        self.status = name
+        super().__init__(f"{name}{': ' + message if message else ''}")
+
+
+#: what the stand-in charges for the CUDA context and a cuBLAS handle on a device
+CONTEXT_BYTES = 300 << 20
+HANDLE_BYTES = 4 << 20
+#: cuBLAS's own workspace, allocated at a handle's first GEMM unless one was set
+CUBLAS_DEFAULT_WORKSPACE = 32 << 20
+#: cudaMalloc's granularity
+ALLOC_GRANULE = 2 << 20
+
+
 class Raw:
-    def __init__(self, ptr: int):
-        self.ptr = ptr
+    def __init__(self, ptr: int, size: int = 0):
+        self.ptr, self.size = ptr, size
 
 
-class Pointer:
-    """`cupy.cuda.MemoryPointer` over host memory: copies and memsets run at once."""
-
-    def __init__(self, mem, offset: int):
-        self.mem = mem
-        self.ptr = mem.ptr + offset
-
-    def __add__(self, n: int):
-        return Pointer(self.mem, self.ptr - self.mem.ptr + int(n))
-
-    def memset_async(self, value, size, stream=None):
-        ctypes.memset(self.ptr, value, size)
-
-    def copy_from_host_async(self, mem, size, stream=None):
-        ctypes.memmove(self.ptr, mem, size)
-
-    def copy_to_host_async(self, mem, size, stream=None):
-        ctypes.memmove(mem, self.ptr, size)
+def _aligned_buffer(size: int, alignment: int = 256) -> tuple[np.ndarray, int]:
+    raw = np.zeros(max(int(size), 1) + alignment, np.uint8)
+    skip = (-raw.ctypes.data) % alignment
+    return raw, raw.ctypes.data + skip
 
 
-class _Array(np.ndarray):
-    """A device array: a NumPy view whose `.data` is a memory pointer, as CuPy's is."""
+class _Queue:
+    """One stream's work: a FIFO of callables run by its own worker thread, each after a seeded
+    random delay, so that only events order the streams (as on a device)."""
 
-    @property
-    def data(self):
-        return Pointer(Raw(self.ctypes.data), 0)
+    def __init__(self, fake, rng):
+        self.fake, self.rng = fake, rng
+        self.items: list = []
+        self.cond = threading.Condition()
+        self.issued = self.completed = 0
+        self.stopped = False
+        self.thread = threading.Thread(target=self._work, daemon=True, name="fake-cupy-stream")
+        self.thread.start()
+
+    def put(self, fn, work: bool = True) -> int:
+        """Queue `fn`; `work` False for markers (event records, waits), which take no time."""
+        with self.cond:
+            self.items.append((fn, work))
+            self.issued += 1
+            self.cond.notify_all()
+            return self.issued
+
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                while not self.items and not self.stopped:
+                    self.cond.wait()
+                if self.stopped and not self.items:
+                    return
+                fn, work = self.items.pop(0)
+            delay = self.fake.max_delay
+            if work and delay and self.rng.random() < 0.5:
+                time.sleep(self.rng.random() * delay)
+            try:
+                if self.fake.sticky is None:
+                    fn()
+            except CUDARuntimeError as exc:  # a device fault: every later call fails
+                self.fake.sticky = exc
+            except BaseException as exc:  # noqa: BLE001 - reported at the next synchronize
+                self.fake.sticky = CUDARuntimeError("cudaErrorLaunchFailure",
+                                                    f"{type(exc).__name__}: {exc}")
+            with self.cond:
+                self.completed += 1
+                self.cond.notify_all()
+
+    def wait_for(self, ticket: int) -> None:
+        with self.cond:
+            while self.completed < ticket:
+                self.cond.wait()
+
+    def drain(self) -> None:
+        with self.cond:
+            ticket = self.issued
+        self.wait_for(ticket)
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
 
 
 class FakeCupy(types.ModuleType):
-    """Just the CuPy v14.2.0 API the backend calls, on the host. Streams run work when it is
-    issued (the executor's host flags then order it, as for the threads backend). Where real
-    CuPy would allocate a temporary (matmul on non-contiguous operands, a 1x1 dot, CUB
-    reductions, arrays made without `memptr`) this one asserts or allocates through the
-    thread's allocator, so a test sees it."""
+    """The CuPy v14.2.0 API the backend calls, on the host, asynchronous as a device is: each
+    stream runs its work later on its own worker thread with seeded random delays (`seed`,
+    `max_delay` seconds), events order them, and the host sees results only after it
+    synchronizes. It checks what CUDA and cuBLAS would reject, raising their errors:
 
-    def __init__(self, host: HostKernels):
+    - device memory: raw allocations (`Memory`, 256-aligned, charged in 2 MiB granules against
+      `total` bytes per device, after the context); every copy, memset, kernel operand and GEMM
+      operand must lie inside a live allocation; every region (`UnownedMemory`) starts
+      256-aligned, every view at a multiple of its element size;
+    - streams and devices: work is never issued on the legacy null stream nor on a stream of
+      another device than the current one (a kernel launch fails there), events are recorded
+      only on streams of their own device; a device fault is sticky: every later call raises;
+    - host memory: copies with pinned memory (`PinnedMemory`) run in order on their stream and
+      read or write the host bytes when they run; copies with pageable memory synchronize and
+      are counted (`pageable_copies`);
+    - kernels: compiled once per (kernel, argument types, ndim) with the NVRTC options the
+      backend passes (counted in `compiles`); cuBLAS: GemmEx / GemmStridedBatchedEx with
+      column-major semantics, leading dimensions and alignment checked, on the calling thread's
+      current stream through a handle made per thread and device; a handle without a
+      workspace set (`cublas_set_workspace`) allocates cuBLAS's own at its first GEMM.
+
+    Where real CuPy would allocate a temporary (arrays made without `memptr`) it allocates
+    through the thread's allocator, so a test sees it."""
+
+    def __init__(self, host: HostKernels, seed: int = 0, max_delay: float = 2e-4,
+                 devices: int = 1, total: int = 80 << 30):
         super().__init__("cupy")
         self.host = host
+        self.seed, self.max_delay = seed, max_delay
         self.live = weakref.WeakSet()   # raw device allocations not yet freed
         self.pinned_live = weakref.WeakSet()
-        tls = threading.local()
+        self.sticky: CUDARuntimeError | None = None
+        self.pageable_copies = 0
+        self.compiles: dict[tuple, tuple[str, ...]] = {}
+        self.gemms = 0
+        self.total = total
+        self.used = [0] * devices          # bytes taken per device (context, handles, memory)
+        self.contexts = [False] * devices
+        self.allocations: dict[int, tuple[int, int]] = {}   # start -> (end, device)
+        self.pinned: dict[int, int] = {}                     # start -> end
+        self.handles: dict[tuple[int, int], dict] = {}       # (thread, device) -> handle state
+        self._streams = 0
+        self._lock = threading.Lock()
+        tls = self._tls = threading.local()
         fake = self
+
+        def current_device() -> int:
+            return getattr(tls, "device", [0])[-1] if getattr(tls, "device", None) else 0
+
+        self.current_device = current_device
 
         class Memory:
             def __init__(self, size):
-                self.buf = np.zeros(max(int(size), 1), np.uint8)
-                self.ptr, self.size = self.buf.ctypes.data, int(size)
+                fake._check_sticky()
+                self.device_id = current_device()
+                self.size = int(size)
+                fake._charge(self.device_id, -(-max(self.size, 1) // ALLOC_GRANULE)
+                             * ALLOC_GRANULE)
+                self.buf, self.ptr = _aligned_buffer(self.size)
+                fake.allocations[self.ptr] = (self.ptr + self.size, self.device_id)
                 fake.live.add(self)
+                weakref.finalize(self, fake._release, self.ptr, self.device_id,
+                                 -(-max(self.size, 1) // ALLOC_GRANULE) * ALLOC_GRANULE)
 
-        class PinnedMemory(Memory):
+        class PinnedMemory:
             def __init__(self, size):
-                super().__init__(size)
-                fake.live.discard(self)
+                fake._check_sticky()
+                self.size = int(size)
+                self.buf, self.ptr = _aligned_buffer(self.size, 4096)
+                fake.pinned[self.ptr] = self.ptr + self.size
                 fake.pinned_live.add(self)
+                weakref.finalize(self, fake.pinned.pop, self.ptr, None)
 
         class UnownedMemory:
             def __init__(self, ptr, size, owner, device_id=-1):
+                assert ptr % 256 == 0, f"a region at {ptr:#x} is not 256-byte aligned"
+                fake._device_range(ptr, size, "a region")
                 self.ptr, self.size, self.owner = ptr, size, owner
+                self.device_id = device_id
 
         class Stream:
             def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
-                assert non_blocking
+                assert non_blocking and not null, "the backend's streams are non-blocking"
+                fake._check_sticky()
+                self.device_id = current_device()
+                fake._streams += 1
+                self.ptr = 0x5000 + fake._streams
+                self.queue = _Queue(fake, random.Random(fake.seed * 1009 + fake._streams))
+                weakref.finalize(self, self.queue.stop)
 
             def __enter__(self):
+                tls.__dict__.setdefault("streams", []).append(self)
                 return self
 
             def __exit__(self, *exc):
+                tls.streams.pop()
                 return False
 
             def synchronize(self):
-                pass
+                self.queue.drain()
+                fake._check_sticky()
+
+            @property
+            def done(self):
+                return self.queue.completed >= self.queue.issued
 
             def wait_event(self, event):
-                assert event.recorded
+                fake._check_sticky()
+                target = event.target
+                if target is not None:  # an event never recorded is complete
+                    self.queue.put(lambda: target[0].wait_for(target[1]), work=False)
+
+            def record(self, event=None):
+                event = Event() if event is None else event
+                event.record(self)
+                return event
 
         class Event:
             def __init__(self, block=False, disable_timing=False, interprocess=False):
-                self.recorded, self.timing, self.t = False, not disable_timing, 0.0
+                fake._check_sticky()
+                self.device_id = current_device()
+                self.timing = not disable_timing
+                self.target = None
+                self.t = None
 
             def record(self, stream=None):
-                self.recorded, self.t = True, time.perf_counter()
+                stream = fake._stream(stream)
+                if stream.device_id != self.device_id:
+                    raise CUDARuntimeError("cudaErrorInvalidResourceHandle",
+                                           "invalid resource handle")
+                self.t = None
+
+                def stamp():
+                    self.t = time.perf_counter()
+                self.target = (stream.queue, stream.queue.put(stamp, work=False))
 
             def synchronize(self):
-                pass
+                if self.target is not None:
+                    self.target[0].wait_for(self.target[1])
+                fake._check_sticky()
+
+            @property
+            def done(self):
+                return self.target is None or self.target[0].completed >= self.target[1]
 
         class Device:
-            def __init__(self, device=0):
-                self.id = device
+            def __init__(self, device=None):
+                self.id = current_device() if device is None else int(device)
 
             def __enter__(self):
+                if not 0 <= self.id < len(fake.used):
+                    raise CUDARuntimeError("cudaErrorInvalidDevice", "invalid device ordinal")
+                tls.__dict__.setdefault("device", []).append(self.id)
+                fake._context(self.id)
                 return self
 
             def __exit__(self, *exc):
+                tls.device.pop()
                 return False
 
         class MemoryHook:
@@ -316,7 +475,10 @@ class FakeCupy(types.ModuleType):
                 del tls.hooks[self.name]
 
         def get_elapsed_time(a, b):
-            assert a.timing and b.timing
+            assert a.timing and b.timing, "timing needs events made without disable_timing"
+            for e in (a, b):
+                if e.t is None:
+                    raise CUDARuntimeError("cudaErrorNotReady", "device not ready")
             return (b.t - a.t) * 1000.0
 
         class using_allocator:
@@ -336,19 +498,193 @@ class FakeCupy(types.ModuleType):
                 return allocator(nbytes)
             for hook in getattr(tls, "hooks", {}).values():
                 hook.malloc_preprocess(device_id=0, size=nbytes, mem_size=nbytes)
-            return Pointer(Memory(nbytes), 0)
+            mem = Memory(nbytes)
+            return Pointer(fake, mem, 0)
 
-        cuda = types.SimpleNamespace(
-            is_available=lambda: True, runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
-            Memory=Memory, UnownedMemory=UnownedMemory, MemoryPointer=Pointer,
+        def mem_get_info():
+            device = current_device()
+            fake._context(device)
+            return fake.total - fake.used[device], fake.total
+
+        def get_cublas_handle():
+            device = current_device()
+            fake._context(device)
+            key = (threading.get_ident(), device)
+            with fake._lock:
+                if key not in fake.handles:
+                    fake.handles[key] = {"id": 0x7000 + len(fake.handles), "device": device,
+                                         "workspace": None, "own_workspace": False}
+                    fake.used[device] += HANDLE_BYTES
+                return fake.handles[key]["id"]
+
+        runtime = types.SimpleNamespace(
+            getDeviceCount=lambda: len(fake.used), memGetInfo=mem_get_info,
+            getDevice=current_device, CUDARuntimeError=CUDARuntimeError)
+        cublas = types.SimpleNamespace(gemmEx=self._gemm_ex,
+                                       gemmStridedBatchedEx=self._gemm_strided_batched_ex,
+                                       CUBLASError=CUBLASError)
+        self.cuda = types.SimpleNamespace(
+            is_available=lambda: True, runtime=runtime, cublas=cublas,
+            Memory=Memory, UnownedMemory=UnownedMemory,
+            MemoryPointer=lambda mem, offset: Pointer(fake, mem, offset),
             PinnedMemory=PinnedMemory, Stream=Stream, Event=Event, Device=Device,
             MemoryHook=MemoryHook, get_elapsed_time=get_elapsed_time,
             using_allocator=using_allocator,
-            device=types.SimpleNamespace(get_cublas_handle=lambda: 1))
-        self.cuda = cuda
+            device=types.SimpleNamespace(get_cublas_handle=get_cublas_handle))
         self._alloc = alloc
 
+    # ------------------------------------------------------------------ device state
+    def _check_sticky(self) -> None:
+        if self.sticky is not None:
+            raise self.sticky
+
+    def _context(self, device: int) -> None:
+        with self._lock:
+            if not self.contexts[device]:
+                self.contexts[device] = True
+                self.used[device] += CONTEXT_BYTES
+
+    def _charge(self, device: int, nbytes: int) -> None:
+        self._context(device)
+        with self._lock:
+            if self.used[device] + nbytes > self.total:
+                raise CUDARuntimeError("cudaErrorMemoryAllocation", "out of memory")
+            self.used[device] += nbytes
+
+    def _release(self, ptr: int, device: int, nbytes: int) -> None:
+        with self._lock:
+            self.allocations.pop(ptr, None)
+            self.used[device] -= nbytes
+
+    def _device_range(self, ptr: int, size: int, what: str) -> int:
+        """The device of the live allocation holding `[ptr, ptr + size)`; an illegal address
+        otherwise."""
+        for start, (end, device) in list(self.allocations.items()):
+            if start <= ptr and ptr + size <= end:
+                return device
+        raise CUDARuntimeError("cudaErrorIllegalAddress",
+                               f"{what} [{ptr:#x}, +{size}) lies outside every allocation")
+
+    def _pinned_host(self, ptr: int, size: int) -> bool:
+        return any(start <= ptr and ptr + size <= end for start, end in
+                   list(self.pinned.items()))
+
+    def _stream(self, stream=None):
+        """`stream`, or the thread's current one; never the legacy null stream."""
+        self._check_sticky()
+        if stream is None:
+            streams = getattr(self._tls, "streams", None)
+            assert streams, "work issued on the legacy null stream (no stream is current)"
+            stream = streams[-1]
+        return stream
+
+    def _launch(self, fn, stream=None) -> None:
+        """Issue device work (a kernel, a memset, a GEMM) on `stream` (default: current)."""
+        stream = self._stream(stream)
+        if stream.device_id != self.current_device():
+            raise CUDARuntimeError("cudaErrorInvalidResourceHandle",
+                                   f"a launch on a stream of device {stream.device_id} while "
+                                   f"device {self.current_device()} is current")
+        stream.queue.put(fn)
+
+    def _copy(self, dst: int, src: int, size: int, host: int, stream) -> None:
+        """A copy between device and host memory (`host` is the host side's address)."""
+        stream = self._stream(stream)
+        if size == 0:
+            return
+        if self._pinned_host(host, size):
+            stream.queue.put(lambda: ctypes.memmove(dst, src, size))
+            return
+        self.pageable_copies += 1  # pageable: synchronous, through a staging buffer
+        stream.synchronize()
+        ctypes.memmove(dst, src, size)
+
+    # ------------------------------------------------------------------ cuBLAS
+    def _handle(self, handle: int) -> dict:
+        key = (threading.get_ident(), self.current_device())
+        state = self.handles.get(key)
+        assert state is not None and state["id"] == handle, \
+            "a cuBLAS handle is used on the thread and device that made it"
+        return state
+
+    def cublas_set_workspace(self, handle: int, ptr: int, size: int) -> None:
+        """cublasSetWorkspace: 256-byte aligned, inside an allocation (cuBLAS's documented
+        requirements); the handle then allocates nothing itself."""
+        state = self._handle(handle)
+        if ptr % 256:
+            raise CUBLASError("CUBLAS_STATUS_INVALID_VALUE", "workspace not 256-byte aligned")
+        self._device_range(ptr, size, "the cuBLAS workspace")
+        state["workspace"] = (ptr, size)
+
+    def _matrix(self, ptr, tag, op, rows, cols, ld, what) -> np.ndarray:
+        """op(X) as a (rows, cols) view of column-major X at `ptr` with leading dimension
+        `ld` (cuBLAS's reading)."""
+        size = np.dtype(_CUDA_NP[tag]).itemsize
+        stored_rows = rows if op == 0 else cols
+        if ld < max(1, stored_rows):
+            raise CUBLASError("CUBLAS_STATUS_INVALID_VALUE", f"ld{what} {ld} < {stored_rows}")
+        if ptr % size:
+            raise CUDARuntimeError("cudaErrorMisalignedAddress",
+                                   f"{what} at {ptr:#x} is not {size}-byte aligned")
+        strides = (size, ld * size) if op == 0 else (ld * size, size)
+        extent = ((rows - 1) * strides[0] + (cols - 1) * strides[1] + size
+                  if rows and cols else 0)
+        self._device_range(ptr, extent, f"gemm operand {what}")
+        buf = (ctypes.c_ubyte * max(extent, 1)).from_address(ptr)
+        return np.ndarray((rows, cols), _CUDA_NP[tag], buffer=buf, strides=strides)
+
+    def _gemm(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, stride_a, b, btype,
+              ldb, stride_b, beta, c, ctype, ldc, stride_c, count, compute) -> None:
+        state = self._handle(handle)
+        if state["workspace"] is None and not state["own_workspace"]:
+            state["own_workspace"] = True  # cuBLAS allocates its own, outside any budget
+            self._charge(state["device"], CUBLAS_DEFAULT_WORKSPACE)
+        acc = np.float64 if compute == _COMPUTE_64F else np.float32
+        if (compute == _COMPUTE_64F) != (atype == 1):
+            raise CUBLASError("CUBLAS_STATUS_NOT_SUPPORTED", f"compute {compute} for {atype}")
+        if atype != btype or ctype not in _C_TYPES[atype]:
+            raise CUBLASError("CUBLAS_STATUS_NOT_SUPPORTED", f"types {atype} {btype} {ctype}")
+        scal = ctypes.c_double if acc is np.float64 else ctypes.c_float
+        al, be = scal.from_address(alpha).value, scal.from_address(beta).value  # read now
+        self.gemms += 1
+
+        def run():
+            for i in range(max(count, 1)):
+                x = self._matrix(a + i * stride_a * _SIZE[atype], atype, transa, m, k, lda, "a")
+                y = self._matrix(b + i * stride_b * _SIZE[btype], btype, transb, k, n, ldb, "b")
+                z = self._matrix(c + i * stride_c * _SIZE[ctype], ctype, 0, m, n, ldc, "c")
+                part = _as_float(x, acc) @ _as_float(y, acc) * acc(al)
+                if be:
+                    part = part + acc(be) * _as_float(z, acc)
+                _store(z, part)
+        self._launch(run)
+
+    def _gemm_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb,
+                 beta, c, ctype, ldc, compute, algo):
+        self._gemm(handle, transa, transb, m, n, k, alpha, a, atype, lda, 0, b, btype, ldb, 0,
+                   beta, c, ctype, ldc, 0, 0, compute)
+
+    def _gemm_strided_batched_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda,
+                                 stride_a, b, btype, ldb, stride_b, beta, c, ctype, ldc,
+                                 stride_c, count, compute, algo):
+        assert count >= 1
+        self._gemm(handle, transa, transb, m, n, k, alpha, a, atype, lda, stride_a, b, btype,
+                   ldb, stride_b, beta, c, ctype, ldc, stride_c, count, compute)
+
     # ------------------------------------------------------------------ arrays
+    def adopt(self, array: np.ndarray):
+        """A device view of a live host array (tests run kernels on it): its bytes registered
+        as a device allocation of the current device for as long as the array lives."""
+        owner = array
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        start = owner.ctypes.data
+        self.allocations[start] = (start + owner.nbytes, self.current_device())
+        weakref.finalize(owner, self.allocations.pop, start, None)
+        start = array.ctypes.data
+        return self.ndarray(array.shape, array.dtype, memptr=Pointer(self, Raw(start), 0),
+                            strides=array.strides)
+
     def ndarray(self, shape, dtype=float, memptr=None, strides=None):
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in shape)
@@ -357,51 +693,103 @@ class FakeCupy(types.ModuleType):
         if strides is None:
             strides = gemm_plan.contiguous_strides(shape, dtype.itemsize)
         assert all(s >= 0 for s in strides)
+        assert memptr.ptr % dtype.itemsize == 0, \
+            f"a {dtype} view at {memptr.ptr:#x} is not aligned to its element size"
+        assert all(s % dtype.itemsize == 0 for s in strides), (dtype, strides)
         extent = (sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize
                   if math.prod(shape) else 0)
         buf = (ctypes.c_ubyte * max(extent, 1)).from_address(memptr.ptr)
-        return np.ndarray(shape, dtype, buffer=buf, strides=tuple(strides)).view(_Array)
+        out = np.ndarray(shape, dtype, buffer=buf, strides=tuple(strides)).view(_Array)
+        out._fake = self
+        return out
 
     def copyto(self, dst, src):
         assert dst.dtype == src.dtype and dst.shape == src.shape, (dst.dtype, src.dtype)
-        np.copyto(dst, src)
+        self._check_arrays("copyto", dst, src)
+        self._launch(lambda: np.copyto(dst, src))
 
-    def matmul(self, a, b, out=None):
-        assert out is not None and a.dtype == b.dtype == out.dtype
-        assert out.flags.c_contiguous
-        assert not np.may_share_memory(out, a) and not np.may_share_memory(out, b)
-        if a.ndim <= 2 and b.ndim <= 2:
-            assert a.ndim == b.ndim == 2
-            assert a.dtype in (np.float16, np.float32, np.float64)
-            for x in (a, b):  # CuPy's dot passes C or F matrices to cuBLAS, else copies
-                assert x.flags.c_contiguous or x.flags.f_contiguous
-            assert out.shape != (1, 1), "CuPy reduces a 1x1 dot with temporaries"
-        else:  # strided-batched GEMM: ascontiguousarray copies anything else (f16 to f32)
-            assert a.dtype in (np.float32, np.float64)
-            assert a.ndim == b.ndim == out.ndim == 3 and a.shape[0] == b.shape[0]
-            assert a.flags.c_contiguous and b.flags.c_contiguous
-        if out.dtype == np.float16:  # cuBLAS: float32 compute type, one rounding
-            out[...] = np.matmul(a.astype(np.float32), b.astype(np.float32))
-        else:
-            np.matmul(a, b, out=out)
+    def _check_arrays(self, what: str, *arrays) -> None:
+        for a in arrays:
+            if a.size:
+                lo = min(0, *((n - 1) * s for n, s in zip(a.shape, a.strides)))
+                hi = sum((n - 1) * s for n, s in zip(a.shape, a.strides) if s > 0)
+                self._device_range(a.ctypes.data + lo, hi - lo + a.itemsize, what)
 
     def ElementwiseKernel(self, in_params, out_params, operation, name="kernel",
-                          reduce_dims=True, preamble="", no_return=False, **kwargs):
+                          reduce_dims=True, preamble="", no_return=False, options=(),
+                          **kwargs):
         src = cuda_source.ElementwiseSource(name, in_params, out_params, operation, preamble)
         self.host.add(src)
-        return _FakeKernel(self, src)
+        return _FakeKernel(self, src, tuple(options))
 
     def ReductionKernel(self, in_params, out_params, map_expr, reduce_expr, post_map_expr,
                         identity, name="reduce_kernel", reduce_type=None, reduce_dims=True,
                         preamble="", options=()):
         src = cuda_source.ReductionSource(name, in_params, out_params, map_expr, reduce_expr,
-                                 post_map_expr, identity, reduce_type, preamble)
+                                          post_map_expr, identity, reduce_type, preamble)
         self.host.add(src)
-        return _FakeKernel(self, src)
+        return _FakeKernel(self, src, tuple(options))
+
+
+_CUDA_NP = {0: np.float32, 1: np.float64, 2: np.float16, 14: np.uint16}
+_SIZE = {0: 4, 1: 8, 2: 2, 14: 2}
+_C_TYPES = {0: (0,), 1: (1,), 2: (2, 0), 14: (14, 0)}
+_COMPUTE_64F = 70
+
+
+def _as_float(x: np.ndarray, acc) -> np.ndarray:
+    if x.dtype == np.uint16:  # bf16 bits
+        return (x.astype(np.uint32) << 16).view(np.float32).astype(acc)
+    return x.astype(acc)
+
+
+def _store(z: np.ndarray, part: np.ndarray) -> None:
+    if z.dtype == np.uint16:  # round to nearest even bf16
+        z[...] = part.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    else:
+        z[...] = part.astype(z.dtype)
+
+
+class Pointer:
+    """`cupy.cuda.MemoryPointer`: copies and memsets are issued on a stream (default: the
+    current one), bounds-checked against live device allocations."""
+
+    def __init__(self, fake: FakeCupy, mem, offset: int):
+        self.fake, self.mem = fake, mem
+        self.ptr = mem.ptr + int(offset)
+
+    def __add__(self, n: int):
+        return Pointer(self.fake, self.mem, self.ptr - self.mem.ptr + int(n))
+
+    def memset_async(self, value, size, stream=None):
+        self.fake._device_range(self.ptr, size, "memset")
+        ptr = self.ptr
+        self.fake._launch(lambda: ctypes.memset(ptr, value, size), stream)
+
+    def copy_from_host_async(self, mem, size, stream=None):
+        self.fake._device_range(self.ptr, size, "a copy's destination")
+        self.fake._copy(self.ptr, int(mem), size, int(mem), stream)
+
+    def copy_to_host_async(self, mem, size, stream=None):
+        self.fake._device_range(self.ptr, size, "a copy's source")
+        self.fake._copy(int(mem), self.ptr, size, int(mem), stream)
+
+
+class _Array(np.ndarray):
+    """A device array: a NumPy view whose `.data` is a memory pointer, as CuPy's is."""
+
+    def __array_finalize__(self, obj):
+        self._fake = getattr(obj, "_fake", None)
+
+    @property
+    def data(self):
+        fake = getattr(self, "_fake", None)
+        return Pointer(fake, Raw(self.ctypes.data), 0)
 
 
 class _FakeKernel:
-    def __init__(self, cp: FakeCupy, src):
+    def __init__(self, cp: FakeCupy, src, options: tuple[str, ...]):
+        assert options == cuda_source.NVRTC_OPTIONS, options
         self.cp, self.src = cp, src
         self.params = kernel_params(src.in_params, src.out_params)
 
@@ -409,7 +797,8 @@ class _FakeKernel:
         assert np.dtype(a.dtype) == np.dtype(_NP[p.type]), f"{p.name}: {a.dtype} for {p.type}"
 
     def __call__(self, *args, out=None, axis=None):
-        fn = self.cp.host.function(self.src.name)
+        cp = self.cp
+        fn = cp.host.function(self.src.name)
         if isinstance(self.src, cuda_source.ReductionSource):
             assert out is not None and len(args) == len(self.params) - 1
             assert len(args) >= 2, "one input: CuPy would take its CUB path"
@@ -427,6 +816,9 @@ class _FakeKernel:
             else:
                 assert isinstance(a, (int, np.integer)), (p.name, a)
                 scalars.append(int(a))
+        cp._check_arrays(self.src.name, *arrays)
+        key = (self.src.name, tuple(str(a.dtype) for a in arrays), max(a.ndim for a in arrays))
+        cp.compiles.setdefault(key, self.src.name)
         if isinstance(self.src, cuda_source.ElementwiseSource):
             shape = np.broadcast_shapes(*broadcast, *[a.shape for p, a in zip(self.params, args)
                                                       if p.array and not p.raw
@@ -439,7 +831,7 @@ class _FakeKernel:
                     else:
                         assert p.is_input or a.shape == shape
                         strides.append(np.broadcast_to(a, shape).strides)
-            _call(fn, arrays, shape, strides, scalars)
+            cp._launch(lambda: _call(fn, arrays, shape, strides, scalars))
             return
         shape = np.broadcast_shapes(*broadcast)
         axes = tuple(sorted(axis))
@@ -447,7 +839,7 @@ class _FakeKernel:
         assert axes == tuple(range(nout, len(shape))) and out.shape == shape[:nout]
         strides = [np.broadcast_to(a, shape).strides for a in arrays[:-1]]
         strides.append(tuple(out.strides) + (0,) * len(axes))
-        _call(fn, arrays, shape, strides, scalars, nout)
+        cp._launch(lambda: _call(fn, arrays, shape, strides, scalars, nout))
 
 
 # ---------------------------------------------------------------------- fixture bodies
@@ -464,14 +856,29 @@ def host_kernels(tmp_path_factory) -> HostKernels:
     return _SHARED[0][1]
 
 
-def installed(monkeypatch, tmp_path_factory) -> Iterator[FakeCupy]:
+def install(kernels: HostKernels, **options) -> FakeCupy:
+    """`FakeCupy(kernels, **options)` as the `cupy` module of this process (and as libcublas's
+    `cublasSetWorkspace`), the backend's caches of CuPy objects cleared: for scripts
+    (`bench/gpu_session.py --dry-run`); tests use `installed`."""
+    fake = FakeCupy(kernels, **options)
+    sys.modules["cupy"] = fake
+    cuda_memory.set_cublas_workspace = fake.cublas_set_workspace
+    cuda._hook_class.cache_clear()
+    cuda._KERNELS.clear()
+    cuda._HANDLE_BYTES.clear()
+    return fake
+
+
+def installed(monkeypatch, tmp_path_factory, **options) -> Iterator[FakeCupy]:
     """`FakeCupy` as the `cupy` module while the generator is suspended (a fixture body:
     `yield from installed(monkeypatch, tmp_path_factory)`), the backend's kernel and hook caches
     cleared before and after."""
-    fake = FakeCupy(host_kernels(tmp_path_factory))
+    fake = FakeCupy(host_kernels(tmp_path_factory), **options)
     monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cuda_memory, "set_cublas_workspace", fake.cublas_set_workspace)
     cuda._hook_class.cache_clear()
     cuda._KERNELS.clear()
+    monkeypatch.setattr(cuda, "_HANDLE_BYTES", {})
     yield fake
     cuda._hook_class.cache_clear()
     cuda._KERNELS.clear()

@@ -61,7 +61,7 @@ def device(request):
     """Makes backends: on the host against `FakeCupy`, or on a real GPU."""
     if request.param == "gpu":
         if not GPU:
-            pytest.skip("no usable CUDA GPU (cupy missing or no device)")
+            pytest.skip("no GPU: no usable CUDA device (cupy missing or no device)")
         cuda._hook_class.cache_clear()
         cuda._KERNELS.clear()
         return types.SimpleNamespace(kind="gpu", fake=None)

@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 import sympy
-from fake_cupy import Pointer, Raw, installed, kernel_params
+from fake_cupy import installed, kernel_params
 
 from einpage.compiler import CompileOptions, compile_graph
 from einpage.errors import PlanError
@@ -128,11 +128,18 @@ def test_generated_kernels_run_on_the_host_as_numpy_computes(fake_cupy):
     cp = fake_cupy
     rng = np.random.default_rng(0)
     x0, x1 = scalar.x(0), scalar.x(1)
+    stream = cp.cuda.Stream(non_blocking=True)
 
     def dev(a):
-        """A device view of a live, C-contiguous host array."""
+        """A device view of a live, C-contiguous host array (the stand-in's device memory)."""
         assert a.flags.c_contiguous
-        return cp.ndarray(a.shape, a.dtype, memptr=Pointer(Raw(a.ctypes.data), 0))
+        return cp.adopt(a)
+
+    def run(kernel, *args, **kwargs):
+        """Launch on a stream and wait: the stand-in runs kernels later, as a device does."""
+        with stream:
+            cuda._compiled(kernel)(*args, **kwargs)
+        stream.synchronize()
 
     bf = DType.bf16.numpy
     values = (rng.standard_normal(4096) * np.exp(rng.uniform(-30, 30, 4096))).astype(np.float64)
@@ -142,7 +149,7 @@ def test_generated_kernels_run_on_the_host_as_numpy_computes(fake_cupy):
         src = values.astype(src_dt)
         out = np.zeros(src.shape, DEVICE_DTYPE[dst_tag])
         kernel = convert_kernel(tag_of(src.dtype), dst_tag)
-        cuda._compiled(kernel)(dev(src), dev(out))
+        run(kernel, dev(src), dev(out))
         with np.errstate(over="ignore"):
             want = src.astype(DType(dst_tag).numpy)
         got = out.view(DType(dst_tag).numpy)
@@ -155,7 +162,7 @@ def test_generated_kernels_run_on_the_host_as_numpy_computes(fake_cupy):
     join = scalar.silu(x0) * x1
     kernel = join_kernel(join, ("f32", "bf16"), "float", "bf16", 0.5, "max")
     y_dev = y.view(np.uint16).copy()
-    cuda._compiled(kernel)(dev(a), np.lib.stride_tricks.as_strided(
+    run(kernel, dev(a), np.lib.stride_tricks.as_strided(
         dev(b.view(np.uint16)), (3, 4), (0, 2)), dev(y_dev))
     part = scalar.join_function(join, 2)(a, b.astype(np.float32)) * np.float32(0.5)
     want = np.maximum(y.astype(np.float32), part).astype(bf)
@@ -165,7 +172,7 @@ def test_generated_kernels_run_on_the_host_as_numpy_computes(fake_cupy):
     acc = rng.standard_normal(5).astype(np.float16)
     kernel = reduce_kernel(x0 ** 2, ("f32",), "float", "f16", "max", None, "sum")
     acc_dev = acc.copy()
-    cuda._compiled(kernel)(dev(s), 0, out=dev(acc_dev), axis=(1,))
+    run(kernel, dev(s), 0, out=dev(acc_dev), axis=(1,))
     want = (acc.astype(np.float32) + (s ** 2).max(axis=1)).astype(np.float16)
     np.testing.assert_array_equal(acc_dev, want)
     # fills: LLaMA's rotary table and causal mask at an origin
@@ -176,7 +183,7 @@ def test_generated_kernels_run_on_the_host_as_numpy_computes(fake_cupy):
         shape = tuple(mg.tensors[n.write.tensor].shape)
         out = np.zeros(shape, np.float32)
         flat = [v for o, m in zip(n.op.origin, shape) for v in (o, m)]
-        cuda._compiled(fill_kernel(n.op.expr, len(shape), "f32"))(*flat, dev(out.reshape(-1)))
+        run(fill_kernel(n.op.expr, len(shape), "f32"), *flat, dev(out.reshape(-1)))
         want = scalar.evaluate_fill(n.op.expr, n.op.origin, shape, np.float32)
         np.testing.assert_array_equal(out, want)
     # a partial gather of a row block, accumulating
@@ -186,7 +193,7 @@ def test_generated_kernels_run_on_the_host_as_numpy_computes(fake_cupy):
     status = np.zeros(3, np.int64)
     kernel = gather_kernel("f32", "f32", "sum")
     y_dev = y.copy()
-    cuda._compiled(kernel)(dev(table.reshape(-1)), dev(ids.reshape(-1)), 4, 3, 4, 1,
+    run(kernel, dev(table.reshape(-1)), dev(ids.reshape(-1)), 4, 3, 4, 1,
                            dev(y_dev.reshape(-1)), dev(status))
     want = y + kernels.gather(table, ids, 4, partial=True)
     np.testing.assert_allclose(y_dev, want, rtol=1e-6)

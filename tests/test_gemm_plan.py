@@ -104,7 +104,8 @@ def test_random_matmul_plans_equal_einsum(case, factor, accumulate, direct_dtype
         if not op.copy:
             view = arr.transpose(op.perm).reshape(op.gemm_shape)
             assert np.shares_memory(view, arr) or arr.size <= 1
-            assert view.flags.c_contiguous or (not plan.batched and view.flags.f_contiguous)
+            matrix = view[0] if plan.batched else view  # cuBLAS reads it row- or column-major
+            assert matrix.flags.c_contiguous or matrix.flags.f_contiguous
     if plan.direct:
         out = np.empty(es.output_shape(shapes))
         assert np.shares_memory(out.reshape(plan.c_shape), out)
@@ -121,21 +122,36 @@ def test_weight_matmuls_need_no_copy():
     assert not staged.direct and staged.temps == (6 * 48 * 4,)
 
 
-def test_f16_projections_run_natively():
-    """f16 x f16 -> f16 without scale or accumulation: no conversions, no output slot (cuBLAS
-    accumulates in float32 and rounds once); with accumulation both operands go to float32."""
+def test_half_projections_run_on_tensor_cores():
+    """Two f16 (bf16) operands stay f16 (bf16): no conversions, cuBLAS accumulates in float32,
+    writes the block itself and accumulates into it with beta 1; the factor is alpha."""
     spec, shapes = EinsumSpec.parse("bsm,vm->bsv"), [(1, 6, 32), (64, 32)]
-    plan = matmul_plan(spec, shapes, ("f16", "f16"), "f16", "f16", 1.0, False)
-    assert plan.dtype == np.float16 and plan.direct and plan.temps == ()
-    plan = matmul_plan(spec, shapes, ("f16", "f16"), "f16", "f16", 1.0, True)
-    assert plan.dtype == np.float32 and plan.left.copy and plan.right.copy and not plan.direct
+    for tag in ("f16", "bf16"):
+        for out_tag, accumulate, factor in ((tag, False, 1.0), (tag, True, 0.5),
+                                            ("f32", True, 1.0)):
+            plan = matmul_plan(spec, shapes, (tag, tag), "f32", out_tag, factor, accumulate)
+            assert plan.ab_tag == tag and plan.c_tag == out_tag and plan.direct
+            assert plan.temps == () and plan.alpha == factor
+            assert plan.beta == (1.0 if accumulate else 0.0)
+    mixed = matmul_plan(spec, shapes, ("bf16", "f32"), "f32", "f32", 1.0, False)
+    assert mixed.ab_tag == "f32" and mixed.left.copy and not mixed.right.copy and mixed.direct
+    wide = matmul_plan(spec, shapes, ("bf16", "bf16"), "f64", "f64", 1.0, False)
+    assert wide.ab_tag == "f64" and wide.left.copy and wide.right.copy
 
 
-def test_dot_products_stay_batched():
-    """A 1x1 GEMM would make CuPy reduce with temporaries: plans keep it 3-d."""
+def test_batched_operands_are_read_transposed_in_place():
+    """Attention's `bhqd,bhkd->bhqk` reads k transposed: strided-batched GEMMs take transpose
+    flags as plain GEMMs do, so no operand is copied."""
+    plan = matmul_plan(EinsumSpec.parse("bhqd,bhkd->bhqk"), [(2, 4, 8, 16), (2, 4, 8, 16)],
+                       ("f16", "f16"), "f32", "f32", 0.25, False)
+    assert plan.batched and not plan.left.copy and not plan.right.copy and plan.direct
+    assert plan.temps == ()
+
+
+def test_dot_products_are_one_by_one_gemms():
     plan = matmul_plan(EinsumSpec.parse("a,a->"), [(5,), (5,)], ("f32", "f32"), "f32",
-                          "f32", 1.0, False)
-    assert plan.batched and plan.c_shape == (1, 1, 1)
+                       "f32", 1.0, False)
+    assert not plan.batched and plan.c_shape == (1, 1) and plan.direct
 
 
 # ====================================================================== kernel layouts

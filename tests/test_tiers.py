@@ -101,12 +101,13 @@ def test_threads_backend_reads_the_safetensors_file(tiny):
     assert np.array_equal(run.outputs["logits"], want)
 
 
-def test_cupy_stand_in_runs_the_disk_tier(tiny):
-    fake = pytest.importorskip("fake_cupy")
-    try:
-        fake.install()
-    except Exception as exc:  # no C++ compiler for the stand-in's kernels
-        pytest.skip(f"CuPy stand-in unavailable: {exc}")
+@pytest.fixture
+def fake_cupy(monkeypatch, tmp_path_factory):
+    from fake_cupy import installed
+    yield from installed(monkeypatch, tmp_path_factory)
+
+
+def test_cupy_stand_in_runs_the_disk_tier(tiny, fake_cupy):
     from einpage.runtime.backends.cuda import CupyBackend
     mg, ids, weights, want = tiny["tiered"].memgraph, tiny["ids"], tiny["weights"], tiny["want"]
     got = run_streams(mg, {"tokens": ids}, weights, backend=CupyBackend()).outputs["logits"]

@@ -64,7 +64,7 @@ class KernelApply:
 
 @dataclass(frozen=True)
 class MatmulApply:
-    """A GEMM (`execute_matmul`); `epilogue` scales, accumulates and casts into the write;
+    """A GEMM (`execute_matmul`); `epilogue` permutes, casts and adds `c` into the write;
     `kernels` lists every generated kernel it may run (conversions, epilogue)."""
     plan: MatmulPlan
     epilogue: ElementwiseSource | None
@@ -181,14 +181,12 @@ def _plan_einsum(n: ApplyNode, reads: list[TensorInfo], write: TensorInfo,
 
 
 def _matmul_apply(mm: MatmulPlan, tags: tuple[str, ...], out_tag: str) -> MatmulApply:
-    gemm_tag = tag_of(mm.dtype)
     first = (tags[1], tags[0]) if mm.swap else tags
-    kernels: list[KernelSource] = [convert_kernel(t, gemm_tag) for t, o in
-                                   zip(first, (mm.left, mm.right)) if o.copy and t != gemm_tag]
+    kernels: list[KernelSource] = [convert_kernel(t, mm.ab_tag) for t, o in
+                                   zip(first, (mm.left, mm.right)) if o.copy and t != mm.ab_tag]
     epilogue = None
-    if not mm.direct or mm.factor != 1.0:
-        epilogue = join_kernel(_X0, (gemm_tag,), COMPUTE_CTYPE[gemm_tag], out_tag,
-                               mm.factor if mm.factor != 1.0 else None,
+    if not mm.direct:
+        epilogue = join_kernel(_X0, (mm.c_tag,), COMPUTE_CTYPE[mm.c_tag], out_tag, None,
                                "sum" if mm.accumulate else None)
         kernels.append(epilogue)
     return MatmulApply(mm, epilogue, tuple(kernels), mm.temps)

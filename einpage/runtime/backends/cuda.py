@@ -1,37 +1,45 @@
 """The CuPy backend: the stream program on an NVIDIA GPU (DESIGN.md, "Stream program").
 
-Memory. One raw `cupy.cuda.Memory` allocation (outside CuPy's pool) holds the arena
-(`mg.device_bytes`), then the workspace (`workspace_bytes(mg)` unless given): the slots applies
-take for temporaries, and the status words a gather sets on an out-of-range id. Instances are
-`cupy.ndarray` views at their offsets, bounds-checked by `planio.instance_bytes`. The views go
-through an `UnownedMemory` over the allocation, so only the backend holds the allocation itself:
-`close` frees it at once, even while a traceback still refers to views (never used after close).
+Memory. One raw `cupy.cuda.Memory` allocation (outside CuPy's pool) cut into 256-aligned regions
+(`cuda_memory.regions`): the arena (`mg.device_bytes`), cuBLAS's workspace (set on the compute
+thread's handle: cuBLAS allocates nothing itself), the apply workspace slots
+(`apply_plan.workspace_bytes(mg)` unless given) and the status words a gather sets on an
+out-of-range id. Each region is an `UnownedMemory` over the allocation, so only the backend
+holds the allocation itself: `close` frees it at once, even while a traceback still refers to
+views (never used after close). Instances are `cupy.ndarray` views at their offsets,
+bounds-checked by `planio.instance_bytes`.
 
 Host memory. One pinned buffer (`cupy.cuda.PinnedMemory`, allocated once, not CuPy's
 power-of-two pinned pool) laid out by `host_layout(mg, stage_sources=True)`: each offloaded
-tensor's host copy, each streamed weight block (read from its source at `open`, so a reload is
-one async copy from pinned memory), then one staging slot as large as the largest `input at
-device` block: such a block (a resident weight loaded with the model, an activation) is read
-from its source into the slot and copied asynchronously; the next one waits on the host for
-that copy's event before reusing the slot. Last, the host arena of a plan with a disk tier
-(`mg.host_arena_bytes`, page-aligned): the staging buffers its `read` nodes fill from the
-checkpoint files (`runtime.diskread`, on the disk queue's reader thread) and its reloads copy
-from asynchronously.
+tensor's host copy, each streamed block (read from its source at `open`, so a reload is one
+async copy from pinned memory), then a ring of `STAGING_SLOTS` staging slots, each as large as
+the largest `input at device` block: such a block (a resident weight loaded with the model, an
+activation) is read from its source into the next slot and copied asynchronously, the slot
+reused once its copy's event has completed, so reads overlap copies; then a ring for KV rows
+written between passes (`write_input`: one async copy per block from pinned memory, on the
+compute stream, ordered before the next pass's reads). Last, the host arena of a plan with a
+disk tier (`mg.host_arena_bytes`, page-aligned): the staging buffers its `read` nodes fill from
+the checkpoint files (`runtime.diskread`, on the disk queue's reader thread) and its reloads
+copy from asynchronously.
 
-Streams. Three `Stream(non_blocking=True)`: compute, h2d, d2h; a queue's worker thread runs
-inside `queue_context`, which makes the device and the queue's stream current (cuBLAS and every
-kernel run on the current stream). `record` / `wait` use `Event(disable_timing=True)`;
-`stamp` a timing event on the queue's stream.
+Streams. Three `Stream(non_blocking=True)`: compute, h2d, d2h (and one carrying the disk
+queue's events); a queue's worker thread runs inside `queue_context`, which makes the device and
+the queue's stream current (cuBLAS and every kernel run on the current stream) and, on the
+compute thread, gives its cuBLAS handle the workspace region. `record` / `wait` use
+`Event(disable_timing=True)`; `stamp` a timing event on the queue's stream. Every CUDA call runs
+with the backend's device current.
 
-Compute. `apply_plan.plan_apply` decides at `open` how each apply runs: a cuBLAS GEMM
-(`cupy.matmul(lhs, rhs, out=...)`) writing into the arena where the layout allows, operands
-transposed or converted into workspace slots by `cupy.copyto` or a generated kernel; everything
-else through `ElementwiseKernel` / `ReductionKernel`s generated once per distinct expression
-(compiled by CuPy on first use and cached on disk). The compute thread runs under
-`cupy.cuda.using_allocator`: any allocation CuPy makes is carved from the workspace (a bump
-allocator reset after each apply, safe because one stream runs the applies in order), and
-counted as `hidden_allocations`; a `MemoryHook` (`hook`) counts pool allocations on every queue.
-A pass that allocates nothing leaves both at zero.
+Compute. `apply_plan.plan_apply` decides at `open` how each apply runs: a cuBLAS GemmEx (half
+operands on the tensor cores, float32 accumulation, transposes as operation flags, the join's
+factor as alpha, accumulation as beta: `gemm_plan`, `gemm_call`), operands converted or
+transposed into workspace slots where needed; everything else through `ElementwiseKernel` /
+`ReductionKernel`s generated once per distinct expression, compiled by NVRTC with
+`cuda_source.NVRTC_OPTIONS` (no FMA contraction). `open` runs every distinct apply once on the
+arena (before anything is loaded) so that every kernel is compiled there, not in the first pass
+(`compile_s`). The compute thread runs under `cupy.cuda.using_allocator`: any allocation CuPy
+makes is carved from the workspace (a bump allocator reset after each apply, safe because one
+stream runs the applies in order), and counted as `hidden_allocations`; a `MemoryHook` (`hook`)
+counts pool allocations on every queue. A pass that allocates nothing leaves both at zero.
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ import ctypes
 import functools
 import math
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -46,21 +55,28 @@ import numpy as np
 
 from einpage.errors import BackendError, ExecutionError, InputError, PlanError
 from einpage.ir.memgraph import (HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph, OffloadNode,
-                                 OutputRef, ReadNode,
-                                 ReloadNode)
+                                 OutputRef, ReadNode, ReloadNode)
 from einpage.ir.tensors import PERSISTENT_ROLES
+from einpage.runtime.backends import cuda_memory
 from einpage.runtime.backends.apply_plan import (STATUS_BYTES, CopyApply, KernelApply,
                                                  MatmulApply, aligned, plan_applies,
                                                  workspace_bytes, workspace_for)
 from einpage.runtime.backends.base import (Backend, HostLayout, host_layout, host_view,
                                            staging_view)
-from einpage.runtime.backends.cuda_source import (DEVICE_DTYPE, ElementwiseSource, KernelSource,
-                                                  convert_kernel, tag_of)
+from einpage.runtime.backends.cuda_memory import Regions, regions
+from einpage.runtime.backends.cuda_source import (DEVICE_DTYPE, NVRTC_OPTIONS, ElementwiseSource,
+                                                  KernelSource, convert_kernel, tag_of)
+from einpage.runtime.backends.gemm_call import gemm_call, issue, matrix
 from einpage.runtime.backends.gemm_plan import MatmulOps, execute_matmul
 from einpage.runtime.diskread import DiskReader
 from einpage.runtime.planio import PlanIO, instance_bytes
 
 __all__ = ["CupyBackend", "cuda_usable", "workspace_bytes"]
+
+#: staging slots for `input at device` blocks: a read fills one while earlier ones are copied
+STAGING_SLOTS = 4
+#: pinned slots for KV rows written between passes (each as large as a resident KV block)
+ROW_SLOTS = 8
 
 
 def _unusable_reason(device: int = 0) -> str | None:
@@ -116,6 +132,8 @@ def _hook_class():
     return WorkspaceHook
 
 
+#: bytes a cuBLAS handle took on each device, measured at this process's first
+_HANDLE_BYTES: dict[int, int] = {}
 _KERNELS: dict[KernelSource, Any] = {}
 _KERNELS_LOCK = threading.Lock()
 
@@ -128,12 +146,13 @@ def _compiled(src: KernelSource) -> Any:
         import cupy
         if isinstance(src, ElementwiseSource):
             kernel = cupy.ElementwiseKernel(src.in_params, src.out_params, src.operation,
-                                            name=src.name, preamble=src.preamble, no_return=True)
+                                            name=src.name, preamble=src.preamble, no_return=True,
+                                            options=NVRTC_OPTIONS)
         else:
             kernel = cupy.ReductionKernel(src.in_params, src.out_params, src.map_expr,
                                           src.reduce_expr, src.post_map_expr, src.identity,
                                           name=src.name, reduce_type=src.reduce_type,
-                                          preamble=src.preamble)
+                                          preamble=src.preamble, options=NVRTC_OPTIONS)
         with _KERNELS_LOCK:
             kernel = _KERNELS.setdefault(src, kernel)
     return kernel
@@ -141,7 +160,7 @@ def _compiled(src: KernelSource) -> Any:
 
 class CupyBackend(Backend):
     """Runs a memgraph's stream program on CUDA device `device`. `workspace_bytes`: the device
-    bytes reserved after the arena for temporaries (default: exactly what the plan needs,
+    bytes reserved for apply slots and status words (default: exactly what the plan needs,
     `apply_plan.workspace_bytes(mg)`). Raises `BackendError` where no GPU is usable."""
 
     name = "cupy"
@@ -161,6 +180,8 @@ class CupyBackend(Backend):
         self.hook = _hook_class()()
         self.hidden_allocations = 0
         self.hidden_bytes = 0
+        self.compile_s = 0.0
+        self.taken_bytes = 0         # device bytes `open` took, measured by memGetInfo
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -168,16 +189,33 @@ class CupyBackend(Backend):
         self.host: np.ndarray | None = None
         self.workspace_bytes = 0
         self._mem = None             # the raw allocation (the only owner)
-        self._base = None            # UnownedMemory over it: every view points through this
+        self._regions: Regions | None = None
+        self._region: dict[str, Any] = {}  # UnownedMemory over each region
         self._pinned = None
         self._pinned_ptr = 0
         self._streams: dict[str, Any] = {}
         self._events: dict[int, Any] = {}
-        self._staged = None          # event of the last copy out of the staging slot
+        self._staging: list[Any] = []  # events of the last copy out of each staging slot
+        self._next_slot = 0
+        self._rows: list[Any] = []     # events of the last copy out of each KV-row slot
+        self._next_row = 0
         self._arena_at = 0           # where the host arena (disk staging buffers) starts
         self.reader: DiskReader | None = None
         self._plans: dict = {}
         self._top = 0                # bump pointer into the workspace slots (compute thread)
+        self._warming = False
+
+    def context_bytes(self) -> int:
+        """Device bytes the process holds besides its allocations, measured: the CUDA context
+        and this thread's cuBLAS handle (`total - free` once both exist; other processes on the
+        device count too), plus one handle more for the compute thread's own (a handle's size
+        measured when this process made its first)."""
+        with self._device:
+            before = self._cp.cuda.runtime.memGetInfo()[0]
+            self._cp.cuda.device.get_cublas_handle()
+            free, total = self._cp.cuda.runtime.memGetInfo()
+        handle = _HANDLE_BYTES.setdefault(self.device_id, max(before - free, 0))
+        return total - free + handle
 
     # ------------------------------------------------------------------ open / close
     def open(self, mg: MemGraph, io: PlanIO) -> None:
@@ -192,48 +230,61 @@ class CupyBackend(Backend):
             raise BackendError(f"--backend cupy: a workspace of {workspace} bytes is below the "
                                f"{need} bytes this plan's applies need")
         layout: HostLayout = host_layout(mg, stage_sources=True)
-        staging = max((aligned(mg.tensors[n.tensor].bytes) for n in mg.nodes
-                       if isinstance(n, InputNode) and n.at == "device"), default=0)
+        slot = max((aligned(mg.tensors[n.tensor].bytes) for n in mg.nodes
+                    if isinstance(n, InputNode) and n.at == "device"), default=0)
+        row = max((aligned(mg.tensors[n.tensor].bytes) for n in mg.nodes
+                   if isinstance(n, InputNode) and n.at == "device"
+                   and mg.tensors[n.tensor].role == "cache"), default=0)
+        staging_at = layout.nbytes
+        rows_at = staging_at + STAGING_SLOTS * slot
+        arena_at = -(-(rows_at + ROW_SLOTS * row) // HOST_ALIGNMENT) * HOST_ALIGNMENT
         try:
             with self._device:
+                free_before = cp.cuda.runtime.memGetInfo()[0]
                 self._open_device(cp, mg.device_bytes, workspace)
-                arena_at = -(-(layout.nbytes + staging) // HOST_ALIGNMENT) * HOST_ALIGNMENT
                 self._open_host(cp, arena_at + mg.host_arena_bytes)
+                self.taken_bytes = free_before - cp.cuda.runtime.memGetInfo()[0]
         except BaseException as exc:
             self.close()
             if isinstance(exc, (BackendError, PlanError)):
                 raise
             if isinstance(exc, Exception):
                 raise BackendError(f"--backend cupy: cannot allocate {mg.device_bytes} + "
-                                   f"{workspace} device bytes and {layout.nbytes + staging} "
-                                   f"pinned host bytes on device {self.device_id}: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                                   f"{workspace} device bytes and {arena_at} pinned host bytes "
+                                   f"on device {self.device_id}: {type(exc).__name__}: "
+                                   f"{exc}") from exc
             raise
         self.workspace_bytes = workspace
         self._plans = plans
         self.layout = layout
-        self._staging_at = layout.nbytes
+        self._slot, self._staging_at = slot, staging_at
+        self._row, self._rows_at = row, rows_at
         self._arena_at = arena_at
         self.reader = DiskReader(io)
         try:
+            self._compile_kernels()
             self._fill_host(mg, io)
         except BaseException:
             self.close()
             raise
 
     def _open_device(self, cp, device_bytes: int, workspace: int) -> None:
-        total = device_bytes + workspace
-        self._mem = cp.cuda.Memory(total)
-        self._base = cp.cuda.UnownedMemory(self._mem.ptr, total, None, self.device_id)
-        self.arena = cp.ndarray((device_bytes,), np.uint8, memptr=self._ptr(0))
-        self._ws_at = device_bytes
-        self._ws_size = workspace - STATUS_BYTES
-        self._status_at = device_bytes + self._ws_size
+        r = regions(device_bytes, workspace - STATUS_BYTES)
+        self._regions = r
+        self._mem = cp.cuda.Memory(r.total)
+        base = self._mem.ptr
+        for name, at, size in (("arena", 0, r.arena), ("cublas", r.cublas_at, r.cublas),
+                               ("slots", r.slots_at, r.slots),
+                               ("status", r.status_at, STATUS_BYTES)):
+            self._region[name] = cp.cuda.UnownedMemory(base + at, max(size, 1), None,
+                                                       self.device_id)
+        self.arena = cp.ndarray((device_bytes,), np.uint8, memptr=self._at("arena", 0))
         # the disk queue's reads run on the host; its stream only carries its events
         self._streams = {q: cp.cuda.Stream(non_blocking=True)
                          for q in ("compute", "h2d", "d2h", "disk")}
-        self._ptr(self._status_at).memset_async(0, STATUS_BYTES, self._streams["compute"])
-        self._staged = cp.cuda.Event(block=True, disable_timing=True)
+        self._at("status", 0).memset_async(0, STATUS_BYTES, self._streams["compute"])
+        self._staging = [None] * STAGING_SLOTS
+        self._rows = [None] * ROW_SLOTS
 
     def _open_host(self, cp, nbytes: int) -> None:
         if nbytes == 0:
@@ -243,6 +294,26 @@ class CupyBackend(Backend):
         self._pinned_ptr = int(self._pinned.ptr)
         # a view that does not own the pinned memory: `close` releases it deterministically
         self.host = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self._pinned_ptr))
+
+    def _compile_kernels(self) -> None:
+        """Run every distinct apply plan once on the arena, which holds nothing yet, so that
+        CuPy compiles (or loads from its disk cache) every kernel the plan needs now and not in
+        the first pass; GEMMs are skipped (cuBLAS compiles nothing). The status words a gather
+        may set on the arena's garbage are cleared after."""
+        t0 = time.perf_counter()
+        seen: set = set()
+        compute = self._streams["compute"]
+        with self._queue_context("compute", warm=True):
+            for n in self.mg.nodes:
+                if isinstance(n, ApplyNode) and self._plans[n.id] not in seen:
+                    seen.add(self._plans[n.id])
+                    self._apply(n)
+            self._at("status", 0).memset_async(0, STATUS_BYTES, compute)
+        with self._device:
+            compute.synchronize()
+        self.hidden_allocations = self.hidden_bytes = 0
+        self.hook.reset()
+        self.compile_s = time.perf_counter() - t0
 
     def _fill_host(self, mg: MemGraph, io: PlanIO, activations_only: bool = False) -> None:
         """Streamed input blocks (weights, KV-store blocks, activations) start as their source's
@@ -269,43 +340,63 @@ class CupyBackend(Backend):
         values = np.ascontiguousarray(values, dtype=t.dtype.numpy)
         if values.size != rest:
             raise PlanError(f"write into %t{tid}: {values.size} values for a run of {rest}")
-        h2d = self._streams["h2d"]
+        if values.nbytes > self._row:
+            raise PlanError(f"write into %t{tid}: {values.nbytes} bytes exceed a KV row slot "
+                            f"of {self._row}")
+        k = self._next_row
+        self._next_row = (k + 1) % ROW_SLOTS
+        compute = self._streams["compute"]
         with self._device:
-            self._ptr(start + first * rest * t.dtype.itemsize).copy_from_host_async(
-                values.ctypes.data, values.nbytes, h2d)
-            h2d.synchronize()  # `values` is pageable and short-lived: done before returning
+            if self._rows[k] is not None:
+                self._rows[k].synchronize()  # the slot's last copy has read it
+            at = self._rows_at + k * self._row
+            self.host[at:at + values.nbytes] = values.view(np.uint8).reshape(-1)
+            # on the compute stream: after this pass's reads, before the next pass's
+            self._at("arena", start + first * rest * t.dtype.itemsize).copy_from_host_async(
+                self._pinned_ptr + at, values.nbytes, compute)
+            self._rows[k] = self._cp.cuda.Event(disable_timing=True)
+            self._rows[k].record(compute)
 
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
-        for stream in self._streams.values():
-            try:
-                stream.synchronize()  # nothing may still read or write what is freed below
-            except Exception:  # a device error is reported by finish(); release regardless
-                pass
+        with self._device:
+            for stream in self._streams.values():
+                try:
+                    stream.synchronize()  # nothing may still read or write what is freed below
+                except Exception:  # a device error is reported by finish(); release regardless
+                    pass
         self._reset_state()
 
     def abort(self) -> None:
-        """Nothing to interrupt: a queue's calls only enqueue work (the staging wait is one
-        bounded copy), and `close` synchronizes before releasing."""
+        """Nothing to interrupt: a queue's calls only enqueue work (a staging slot's wait is
+        one bounded copy), and `close` synchronizes before releasing."""
 
     # ------------------------------------------------------------------ queues
     def queue_context(self, queue: str):
         return self._queue_context(queue)
 
     @contextmanager
-    def _queue_context(self, queue: str) -> Iterator[None]:
+    def _queue_context(self, queue: str, warm: bool = False) -> Iterator[None]:
         with self._device, self._streams[queue], self.hook:
-            if queue == "compute":
-                self._cp.cuda.device.get_cublas_handle()  # created per thread: not mid-pass
+            if queue != "compute":
+                yield
+                return
+            if not warm:  # this thread's handle (made once per thread) takes the region
+                handle = self._cp.cuda.device.get_cublas_handle()
+                cuda_memory.set_cublas_workspace(handle, self._region["cublas"].ptr,
+                                                 self._regions.cublas)
+            self._warming = warm
+            try:
                 with self._cp.cuda.using_allocator(self._allocate):
                     yield
-            else:
-                yield
+            finally:
+                self._warming = False
 
     def record(self, queue: str, node: int) -> None:
-        event = self._cp.cuda.Event(disable_timing=True)
-        event.record(self._streams[queue])
+        with self._device:
+            event = self._cp.cuda.Event(disable_timing=True)
+            event.record(self._streams[queue])
         self._events[node] = event
 
     def wait(self, queue: str, node: int) -> None:
@@ -324,25 +415,27 @@ class CupyBackend(Backend):
         return self._cp.cuda.get_elapsed_time(start, end) / 1000.0
 
     def finish(self) -> None:
-        for stream in self._streams.values():
-            stream.synchronize()
-        status = np.zeros(3, np.int64)
-        compute = self._streams["compute"]
-        self._ptr(self._status_at).copy_to_host_async(status.ctypes.data, status.nbytes, compute)
-        compute.synchronize()
-        if status[0]:
-            self._ptr(self._status_at).memset_async(0, STATUS_BYTES, compute)
+        with self._device:
+            for stream in self._streams.values():
+                stream.synchronize()
+            status = np.zeros(3, np.int64)
+            compute = self._streams["compute"]
+            self._at("status", 0).copy_to_host_async(status.ctypes.data, status.nbytes, compute)
             compute.synchronize()
-            raise InputError(f"gather: index {int(status[1])} out of range for a table of "
-                             f"{int(status[2])} rows")
+            if status[0]:
+                self._at("status", 0).memset_async(0, STATUS_BYTES, compute)
+                compute.synchronize()
+                raise InputError(f"gather: index {int(status[1])} out of range for a table of "
+                                 f"{int(status[2])} rows")
 
     # ------------------------------------------------------------------ device memory
-    def _ptr(self, offset: int):
-        return self._cp.cuda.MemoryPointer(self._base, offset)
+    def _at(self, region: str, offset: int):
+        """A pointer `offset` bytes into a region of the allocation."""
+        return self._cp.cuda.MemoryPointer(self._region[region], offset)
 
     def _instance(self, tid: int, offset: int | None) -> tuple[Any, int]:
         start, nbytes = instance_bytes(self.mg, tid, offset)
-        return self._ptr(start), nbytes
+        return self._at("arena", start), nbytes
 
     def _array(self, tid: int, offset: int | None) -> Any:
         """The instance of `tid` at `offset`: a C-contiguous view of the arena."""
@@ -352,10 +445,11 @@ class CupyBackend(Backend):
 
     def _bump(self, nbytes: int):
         size = aligned(max(int(nbytes), 1))
-        if self._top + size > self._ws_size:
+        if self._top + size > self._regions.slots:
             raise ExecutionError(f"cupy workspace overflow: {self._top + size} bytes wanted, "
-                                 f"{self._ws_size} reserved (workspace_bytes(mg) plans them)")
-        ptr = self._ptr(self._ws_at + self._top)
+                                 f"{self._regions.slots} reserved (workspace_bytes(mg) plans "
+                                 "them)")
+        ptr = self._at("slots", self._top)
         self._top += size
         return ptr
 
@@ -392,12 +486,18 @@ class CupyBackend(Backend):
             return
         if n.at != "device":
             raise PlanError(f"input %{n.id} at {n.at!r} is not copied to the device")
-        self._staged.synchronize()  # the staging slot is free again
+        k = self._next_slot
+        self._next_slot = (k + 1) % STAGING_SLOTS
+        if self._staging[k] is not None:
+            self._staging[k].synchronize()  # the slot's last copy has read it
         t = self.mg.tensors[n.tensor]
-        slot = self.host[self._staging_at:self._staging_at + nbytes]
-        self.io.read_into(n.tensor, slot.view(t.dtype.numpy).reshape(t.shape))
-        dst.copy_from_host_async(self._pinned_ptr + self._staging_at, nbytes, h2d)
-        self._staged.record(h2d)
+        at = self._staging_at + k * self._slot
+        self.io.read_into(n.tensor, self.host[at:at + nbytes].view(t.dtype.numpy)
+                          .reshape(t.shape))
+        dst.copy_from_host_async(self._pinned_ptr + at, nbytes, h2d)
+        event = self._cp.cuda.Event(block=True, disable_timing=True)
+        event.record(h2d)
+        self._staging[k] = event
 
     def copy_d2h(self, n: OffloadNode) -> None:
         src, nbytes = self._instance(n.tensor, n.offset)
@@ -411,8 +511,9 @@ class CupyBackend(Backend):
             src, nbytes = self._instance(ref.tensor, ref.offset)
             out = np.empty(t.shape, t.dtype.numpy)
             compute = self._streams["compute"]
-            src.copy_to_host_async(out.ctypes.data, nbytes, compute)
-            compute.synchronize()
+            with self._device:
+                src.copy_to_host_async(out.ctypes.data, nbytes, compute)
+                compute.synchronize()
             return out
         if ref.tensor in self.layout.offloaded:
             return host_view(self.host, self.mg, self.layout, ref.tensor).copy()
@@ -420,6 +521,9 @@ class CupyBackend(Backend):
 
     # ------------------------------------------------------------------ compute
     def run(self, n: ApplyNode) -> None:
+        self._apply(n)
+
+    def _apply(self, n: ApplyNode) -> None:
         plan = self._plans[n.id]
         self._top = 0
         try:
@@ -457,7 +561,7 @@ class CupyBackend(Backend):
         if plan.axes is not None:
             kernel(*args, out=out, axis=plan.axes)
         elif plan.status:
-            status = cp.ndarray((3,), np.int64, memptr=self._ptr(self._status_at))
+            status = cp.ndarray((3,), np.int64, memptr=self._at("status", 0))
             kernel(*args, out, status)
         else:
             kernel(*args, out)
@@ -494,14 +598,15 @@ class CupyBackend(Backend):
 
 class _DeviceMatmulOps(MatmulOps):
     """`execute_matmul` on the GPU: slots from the workspace, conversions by `copyto` or a
-    generated kernel, the apply's epilogue kernel."""
+    generated kernel, the GEMM by cuBLAS GemmEx on the current stream, the apply's epilogue
+    kernel."""
 
     def __init__(self, backend: CupyBackend, apply: MatmulApply):
         super().__init__(backend._cp, apply.plan)
         self.backend, self.apply = backend, apply
 
-    def temp(self, shape, dtype):
-        return self.backend._temp(shape, dtype)
+    def temp(self, shape, tag):
+        return self.backend._temp(shape, DEVICE_DTYPE[tag])
 
     def copy(self, dst, src) -> None:
         if dst.dtype == src.dtype:
@@ -510,7 +615,14 @@ class _DeviceMatmulOps(MatmulOps):
             _compiled(convert_kernel(tag_of(src.dtype), tag_of(dst.dtype)))(src, dst)
 
     def matmul(self, lhs, rhs, out) -> None:
-        self.xp.matmul(lhs, rhs, out=out)  # f16 included: cuBLAS computes it in float32
+        if self.backend._warming:
+            return  # cuBLAS compiles nothing; the arena holds nothing yet
+        plan = self.plan
+        call = gemm_call(matrix(lhs.shape, lhs.strides, plan.ab_tag),
+                         matrix(rhs.shape, rhs.strides, plan.ab_tag),
+                         matrix(out.shape, out.strides, plan.c_tag))
+        issue(self.xp.cuda.cublas, self.xp.cuda.device.get_cublas_handle(), call,
+              lhs.data.ptr, rhs.data.ptr, out.data.ptr, plan.alpha, plan.beta)
 
     def epilogue(self, dst, src) -> None:
         _compiled(self.apply.epilogue)(src, dst)

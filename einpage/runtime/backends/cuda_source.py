@@ -38,6 +38,12 @@ _STORAGE_CTYPE = {"f16": "float16", "bf16": "unsigned short", "f32": "float", "f
 #: the C type each einpage dtype computes in (DType.compute)
 COMPUTE_CTYPE = {"f16": "float", "bf16": "float", "f32": "float", "f64": "double",
                  "i64": "long long"}
+#: NVRTC options of every generated kernel. `--fmad=false`: no contraction of `a*b+c` into one
+#: fused multiply-add, so the device rounds every operation as NumPy and the host build of the
+#: same source (the stand-in's g++, `-ffp-contract=off`) do: the tests' bit-for-bit comparisons
+#: then hold on the device too. The kernels are memory-bound elementwise passes (every GEMM is
+#: cuBLAS's, unaffected), so the separate multiply and add cost nothing measurable.
+NVRTC_OPTIONS = ("--std=c++17", "--fmad=false")
 #: bytes per element of each einpage dtype on the device
 ITEMSIZE = {tag: d.itemsize for tag, d in DEVICE_DTYPE.items()}
 _X0 = scalar.x(0)

@@ -1,12 +1,14 @@
 """How the CuPy backend runs a product contraction as one cuBLAS GEMM, planned without CuPy so
 that a CPU test checks it (DESIGN.md, "Stream program"), and the strided layouts its kernels read.
 
-A contraction whose join is a (scaled) product of two operands with `sum` runs as one GEMM
-(`xp.matmul(lhs, rhs, out=c)`; strided-batched when it has a batch): `matmul_plan` sorts its
+A contraction whose join is a (scaled) product of two operands with `sum` runs as one cuBLAS
+GEMM (`gemm_call`: GemmEx, strided-batched when it has a batch; half operands on the tensor
+cores, accumulated in float32; the join's factor is its alpha): `matmul_plan` sorts its
 indices into batch / rows / cols / contracted groups, picks the group orders and the operand
 order (`A B` or `(B^T A^T)^T`) that copy the fewest bytes, and says which operands must first be
-materialised (transposed or converted) into workspace slots and whether the GEMM can write the
-output block itself. `execute_matmul` runs a plan on any array module through `MatmulOps`
+materialised (converted, or transposed where neither a row- nor a column-major view reads them)
+into workspace slots and whether the GEMM can write the output block itself (accumulating
+into it with beta 1). `execute_matmul` runs a plan on any array module through `MatmulOps`
 (`xp=numpy` in the tests).
 
 Layouts: `contiguous_strides`, `operand_layout` (an operand broadcast over a kernel's index
@@ -22,7 +24,9 @@ import numpy as np
 
 from einpage.errors import PlanError
 from einpage.ir.spec import EinsumSpec
-from einpage.runtime.backends.cuda_source import DEVICE_DTYPE, ITEMSIZE
+from einpage.ir.dtypes import DType
+from einpage.runtime.backends.cuda_source import ITEMSIZE
+from einpage.runtime.backends.gemm_call import C_TAGS
 
 
 # ------------------------------------------------------------------ layouts
@@ -86,9 +90,10 @@ def _strip(indices: str, sizes: dict) -> str:
 @dataclass(frozen=True)
 class GemmOperand:
     """One GEMM operand: its axes taken in `perm` order (its groups in GEMM order, giving
-    `shape`), materialised into a C-contiguous workspace slot of the GEMM dtype when `copy`,
-    then viewed as `gemm_shape` (`(batch, rows, cols)`, or `(rows, cols)` unbatched, where a
-    view may be a transposed, F-contiguous, matrix: cuBLAS reads it with a transpose flag)."""
+    `shape`), materialised into a C-contiguous workspace slot of the GEMM's operand type when
+    `copy`, then viewed as `gemm_shape` (`(batch, rows, cols)`, or `(rows, cols)` unbatched),
+    where a view may be a transposed, column-major, matrix: cuBLAS reads it with a transpose
+    flag (`gemm_call`)."""
     perm: tuple[int, ...]
     shape: tuple[int, ...]
     gemm_shape: tuple[int, ...]
@@ -97,9 +102,12 @@ class GemmOperand:
 
 @dataclass(frozen=True)
 class MatmulPlan:
-    """`out[o] (+)= factor * sum_k a[..] b[..]` as `c = lhs @ rhs` over `(batch, rows, k)` and
-    `(batch, k, cols)` (unbatched: `(rows, k)`, `(k, cols)`); with `swap` the left operand is
-    `b` and `c` the output transposed."""
+    """`out[o] (+)= factor * sum_k a[..] b[..]` as one cuBLAS call `c = alpha * lhs @ rhs + beta
+    * c` over `(batch, rows, k)` and `(batch, k, cols)` (unbatched: `(rows, k)`, `(k, cols)`);
+    with `swap` the left operand is `b` and `c` the output transposed. Operands are `ab_tag`
+    (f16 and bf16 run on the tensor cores, accumulated in float32), `c` is `c_tag`: the output
+    block itself when `direct` (then `beta` 1 accumulates into it), else a workspace slot that
+    the epilogue permutes, casts and adds into the block."""
     spec: str
     swap: bool
     batched: bool
@@ -113,9 +121,10 @@ class MatmulPlan:
     c_shape: tuple[int, ...]
     c_full: tuple[int, ...]      # c with every index apart (batch + rows + cols)
     c_perm: tuple[int, ...]      # axes of c_full in the output's order
-    dtype: np.dtype              # the GEMM's dtype: float32, float64, or float16 (unbatched,
-                                 # accumulated in float32 by cuBLAS)
-    factor: float
+    ab_tag: str                  # the operands' type: f16, bf16, f32 or f64
+    c_tag: str                   # c's type (the output's when direct)
+    alpha: float                 # the join's factor
+    beta: float                  # 1 where a direct GEMM accumulates into the block, else 0
     accumulate: bool
     temps: tuple[int, ...]       # bytes of the workspace slots: left, right, c (those needed)
 
@@ -144,16 +153,27 @@ def _orders(group: str, *terms: str) -> list[str]:
 
 def _operand(term: str, groups: tuple[str, ...], sizes: dict, convert: bool,
              batched: bool) -> GemmOperand:
-    """`groups`: (batch, outer, inner) indices in the order the GEMM takes the operand. A C
-    layout needs no copy; unbatched, neither does a transposed one (inner before outer)."""
+    """`groups`: (batch, outer, inner) indices in the order the GEMM takes the operand. A
+    row-major layout needs no copy, nor does a column-major one (inner before outer)."""
     order = "".join(groups)
     perm = tuple(term.index(c) for c in order)
     shape = tuple(int(sizes[c]) for c in order)
     kept = groups if batched else groups[1:]
     gemm_shape = tuple(math.prod(int(sizes[c]) for c in g) for g in kept)
-    fits = [order] if batched else [order, groups[0] + groups[2] + groups[1]]
+    fits = [order, groups[0] + groups[2] + groups[1]]
     copy = convert or all(_strip(f, sizes) != _strip(term, sizes) for f in fits)
     return GemmOperand(perm, shape, gemm_shape, copy)
+
+
+def gemm_types(in_tags: Sequence[str], compute_tag: str) -> str:
+    """The operand type of a GEMM over inputs `in_tags` computed in `compute_tag`: f64 for f64
+    work; two operands of one half type stay in it (tensor cores, float32 accumulation: exact
+    products, float32 sums, as NumPy's float32 computation of them); anything else f32."""
+    if compute_tag == "f64":
+        return "f64"
+    if in_tags[0] == in_tags[1] and in_tags[0] in ("f16", "bf16"):
+        return in_tags[0]
+    return "f32"
 
 
 def matmul_plan(spec: EinsumSpec, shapes: Sequence[Sequence[int]], in_tags: Sequence[str],
@@ -162,10 +182,8 @@ def matmul_plan(spec: EinsumSpec, shapes: Sequence[Sequence[int]], in_tags: Sequ
     """The cheapest GEMM form of a two-operand product contraction, or None where there is none
     (one operand sums an index alone, or the computation is not in floating point). `staged`:
     the output block shares bytes with an operand, so the GEMM must not write it directly.
-
-    Unbatched GEMMs are 2-d (`cupy.matmul` then calls cuBLAS with transpose flags, so operands
-    stored transposed need no copy), except 1x1 outputs, which CuPy would reduce with a
-    temporary; batched ones are 3-d strided-batched GEMMs, whose operands must be C-contiguous."""
+    Cheapest: the fewest bytes copied into workspace slots (operands transposed or converted,
+    and `c` when the GEMM cannot write the block itself)."""
     if len(spec.inputs) != 2 or not spec.contracted or compute_tag == "i64":
         return None
     groups = _groups(spec)
@@ -179,105 +197,99 @@ def matmul_plan(spec: EinsumSpec, shapes: Sequence[Sequence[int]], in_tags: Sequ
     def size(indices: str) -> int:
         return math.prod(int(sizes[c]) for c in indices)
 
-    batched = size(batch_set) > 1 or size(m_set) * size(n_set) == 1
-    # f16 x f16 -> f16 without a scale or a sum into the block: cuBLAS accumulates in float32
-    # and rounds once, as NumPy's float32 einsum cast to f16 does; no conversions needed
-    native = (compute_tag == "f16" and tuple(in_tags) == ("f16", "f16") and out_tag == "f16"
-              and factor == 1.0 and not accumulate and not staged and not batched)
-    for gemm_tag in (("f16",) if native else ()) + ("f64" if compute_tag == "f64" else "f32",):
-        best = None
-        for swap in (False, True):
-            first, second = (b, a) if swap else (a, b)
-            first_tag, second_tag = (in_tags[1], in_tags[0]) if swap else tuple(in_tags)
-            row_set, col_set = (n_set, m_set) if swap else (m_set, n_set)
-            for batch in _orders(batch_set, out, a, b):
-                for rows in _orders(row_set, out, first):
-                    for cols in _orders(col_set, out, second):
-                        for kk in _orders(k_set, first, second):
-                            left = _operand(first, (batch, rows, kk), sizes,
-                                            first_tag != gemm_tag, batched)
-                            right = _operand(second, (batch, kk, cols), sizes,
-                                             second_tag != gemm_tag, batched)
-                            c_order = batch + rows + cols
-                            direct = (not accumulate and not staged and out_tag == gemm_tag
-                                      and _strip(c_order, sizes) == _strip(out, sizes))
-                            cost = sum(math.prod(o.shape) for o in (left, right) if o.copy)
-                            cost += 0 if direct else size(out) * 2
-                            if best is None or cost < best[0]:
-                                best = (cost, swap, batch, rows, cols, kk, left, right, direct,
-                                        c_order)
-        if best[8] or gemm_tag != "f16":
-            break  # a native f16 GEMM only where it writes the block itself
-    itemsize = ITEMSIZE[gemm_tag]
+    batched = size(batch_set) > 1
+    ab_tag = gemm_types(in_tags, compute_tag)
+    writes_out = not staged and out_tag in C_TAGS[ab_tag]
+    best = None
+    for swap in (False, True):
+        first, second = (b, a) if swap else (a, b)
+        first_tag, second_tag = (in_tags[1], in_tags[0]) if swap else tuple(in_tags)
+        row_set, col_set = (n_set, m_set) if swap else (m_set, n_set)
+        for batch in _orders(batch_set, out, a, b):
+            for rows in _orders(row_set, out, first):
+                for cols in _orders(col_set, out, second):
+                    for kk in _orders(k_set, first, second):
+                        left = _operand(first, (batch, rows, kk), sizes, first_tag != ab_tag,
+                                        batched)
+                        right = _operand(second, (batch, kk, cols), sizes,
+                                         second_tag != ab_tag, batched)
+                        c_order = batch + rows + cols
+                        direct = writes_out and _strip(c_order, sizes) == _strip(out, sizes)
+                        cost = sum(math.prod(o.shape) for o in (left, right) if o.copy)
+                        cost += 0 if direct else size(out) * 2
+                        if best is None or cost < best[0]:
+                            best = (cost, swap, batch, rows, cols, kk, left, right, direct,
+                                    c_order)
     _, swap, batch, rows, cols, kk, left, right, direct, c_order = best
+    c_tag = out_tag if direct else ("f64" if ab_tag == "f64" else "f32")
     c_shape = ((size(batch),) if batched else ()) + (size(rows), size(cols))
     c_full = tuple(int(sizes[c]) for c in c_order)
     c_perm = tuple(c_order.index(c) for c in out)
-    temps = tuple(math.prod(o.shape) * itemsize for o in (left, right) if o.copy)
+    temps = tuple(math.prod(o.shape) * ITEMSIZE[ab_tag] for o in (left, right) if o.copy)
     if not direct:
-        temps += (math.prod(c_shape) * itemsize,)
+        temps += (math.prod(c_shape) * ITEMSIZE[c_tag],)
     return MatmulPlan(str(spec), swap, batched, batch, rows, cols, kk, left, right, direct,
-                      c_shape, c_full, c_perm, DEVICE_DTYPE[gemm_tag], float(factor), accumulate,
-                      temps)
+                      c_shape, c_full, c_perm, ab_tag, c_tag, float(factor),
+                      1.0 if direct and accumulate else 0.0, accumulate, temps)
 
 
 class MatmulOps:
-    """What `execute_matmul` needs of an array module: workspace slots, conversions, the
-    epilogue. This implementation is plain `xp` (fresh arrays; NumPy in the tests); the CUDA
-    backend's takes slots from its workspace and runs generated kernels."""
+    """What `execute_matmul` needs of an array module: workspace slots, conversions, the GEMM,
+    the epilogue. This implementation is plain NumPy (fresh arrays, in the tests); the CUDA
+    backend's takes slots from its workspace, issues cuBLAS and runs generated kernels."""
 
     def __init__(self, xp: Any, plan: MatmulPlan):
         self.xp, self.plan = xp, plan
 
-    def temp(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        return self.xp.empty(shape, dtype=dtype)
+    def temp(self, shape: tuple[int, ...], tag: str) -> Any:
+        return self.xp.empty(shape, dtype=DType(tag).numpy)
 
     def copy(self, dst: Any, src: Any) -> None:
         """`dst[...] = src`, converting the dtype."""
         self.xp.copyto(dst, src, casting="unsafe")
 
     def matmul(self, lhs: Any, rhs: Any, out: Any) -> None:
-        """`out = lhs @ rhs`, accumulated in float32 at least (as cuBLAS does for f16)."""
-        if np.dtype(out.dtype) == np.float16:
-            f32 = np.dtype(np.float32)
-            out[...] = self.xp.matmul(lhs.astype(f32), rhs.astype(f32)).astype(out.dtype)
-        else:
-            self.xp.matmul(lhs, rhs, out=out)
+        """`out = alpha * lhs @ rhs + beta * out`, accumulated in float32 at least and rounded
+        once into `out`, as cuBLAS does."""
+        plan = self.plan
+        acc = np.float64 if plan.ab_tag == "f64" else np.float32
+        part = self.xp.matmul(lhs.astype(acc), rhs.astype(acc))
+        if plan.alpha != 1.0:
+            part = part * acc(plan.alpha)
+        if plan.beta:
+            part = part + out.astype(acc)
+        out[...] = part.astype(out.dtype)
 
     def epilogue(self, dst: Any, src: Any) -> None:
-        """`dst = cast(dst + src * factor)` (without `dst +` unless accumulating)."""
+        """`dst = cast(dst + src)` (`dst = cast(src)` unless accumulating)."""
         plan = self.plan
-        part = src.astype(plan.dtype)
-        if plan.factor != 1.0:
-            part = part * plan.dtype.type(plan.factor)
+        part = src.astype(DType(plan.c_tag).numpy)
         if plan.accumulate:
-            part = dst.astype(plan.dtype) + part
+            part = dst.astype(part.dtype) + part
         dst[...] = part.astype(dst.dtype)
 
 
 def execute_matmul(plan: MatmulPlan, ops: MatmulOps, a: Any, b: Any, out: Any) -> None:
     """Run `plan` on operand blocks `a`, `b` (C-contiguous in their spec order) into `out`."""
     first, second = (b, a) if plan.swap else (a, b)
-    lhs = _gemm_input(ops, first, plan.left, plan.dtype)
-    rhs = _gemm_input(ops, second, plan.right, plan.dtype)
+    lhs = _gemm_input(ops, first, plan.left, plan.ab_tag)
+    rhs = _gemm_input(ops, second, plan.right, plan.ab_tag)
     if plan.direct:
         ops.matmul(lhs, rhs, out.reshape(plan.c_shape))
-        if plan.factor != 1.0:
-            ops.epilogue(out, out)
         return
-    c = ops.temp(plan.c_shape, plan.dtype)
+    c = ops.temp(plan.c_shape, plan.c_tag)
     ops.matmul(lhs, rhs, c)
     ops.epilogue(out, c.reshape(plan.c_full).transpose(plan.c_perm))
 
 
-def _gemm_input(ops: MatmulOps, x: Any, operand: GemmOperand, dtype: np.dtype) -> Any:
+def _gemm_input(ops: MatmulOps, x: Any, operand: GemmOperand, tag: str) -> Any:
     view = x.transpose(operand.perm)
     if operand.copy:
-        slot = ops.temp(operand.shape, dtype)
+        slot = ops.temp(operand.shape, tag)
         ops.copy(slot, view)
         view = slot
     return view.reshape(operand.gemm_shape)
 
 
 __all__ = ["GemmOperand", "MatmulOps", "MatmulPlan", "contiguous_strides", "execute_matmul",
-           "matmul_plan", "nocopy_reshape_strides", "operand_layout"]
+           "gemm_types", "matmul_plan", "nocopy_reshape_strides", "operand_layout"]

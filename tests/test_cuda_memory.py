@@ -1,0 +1,203 @@
+"""The CuPy backend's device memory (`einpage.runtime.backends.cuda_memory`) and what it must
+do right on a first GPU run, shown on the stand-in for CuPy (`fake_cupy`), which checks what
+CUDA and cuBLAS would reject: every region 256-aligned whatever the budget; `--gpu-mem` counts
+the CUDA context, the cuBLAS handles and workspace, and the apply workspace (cuBLAS allocates
+nothing of its own); small budgets run; every call with the backend's device current; every
+kernel compiled at `open`, none in a pass; KV rows written back from pinned memory."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fake_cupy import CONTEXT_BYTES, HANDLE_BYTES, installed
+from hypothesis import given
+from hypothesis import strategies as st
+
+from einpage.compiler import CompileOptions, compile_graph
+from einpage.errors import BudgetError
+from einpage.ir.dtypes import DType
+from einpage.models import llama, resolve
+from einpage.runners import PlanRunner
+from einpage.runtime import executor
+from einpage.runtime.backends.apply_plan import STATUS_BYTES, workspace_bytes
+from einpage.runtime.backends.cuda import CupyBackend
+from einpage.runtime.backends.cuda_memory import (CUBLAS_WORKSPACE_BYTES, GRANULE, cublas_workspace,
+                                                  regions, reserve)
+from einpage.runtime.stream_executor import run_streams
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch, tmp_path_factory):
+    yield from installed(monkeypatch, tmp_path_factory)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch, tmp_path_factory):
+    yield from installed(monkeypatch, tmp_path_factory, devices=2)
+
+
+# ====================================================================== pure: regions, budgets
+
+@given(arena=st.integers(1, 1 << 34), slots=st.integers(0, 1 << 30),
+       cublas=st.one_of(st.none(), st.integers(0, 1 << 26)))
+def test_every_region_starts_256_aligned_and_none_overlap(arena, slots, cublas):
+    r = regions(arena, slots, cublas)
+    starts = [0, r.cublas_at, r.slots_at, r.status_at]
+    sizes = [r.arena, r.cublas, r.slots, STATUS_BYTES]
+    assert all(s % 256 == 0 for s in starts)
+    assert all(a + n <= b for a, n, b in zip(starts, sizes, starts[1:] + [r.total]))
+    assert r.cublas == (cublas_workspace(arena) if cublas is None else cublas)
+
+
+@given(budget=st.integers(1 << 20, 1 << 36), context=st.integers(0, 1 << 30),
+       workspace=st.integers(STATUS_BYTES, 1 << 26))
+def test_a_reservation_adds_up_to_its_budget(budget, context, workspace):
+    try:
+        r = reserve(budget, context, workspace)
+    except BudgetError as exc:
+        assert exc.available == budget and exc.needed > budget
+        assert "\n" not in str(exc)
+        return
+    assert r.arena > 0 and r.arena % 256 == 0
+    assert r.arena + r.context + r.cublas + r.workspace + r.padding == budget
+    assert r.padding >= GRANULE
+    # what the backend allocates for it fits the budget with the context
+    allocation = regions(r.arena, workspace - STATUS_BYTES, r.cublas).total
+    assert context + -(-allocation // GRANULE) * GRANULE <= budget
+    assert r.cublas == min(CUBLAS_WORKSPACE_BYTES, -(-(budget // 16) // 256) * 256)
+
+
+# ====================================================================== on the stand-in
+
+def _tiny(dtype=DType.f32, budget_extra: int = 0, fraction: int = 4):
+    cfg, weights = resolve("tiny", random_weights=True, seed=11, dtype=dtype)
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab, (2, 6))
+    graph = llama.prefill_graph(cfg).bind(B=2, S=6)
+    budget = cfg.weight_bytes(DType.f32) // fraction + budget_extra
+    return cfg, weights, tokens, graph, budget
+
+
+@pytest.mark.parametrize("extra", [1, 13, 130])
+def test_an_arena_of_any_size_keeps_every_region_aligned(fake_cupy, extra):
+    """Most budgets are not multiples of 256: the regions after the arena still start
+    256-aligned (the stand-in asserts it for every region, view and cuBLAS operand)."""
+    cfg, weights, tokens, graph, budget = _tiny(DType.bf16, extra)
+    mg = compile_graph(graph, CompileOptions(budget)).memgraph
+    assert mg.device_bytes % 256 != 0
+    want = executor.run(mg, {"tokens": tokens}, weights)
+    got = run_streams(mg, {"tokens": tokens}, weights, backend=CupyBackend()).outputs
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=0.05)
+    assert fake_cupy.gemms > 0 and fake_cupy.sticky is None
+
+
+def test_gpu_mem_is_all_the_process_takes(fake_cupy):
+    """A runner on cupy plans for what the budget leaves once the (measured) CUDA context and
+    cuBLAS handles, cuBLAS's workspace and the apply workspace are taken; the process then
+    holds no more than the budget, and cuBLAS allocates nothing of its own."""
+    cfg, weights, tokens, graph, _ = _tiny()
+    budget = CONTEXT_BYTES + 3 * HANDLE_BYTES + (48 << 20) + 12_345
+    runner = PlanRunner(weights, CompileOptions(budget), backend="cupy")
+    assert runner.context_bytes >= CONTEXT_BYTES + 2 * HANDLE_BYTES
+    want = executor.run(compile_graph(graph, CompileOptions(1 << 30)).memgraph,
+                        {"tokens": tokens}, weights)
+    with runner.open(graph) as session:
+        got = session.run({"tokens": tokens})
+        taken = max(fake_cupy.used)
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5)
+    r = runner.reservation
+    assert r is not None and r.budget == budget and r.context == runner.context_bytes
+    assert taken <= budget, (taken, budget)
+    assert all(h["workspace"] is not None or not h["own_workspace"]
+               for h in fake_cupy.handles.values())
+    assert not any(h["own_workspace"] for h in fake_cupy.handles.values())
+    line = r.lines()[0]
+    assert "plan arena" in line and "CUDA context" in line and "cuBLAS workspace" in line
+
+
+def test_a_small_budget_runs_and_one_below_the_context_says_why(fake_cupy):
+    """The runner's reserve is what the plan's applies need, not a fixed share: a plan's arena
+    may be a few hundred kilobytes; a budget the CUDA context alone exceeds is one clear
+    error."""
+    cfg, weights, tokens, graph, small = _tiny()
+    runner = PlanRunner(weights, CompileOptions(0), backend="cupy")
+    budget = runner.context_bytes + GRANULE + small
+    for _ in range(8):  # cuBLAS's workspace grows with the budget: its fixed point
+        budget = runner.context_bytes + GRANULE + small + 4096 + cublas_workspace(budget)
+    runner = PlanRunner(weights, CompileOptions(budget), backend="cupy")
+    compiled, workspace = runner.plan(graph)
+    assert workspace == workspace_bytes(compiled.memgraph) < 1 << 20
+    assert compiled.report.traffic.reload_bytes > 0  # it pages
+    runner(graph, {"tokens": tokens})
+    with pytest.raises(BudgetError, match="CUDA context") as err:
+        PlanRunner(weights, CompileOptions(small), backend="cupy").plan(graph)
+    assert "\n" not in str(err.value)
+
+
+def test_every_call_runs_with_the_backends_device_current(two_gpus):
+    """On device 1 of two, a launch, memset or event record issued while device 0 is current
+    fails (as CUDA's does): a whole pass, its outputs and close run clean."""
+    cfg, weights, tokens, graph, budget = _tiny()
+    mg = compile_graph(graph, CompileOptions(budget)).memgraph
+    want = executor.run(mg, {"tokens": tokens}, weights)
+    backend = CupyBackend(device=1)
+    got = run_streams(mg, {"tokens": tokens}, weights, backend=backend).outputs
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5)
+    assert two_gpus.used[1] > two_gpus.used[0] or two_gpus.sticky is None
+    assert backend.arena is None
+
+
+def test_kernels_compile_at_open_and_never_in_a_pass(fake_cupy):
+    cfg, weights, tokens, graph, budget = _tiny(DType.bf16)
+    mg = compile_graph(graph, CompileOptions(budget)).memgraph
+    backend = CupyBackend()
+    seen = []
+
+    class Counting(CupyBackend):
+        def open(self, mg, io):
+            super().open(mg, io)
+            seen.append(len(fake_cupy.compiles))
+
+    backend = Counting()
+    run_streams(mg, {"tokens": tokens}, weights, backend=backend)
+    assert seen and seen[0] == len(fake_cupy.compiles) > 0
+    assert backend.compile_s > 0
+
+
+def test_kv_rows_go_back_from_pinned_memory_without_synchronizing(fake_cupy):
+    """A decode session's rows written between steps are async copies from pinned memory
+    (no pageable copy, which would synchronize), and the steps equal the threads backend."""
+    from einpage.models.generation import decode_step_graph, prefill
+    from einpage.models.kvstore import KVStore
+    from einpage.runtime import evaluate
+    from einpage.runtime.backends.threads import ThreadsBackend
+    from einpage.runtime.stream_executor import StreamSession
+    cfg, weights = resolve("tiny", random_weights=True, seed=5)
+    prompt = np.array([[4, 8, 15, 16, 23], [42, 1, 2, 3, 5]]) % cfg.vocab
+    graph = decode_step_graph(cfg, 2, 8)
+    mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 2)).memgraph
+    assert any(n.kind == "input" and n.at == "device" and mg.tensors[n.tensor].role == "cache"
+               for n in mg.nodes)
+    copies = []
+
+    def steps(backend):
+        store = KVStore(cfg, 2, 8)
+        out = prefill(cfg, prompt, lambda g, i: evaluate(g, i, weights))
+        store.fill(out)
+        last = np.argmax(out["logits"][:, -1], axis=-1)
+        logits = []
+        with StreamSession(mg, weights, backend) as session:
+            for _ in range(3):
+                step = session.run({"tokens": last[:, None], "pos": store.pos.copy(),
+                                    **store.view(8)}).outputs
+                before = fake_cupy.pageable_copies
+                for name, lead, row in store.write(step):
+                    session.write(name, lead, row)
+                copies.append(fake_cupy.pageable_copies - before)
+                last = np.argmax(step["logits"][:, -1], axis=-1)
+                logits.append(step["logits"])
+        return np.stack(logits)
+
+    want = steps(ThreadsBackend())
+    copies.clear()
+    got = steps(CupyBackend())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert copies == [0, 0, 0]
