@@ -344,6 +344,7 @@ class FakeCupy(types.ModuleType):
         self.pinned: dict[int, int] = {}                     # start -> end
         self.handles: dict[tuple[int, int], dict] = {}       # (thread, device) -> handle state
         self._streams = 0
+        self.queues = weakref.WeakSet()
         self._lock = threading.Lock()
         tls = self._tls = threading.local()
         fake = self
@@ -390,6 +391,7 @@ class FakeCupy(types.ModuleType):
                 fake._streams += 1
                 self.ptr = 0x5000 + fake._streams
                 self.queue = _Queue(fake, random.Random(fake.seed * 1009 + fake._streams))
+                fake.queues.add(self.queue)
                 weakref.finalize(self, self.queue.stop)
 
             def __enter__(self):
@@ -534,6 +536,12 @@ class FakeCupy(types.ModuleType):
         self._alloc = alloc
 
     # ------------------------------------------------------------------ device state
+    def drain(self) -> None:
+        """Wait until every stream has run what was issued on it (a test's end: work left in
+        flight must still find its memory)."""
+        for queue in list(self.queues):
+            queue.drain()
+
     def _check_sticky(self) -> None:
         if self.sticky is not None:
             raise self.sticky
@@ -578,26 +586,46 @@ class FakeCupy(types.ModuleType):
             stream = streams[-1]
         return stream
 
-    def _launch(self, fn, stream=None) -> None:
-        """Issue device work (a kernel, a memset, a GEMM) on `stream` (default: current)."""
+    def _launch(self, fn, stream=None, ranges=()) -> None:
+        """Issue device work (a kernel, a memset, a GEMM) on `stream` (default: current).
+        `ranges` ((address, bytes, what)) must still lie in live device allocations when the
+        work runs: memory released while work on it was in flight is an illegal address."""
         stream = self._stream(stream)
         if stream.device_id != self.current_device():
             raise CUDARuntimeError("cudaErrorInvalidResourceHandle",
                                    f"a launch on a stream of device {stream.device_id} while "
                                    f"device {self.current_device()} is current")
-        stream.queue.put(fn)
+        stream.queue.put(self._checked(fn, ranges))
+
+    def _checked(self, fn, ranges, host=None):
+        def run():
+            for ptr, size, what in ranges:
+                self._device_range(ptr, size, what)
+            if host is not None and not self._pinned_host(*host):
+                raise CUDARuntimeError("cudaErrorIllegalAddress",
+                                       "a copy's pinned host buffer was freed before it ran")
+            fn()
+        return run
 
     def _copy(self, dst: int, src: int, size: int, host: int, stream) -> None:
         """A copy between device and host memory (`host` is the host side's address)."""
         stream = self._stream(stream)
         if size == 0:
             return
+        device = src if host == dst else dst
         if self._pinned_host(host, size):
-            stream.queue.put(lambda: ctypes.memmove(dst, src, size))
+            stream.queue.put(self._checked(lambda: ctypes.memmove(dst, src, size),
+                                           [(device, size, "a copy")], (host, size)))
             return
         self.pageable_copies += 1  # pageable: synchronous, through a staging buffer
         stream.synchronize()
         ctypes.memmove(dst, src, size)
+
+    @staticmethod
+    def _extent(a) -> tuple[int, int]:
+        lo = min(0, *((n - 1) * s for n, s in zip(a.shape, a.strides)))
+        hi = sum((n - 1) * s for n, s in zip(a.shape, a.strides) if s > 0)
+        return a.ctypes.data + lo, hi - lo + a.itemsize
 
     # ------------------------------------------------------------------ cuBLAS
     def _handle(self, handle: int) -> dict:
@@ -705,15 +733,16 @@ class FakeCupy(types.ModuleType):
 
     def copyto(self, dst, src):
         assert dst.dtype == src.dtype and dst.shape == src.shape, (dst.dtype, src.dtype)
-        self._check_arrays("copyto", dst, src)
-        self._launch(lambda: np.copyto(dst, src))
+        ranges = self._check_arrays("copyto", dst, src)
+        self._launch(lambda: np.copyto(dst, src), ranges=ranges)
 
-    def _check_arrays(self, what: str, *arrays) -> None:
-        for a in arrays:
-            if a.size:
-                lo = min(0, *((n - 1) * s for n, s in zip(a.shape, a.strides)))
-                hi = sum((n - 1) * s for n, s in zip(a.shape, a.strides) if s > 0)
-                self._device_range(a.ctypes.data + lo, hi - lo + a.itemsize, what)
+    def _check_arrays(self, what: str, *arrays) -> list[tuple[int, int, str]]:
+        """The device ranges of `arrays` (checked live now; `_launch` checks them again when the
+        work runs)."""
+        ranges = [(*self._extent(a), what) for a in arrays if a.size]
+        for ptr, size, _ in ranges:
+            self._device_range(ptr, size, what)
+        return ranges
 
     def ElementwiseKernel(self, in_params, out_params, operation, name="kernel",
                           reduce_dims=True, preamble="", no_return=False, options=(),
@@ -764,7 +793,8 @@ class Pointer:
     def memset_async(self, value, size, stream=None):
         self.fake._device_range(self.ptr, size, "memset")
         ptr = self.ptr
-        self.fake._launch(lambda: ctypes.memset(ptr, value, size), stream)
+        self.fake._launch(lambda: ctypes.memset(ptr, value, size), stream,
+                          [(ptr, size, "memset")])
 
     def copy_from_host_async(self, mem, size, stream=None):
         self.fake._device_range(self.ptr, size, "a copy's destination")
@@ -816,7 +846,7 @@ class _FakeKernel:
             else:
                 assert isinstance(a, (int, np.integer)), (p.name, a)
                 scalars.append(int(a))
-        cp._check_arrays(self.src.name, *arrays)
+        ranges = cp._check_arrays(self.src.name, *arrays)
         key = (self.src.name, tuple(str(a.dtype) for a in arrays), max(a.ndim for a in arrays))
         cp.compiles.setdefault(key, self.src.name)
         if isinstance(self.src, cuda_source.ElementwiseSource):
@@ -831,7 +861,7 @@ class _FakeKernel:
                     else:
                         assert p.is_input or a.shape == shape
                         strides.append(np.broadcast_to(a, shape).strides)
-            cp._launch(lambda: _call(fn, arrays, shape, strides, scalars))
+            cp._launch(lambda: _call(fn, arrays, shape, strides, scalars), ranges=ranges)
             return
         shape = np.broadcast_shapes(*broadcast)
         axes = tuple(sorted(axis))
@@ -839,7 +869,7 @@ class _FakeKernel:
         assert axes == tuple(range(nout, len(shape))) and out.shape == shape[:nout]
         strides = [np.broadcast_to(a, shape).strides for a in arrays[:-1]]
         strides.append(tuple(out.strides) + (0,) * len(axes))
-        cp._launch(lambda: _call(fn, arrays, shape, strides, scalars, nout))
+        cp._launch(lambda: _call(fn, arrays, shape, strides, scalars, nout), ranges=ranges)
 
 
 # ---------------------------------------------------------------------- fixture bodies
@@ -882,3 +912,5 @@ def installed(monkeypatch, tmp_path_factory, **options) -> Iterator[FakeCupy]:
     yield fake
     cuda._hook_class.cache_clear()
     cuda._KERNELS.clear()
+    fake.drain()
+    assert fake.sticky is None, f"a device fault no call reported: {fake.sticky}"

@@ -386,7 +386,11 @@ def test_a_fault_stops_every_queue_and_frees_the_arena(device, where, after):
         run_streams(mg, {"tokens": tokens}, weights, backend=backend)
     assert backend.arena is None and backend.host is None
     if device.kind == "host":  # freed at close, even with the traceback alive
-        assert not list(device.fake.live) and not list(device.fake.pinned_live)
+        from einpage.runtime.backends.pinned import PinnedWeights
+        store = PinnedWeights.for_source(device.fake, weights)  # the model's pinned weights
+        kept = {id(mem) for mem, _ in store.blocks.values()}
+        assert not list(device.fake.live)
+        assert all(id(mem) in kept for mem in device.fake.pinned_live)
     else:
         gc.collect()
         assert _free_device_bytes(device) > free_before - (256 << 20)

@@ -145,6 +145,35 @@ def test_every_call_runs_with_the_backends_device_current(two_gpus):
     assert backend.arena is None
 
 
+def test_open_returns_with_its_warm_up_done(fake_cupy):
+    """`open` runs every kernel once on the empty arena: that garbage must be written before
+    the resident blocks are loaded over it, so nothing of it is in flight when `open`
+    returns."""
+    from einpage.runtime.planio import PlanIO
+    cfg, weights, tokens, graph, budget = _tiny(DType.bf16)
+    mg = compile_graph(graph, CompileOptions(budget)).memgraph
+    backend = CupyBackend()
+    backend.open(mg, PlanIO(mg, {"tokens": tokens}, weights))
+    try:
+        assert all(s.done for s in backend._streams.values())
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_staging_slots_are_reused_only_once_copied(fake_cupy, monkeypatch, slots):
+    """Resident blocks load through a ring of pinned staging slots: with one or two slots,
+    every read waits for the copy out of the slot it overwrites."""
+    from einpage.runtime.backends import cuda
+    monkeypatch.setattr(cuda, "STAGING_SLOTS", slots)
+    cfg, weights, tokens, graph, budget = _tiny(DType.f32, fraction=2)
+    mg = compile_graph(graph, CompileOptions(budget)).memgraph
+    assert sum(n.kind == "input" and n.at == "device" for n in mg.nodes) > 4 * slots
+    want = executor.run(mg, {"tokens": tokens}, weights)
+    got = run_streams(mg, {"tokens": tokens}, weights, backend=CupyBackend()).outputs
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5)
+
+
 def test_kernels_compile_at_open_and_never_in_a_pass(fake_cupy):
     cfg, weights, tokens, graph, budget = _tiny(DType.bf16)
     mg = compile_graph(graph, CompileOptions(budget)).memgraph
@@ -162,9 +191,12 @@ def test_kernels_compile_at_open_and_never_in_a_pass(fake_cupy):
     assert backend.compile_s > 0
 
 
-def test_kv_rows_go_back_from_pinned_memory_without_synchronizing(fake_cupy):
+def test_kv_rows_go_back_from_pinned_memory_without_synchronizing(fake_cupy, monkeypatch):
     """A decode session's rows written between steps are async copies from pinned memory
-    (no pageable copy, which would synchronize), and the steps equal the threads backend."""
+    (no pageable copy, which would synchronize), and the steps equal the threads backend; with
+    one pinned row slot every write reuses the slot the last copy reads."""
+    from einpage.runtime.backends import cuda
+    monkeypatch.setattr(cuda, "ROW_SLOTS", 1)
     from einpage.models.generation import decode_step_graph, prefill
     from einpage.models.kvstore import KVStore
     from einpage.runtime import evaluate
@@ -201,3 +233,23 @@ def test_kv_rows_go_back_from_pinned_memory_without_synchronizing(fake_cupy):
     got = steps(CupyBackend())
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     assert copies == [0, 0, 0]
+
+
+def test_streamed_weights_are_pinned_once_per_model(fake_cupy):
+    """Two sessions of one plan, and a plan cut alike, read the streamed weight blocks pinned by
+    the first; a plan cut otherwise replaces them instead of adding to them."""
+    from einpage.runtime.backends.pinned import PinnedWeights
+    cfg, weights, tokens, graph, budget = _tiny()
+    mg = compile_graph(graph, CompileOptions(budget)).memgraph
+    want = executor.run(mg, {"tokens": tokens}, weights)
+    for _ in range(2):
+        got = run_streams(mg, {"tokens": tokens}, weights, backend=CupyBackend()).outputs
+        np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5)
+    store = PinnedWeights.for_source(fake_cupy, weights)
+    first = store.fills
+    assert first > 0 and store.pinned_bytes > 0
+    other = compile_graph(llama.prefill_graph(cfg).bind(B=1, S=3),
+                          CompileOptions(budget)).memgraph
+    run_streams(other, {"tokens": tokens[:1, :3]}, weights, backend=CupyBackend())
+    assert store.fills - first < first  # most blocks are cut alike: shared, not pinned again
+    assert all(n == 0 for n in store.users.values())  # every session released its blocks

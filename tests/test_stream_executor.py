@@ -2,13 +2,17 @@
 only ordering. With seeded random delays per queue it gives the dense reference's answer for
 random graphs x budgets x policies and for a paged LLaMA; a failure injected on any queue, a
 checkpoint that fails mid-pass, or Ctrl-C stops every queue promptly, releases the arena and
-raises one typed error; the measured pass adds up."""
+raises one typed error; the measured pass adds up. A session keeps its worker threads, each in
+its queue context, from the first pass to `close`, and a fault or Ctrl-C in a later pass stops it
+as in the first. The null backend runs a plan doing nothing."""
 from __future__ import annotations
 
 import _thread
 import dataclasses
+import gc
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -23,8 +27,9 @@ from einpage.models.checkpoint import RandomWeights
 from einpage.models.config import preset
 from einpage.runtime import evaluate
 from einpage.runtime.backends.inject import Delayed, Faulty, Wrapped
+from einpage.runtime.backends.null import NullBackend
 from einpage.runtime.backends.threads import ThreadsBackend
-from einpage.runtime.stream_executor import run_streams
+from einpage.runtime.stream_executor import StreamSession, run_streams
 from einpage.runtime.streams import check_program, compile_streams
 
 
@@ -144,25 +149,34 @@ def test_an_unexpected_error_is_typed_and_names_the_node():
         run_streams(mg, inputs, weights, backend)
 
 
+class Interrupting(Wrapped):
+    """Sends Ctrl-C to the calling thread at one compute node of pass `at_pass` (1-based), then
+    holds that node until the executor aborts (so the pass cannot end before the interrupt is
+    seen)."""
+
+    def __init__(self, inner, at_pass: int = 1):
+        super().__init__(inner)
+        self.at_pass, self.passes, self.sent = at_pass, 1, False
+        self.aborted = threading.Event()
+
+    def begin_pass(self):
+        self.passes += 1
+        super().begin_pass()
+
+    def run(self, n):
+        if self.passes == self.at_pass and n.id > 40 and not self.sent:
+            self.sent = True
+            _thread.interrupt_main()  # what Ctrl-C does to the calling thread
+            assert self.aborted.wait(10), "the executor never aborted"
+        super().run(n)
+
+    def abort(self):
+        self.aborted.set()
+        super().abort()
+
+
 def test_ctrl_c_stops_every_queue_and_releases_memory():
     _, mg, inputs, weights = small_llama(300_000)
-
-    class Interrupting(Wrapped):
-        """Sends Ctrl-C to the calling thread at one compute node, then holds that node until
-        the executor aborts (so the pass cannot end before the interrupt is seen)."""
-        aborted = threading.Event()
-
-        def run(self, n):
-            if n.id > 40 and not getattr(self, "sent", False):
-                self.sent = True
-                _thread.interrupt_main()  # what Ctrl-C does to the calling thread
-                assert self.aborted.wait(10), "the executor never aborted"
-            super().run(n)
-
-        def abort(self):
-            self.aborted.set()
-            super().abort()
-
     inner = ThreadsBackend()
     with pytest.raises(Interrupted):
         run_streams(mg, inputs, weights, Interrupting(inner))
@@ -191,3 +205,161 @@ def test_the_waits_are_what_orders_the_queues():
         bad = run_streams(mg, inputs, weights, SlowCopies(ThreadsBackend(poison=True)),
                           no_waits).outputs
     assert not np.allclose(bad["logits"], want, rtol=1e-4, atol=1e-5, equal_nan=False)
+
+
+class Traced(Wrapped):
+    """Logs each queue context's entry and exit and the backend's close, and the threads each
+    queue's calls run on, pass by pass."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.log: list[tuple] = []
+        self.threads: list[dict[str, set[int]]] = [{}]
+
+    @contextmanager
+    def _context(self, queue):
+        self.log.append(("enter", queue, threading.get_ident()))
+        with self.inner.queue_context(queue):
+            yield
+        self.log.append(("exit", queue, threading.get_ident()))
+
+    def queue_context(self, queue):
+        return self._context(queue)
+
+    def _before(self, queue):
+        self.threads[-1].setdefault(queue, set()).add(threading.get_ident())
+
+    def begin_pass(self):
+        self.threads.append({})
+        super().begin_pass()
+
+    def close(self):
+        self.log.append(("close",))
+        super().close()
+
+
+def test_a_session_keeps_its_threads_and_queue_contexts_across_passes():
+    graph, mg, inputs, weights = small_llama(300_000)
+    want = evaluate(graph, inputs, weights)["logits"]
+    backend = Traced(Delayed(ThreadsBackend(poison=True), 0, 1e-4))
+    before = threading.active_count()
+    with StreamSession(mg, weights, backend) as session:
+        for _ in range(3):
+            got = session.run(inputs).outputs["logits"]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        during = threading.active_count()
+    queues = {s.queue for s in session.program.steps}
+    assert queues == {"compute", "h2d", "d2h"} and len(backend.threads) == 3
+    first = backend.threads[0]
+    assert set(first) == queues and all(len(idents) == 1 for idents in first.values())
+    assert all(per_pass == first for per_pass in backend.threads)  # the same thread every pass
+    thread = {q: next(iter(idents)) for q, idents in first.items()}
+    assert len(set(thread.values())) == len(queues) and threading.get_ident() not in thread.values()
+    # each queue's context entered once for the session, on its thread; left there at close,
+    # before the backend closes
+    entries = [e for e in backend.log if e[0] == "enter"]
+    exits = [e for e in backend.log if e[0] == "exit"]
+    assert sorted(entries) == sorted(("enter", q, t) for q, t in thread.items())
+    assert sorted(exits) == sorted(("exit", q, t) for q, t in thread.items())
+    assert backend.log[-1] == ("close",) and backend.log.count(("close",)) == 1
+    assert during == before + len(queues) and threading.active_count() == before
+
+
+@pytest.mark.parametrize("queue", ["compute", "h2d", "d2h"])
+def test_a_fault_in_the_third_pass_stops_every_queue_and_releases_memory(queue):
+    graph, mg, inputs, weights = small_llama(300_000)
+    want = evaluate(graph, inputs, weights)["logits"]
+    program = compile_streams(mg, preload=True)
+    per_pass = sum(1 for s in program.steps if s.queue == queue)
+    at = (len(program.preloaded) if queue == "h2d" else 0) + 2 * per_pass + per_pass // 2
+    inner = ThreadsBackend()
+    backend = Tracked(Faulty(Delayed(inner, 1, 1e-4), queue, at))
+    before = threading.active_count()
+    session = StreamSession(mg, weights, backend, program)
+    for _ in range(2):
+        np.testing.assert_allclose(session.run(inputs).outputs["logits"], want, rtol=1e-4,
+                                   atol=1e-5)
+    t0 = time.perf_counter()
+    with pytest.raises(ExecutionError, match=f"{queue} queue failed at node %[0-9]+ .*"
+                                             "InjectedFault"):
+        session.run(inputs)
+    assert time.perf_counter() - t0 < 10
+    assert session.closed and backend.closed and inner.arena is None and inner.host is None
+    assert threading.active_count() == before  # every worker joined
+    with pytest.raises(ExecutionError, match="closed"):
+        session.run(inputs)
+
+
+def test_ctrl_c_in_a_later_pass_stops_the_session_and_releases_memory():
+    _, mg, inputs, weights = small_llama(300_000)
+    inner = ThreadsBackend()
+    before = threading.active_count()
+    session = StreamSession(mg, weights, Interrupting(inner, at_pass=2))
+    session.run(inputs)
+    with pytest.raises(Interrupted):
+        session.run(inputs)
+    assert session.closed and inner.arena is None
+    assert threading.active_count() == before
+
+
+class BrokenContext(Wrapped):
+    """A queue context that fails to enter or to exit on one queue."""
+
+    def __init__(self, inner, queue: str, when: str):
+        super().__init__(inner)
+        self.queue, self.when = queue, when
+
+    @contextmanager
+    def _context(self, queue):
+        if queue == self.queue and self.when == "enter":
+            raise RuntimeError("no stream")
+        with self.inner.queue_context(queue):
+            yield
+        if queue == self.queue and self.when == "exit":
+            raise RuntimeError("stream lost")
+
+    def queue_context(self, queue):
+        return self._context(queue)
+
+
+def test_a_queue_context_that_fails_is_a_typed_error_and_memory_is_released():
+    _, mg, inputs, weights = small_llama(300_000)
+    before = threading.active_count()
+    inner = ThreadsBackend()
+    with pytest.raises(ExecutionError, match="d2h queue failed at start: RuntimeError: no stream"):
+        run_streams(mg, inputs, weights, BrokenContext(inner, "d2h", "enter"))
+    assert inner.arena is None and threading.active_count() == before
+    inner = ThreadsBackend()
+    session = StreamSession(mg, weights, BrokenContext(inner, "compute", "exit"))
+    session.run(inputs)
+    with pytest.raises(ExecutionError, match="compute queue failed to leave its context: "
+                                             "RuntimeError: stream lost"):
+        session.close()
+    assert inner.arena is None and threading.active_count() == before
+    session.close()  # idempotent
+
+
+def test_a_session_dropped_without_close_ends_its_threads():
+    _, mg, inputs, weights = small_llama(300_000)
+    before = threading.active_count()
+    session = StreamSession(mg, weights, ThreadsBackend())
+    session.run(inputs)
+    assert threading.active_count() > before
+    del session
+    gc.collect()
+    deadline = time.perf_counter() + 10
+    while threading.active_count() > before and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before
+
+
+def test_the_null_backend_runs_a_plan_and_reads_nothing():
+    _, mg, inputs, _ = small_llama(300_000)
+    read = []
+    with StreamSession(mg, read.append, NullBackend()) as session:
+        for _ in range(2):
+            run = session.run(inputs)
+            assert run.outputs["logits"].shape == (2, 16, preset("small").vocab)
+            assert not run.outputs["logits"].any()
+            assert len(run.measured.spans) == len(session.program.steps)
+    assert read == []  # no weight was asked for

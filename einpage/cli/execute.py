@@ -133,8 +133,13 @@ def _profile(args):
 
 
 def _after(args, runner) -> None:
-    """--timing and --trace for the passes `runner` ran."""
+    """--timing and --trace for the passes `runner` ran (on cupy, --timing first says what the
+    budget holds besides the plan)."""
     predicted = bool(args.device or args.device_file)
+    reservation = getattr(runner, "reservation", None)
+    if args.timing and reservation is not None:  # cupy: what the budget holds besides the plan
+        for line in reservation.lines():
+            print(line)
     _show_passes(args, [(p.compiled.memgraph, p.measured,
                          p.compiled.simulation if predicted else None)
                         for p in getattr(runner, "passes", [])])

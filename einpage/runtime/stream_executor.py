@@ -3,41 +3,49 @@ worker thread per queue (DESIGN.md, "Stream program"); the disk queue's thread i
 that fills host staging buffers from the checkpoint files ahead of the reloads.
 
 A `StreamSession` holds a plan open on its backend for many passes (the decode steps of a
-generation): the arena, the host buffers and the blocks that stay on the device live from the
-first pass to `close`. The first pass loads the resident blocks (the program's `preloaded`
-nodes: weights and KV-store blocks, timed apart: the simulator prices them at zero); between
-passes the caller writes the KV store's new rows in place (`write`: into the device copy of a
-resident block, or the backend's host copy of a streamed one). `run_streams` is one pass of a
-session. Each pass: each worker issues its
-queue's steps in plan order; before a step it blocks until every node it waits on has been
-recorded (a host-side flag set after the backend's `record`), then has the backend wait on that
+generation): the arena, the host buffers, the blocks that stay on the device and the worker
+threads live from the first pass to `close`. The first pass opens the backend, starts one thread
+per queue that has work (each enters `backend.queue_context(queue)` once, for the session's
+life: the CUDA backend makes its device and stream current there and makes its cuBLAS handle)
+and loads the resident blocks (the program's `preloaded` nodes: weights and KV-store blocks,
+timed apart: the simulator prices them at zero); between passes the caller writes the KV store's
+new rows in place (`write`: into the device copy of a resident block, or the backend's host copy
+of a streamed one). `run_streams` is one pass of a session.
+
+Each pass hands every worker its queue's steps (made once per session: the node, its waits, and
+whether it records) and waits for all of them. A worker issues its steps in plan order; before a
+step it blocks until every node it waits on has been recorded (per pass, each queue publishes the
+latest node it recorded, after the backend's `record`), then has the backend wait on that
 node's event. The plan's edges, through the program's waits, are the only ordering there is.
 
 Faults: the first error on any queue (or Ctrl-C in the calling thread) sets an abort flag and
-wakes every blocked worker; each stops before its next step, the backend is closed (its arena and
-host memory released) and the caller gets one typed exception: the original `EinpageError` (a
-checkpoint that fails to read), `ExecutionError` naming the queue and node for anything else,
-`Interrupted` for Ctrl-C. Never a hang: a worker blocks only on a flag that either its producer
-sets or the abort sets.
+wakes every blocked worker; each stops before its next step, the session is closed (its threads
+joined, then the backend closed: its arena and host memory released) and the caller gets one
+typed exception: the original `EinpageError` (a checkpoint that fails to read), `ExecutionError`
+naming the queue and node for anything else, `Interrupted` for Ctrl-C. Never a hang: a worker
+blocks only on a node that either its producer records or the abort releases, and between
+passes on its next job, which `close` sends.
 """
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from queue import Empty, SimpleQueue
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
 from einpage.errors import EinpageError, ExecutionError, Interrupted
-from einpage.ir.memgraph import InputNode, MemGraph
+from einpage.ir.memgraph import InputNode, MemGraph, MemNode
 from einpage.ir.tensors import WeightSource
 from einpage.runtime.backends.base import Backend
 from einpage.runtime.measured import Measured, Span
 from einpage.runtime.planio import PlanIO
-from einpage.runtime.streams import QUEUES, StreamProgram, compile_streams
+from einpage.runtime.streams import QUEUES, StreamProgram, compile_streams, queue_of
 
-#: how often a blocked caller looks up from joining the workers (Ctrl-C is seen between looks)
+#: how often a blocked caller looks up from waiting on the workers (Ctrl-C is seen between looks)
 _POLL_S = 0.05
 
 
@@ -58,8 +66,10 @@ def run_streams(mg: MemGraph, inputs: Mapping[str, np.ndarray] | None = None,
 
 class StreamSession:
     """`mg` held open on `backend` for many passes (see the module docstring): `run(inputs)` per
-    pass, `write(name, lead, values)` between passes, `close()` (or a `with` block) at the end.
-    Any error closes the session (memory released) before it reaches the caller."""
+    pass, `write(name, lead, values)` between passes, `close()` (or a `with` block) at the end:
+    it joins the worker threads, then closes the backend. Any error closes the session (memory
+    released) before it reaches the caller. A session dropped without `close` ends its threads
+    when it is collected."""
 
     def __init__(self, mg: MemGraph, weights: WeightSource | None = None,
                  backend: Backend | str = "threads", program: StreamProgram | None = None,
@@ -73,6 +83,7 @@ class StreamSession:
         self.closed = False
         self.passes = 0
         self._blocks = _store_blocks(mg)
+        self._crew: _Crew | None = None
 
     def __enter__(self) -> "StreamSession":
         return self
@@ -89,18 +100,21 @@ class StreamSession:
             if self.io is None:
                 self.io = PlanIO(self.mg, inputs, self.weights)
                 self.backend.open(self.mg, self.io)
-                load_s = _Pass(self).preload()
+                self._crew = _Crew(self.mg, self.program, self.backend)
+                weakref.finalize(self, self._crew.dismiss)  # dropped without `close`: threads end
+                self._crew.start()
+                load_s = self._preload()
             else:
                 self.io.set_inputs(inputs)
                 self.backend.begin_pass()
-            result = _Pass(self).run(self.io, load_s)
+            result = self._pass(load_s)
             self.passes += 1
             return result
-        except KeyboardInterrupt:  # between the phases: no worker is running
-            self.close()
+        except KeyboardInterrupt:
+            self._close_after_error(abort=True)
             raise Interrupted("interrupted: every queue stopped, memory released") from None
         except BaseException:
-            self.close()
+            self._close_after_error()
             raise
 
     def write(self, name: str, lead: tuple[int, ...], values: np.ndarray) -> None:
@@ -121,13 +135,61 @@ class StreamSession:
                 self.backend.write_input(tid, offset, local,
                                          np.ascontiguousarray(part, dtype=dtype))
             except BaseException:
-                self.close()
+                self._close_after_error()
                 raise
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
+        """Join the worker threads (each leaves its queue context on its own thread), then close
+        the backend. Idempotent. Raises `ExecutionError`, once everything is released, if a
+        queue's context failed to exit."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self._crew is not None:
+                self._crew.stop()
+        finally:
             self.backend.close()
+
+    def _close_after_error(self, abort: bool = False) -> None:
+        """Close while an error propagates (that error is the one the caller gets); `abort` first
+        stops the workers before their next step (Ctrl-C: they may be mid-pass)."""
+        if abort and self._crew is not None:
+            self._crew.abort()
+        try:
+            self.close()
+        except ExecutionError:
+            pass
+
+    # ------------------------------------------------------------------ the two phases
+    def _preload(self) -> float:
+        """Load the resident blocks (once per session); returns the seconds it took."""
+        t0 = time.perf_counter()
+        self._crew.preload()
+        self._finish()
+        return time.perf_counter() - t0
+
+    def _pass(self, load_s: float | None) -> StreamRun:
+        """One pass; `load_s` the preload's seconds when this is the session's first pass."""
+        mg, backend = self.mg, self.backend
+        origin = backend.stamp("compute") if self.timing else None
+        t0 = time.perf_counter()
+        stamps = self._crew.run(self.timing)
+        self._finish()
+        wall = time.perf_counter() - t0
+        spans = _spans(mg, backend, origin, stamps) if self.timing else ()
+        load_bytes = (sum(mg.tensors[mg.nodes[i].tensor].bytes for i in self.program.preloaded)
+                      if load_s is not None else 0)
+        outputs = self.io.results(backend.output)
+        return StreamRun(outputs, Measured(backend.name, wall, load_s or 0.0, load_bytes, spans))
+
+    def _finish(self) -> None:
+        try:
+            self.backend.finish()
+        except EinpageError:
+            raise
+        except Exception as exc:
+            raise ExecutionError(f"{self.backend.name}: {type(exc).__name__}: {exc}") from exc
 
 
 def _store_blocks(mg: MemGraph) -> dict[str, list[tuple[int, tuple, tuple, int | None]]]:
@@ -144,143 +206,231 @@ def _store_blocks(mg: MemGraph) -> dict[str, list[tuple[int, tuple, tuple, int |
     return out
 
 
-class _Pass:
-    def __init__(self, session: StreamSession):
-        self.mg, self.program = session.mg, session.program
-        self.backend, self.timing = session.backend, session.timing
-        program = self.program
-        self.recorded = {node: threading.Event() for node in program.events}
-        self.aborted = threading.Event()
-        self.failure: tuple[str, int, BaseException] | None = None
+def _spans(mg: MemGraph, backend: Backend, origin: Any,
+           stamps: dict[str, list[tuple[int, Any, Any]]]) -> tuple[Span, ...]:
+    """Every timed node of a pass, from its queue's stamps, in order of start."""
+    spans = []
+    for q, marks in stamps.items():
+        for nid, a, b in marks:
+            nbytes = mg.tensors[mg.nodes[nid].tensor].bytes if q != "compute" else 0
+            spans.append(Span(nid, q, backend.seconds(origin, a), backend.seconds(origin, b),
+                              nbytes))
+    return tuple(sorted(spans, key=lambda s: (s.start, s.node)))
+
+
+class _Step(NamedTuple):
+    """A step as its queue's worker runs it (made once per session; a tuple, unpacked in the hot
+    loop)."""
+    node: MemNode
+    waits: tuple[tuple[int, int], ...]  # (producer worker, node) for each node it waits on
+    records: bool                       # whether it records an event (someone waits on it)
+
+
+class _Board:
+    """Within a pass, the latest node each worker has recorded (its queue records in plan order,
+    so a node is recorded once its queue's latest is at or past it). A worker that needs a node
+    not yet recorded sleeps on its own condition, woken only when that node is recorded (or the
+    pass is aborted): no thread is woken for nothing."""
+
+    def __init__(self, workers: int):
         self.lock = threading.Lock()
-        self.stamps: dict[str, list[tuple[int, object, object]]] = {q: [] for q in QUEUES}
-        self.current: dict[str, int] = {}  # queue -> the node it is issuing
+        self.wakeups = [threading.Condition(self.lock) for _ in range(workers)]
+        self.last = [-1] * workers  # read without the lock: a stale value only means a sleep
+        self.wants: list[tuple[int, int] | None] = [None] * workers  # (producer, node) awaited
+        self.sleeping = 0
+        self.aborted = False
 
-    # ------------------------------------------------------------------ the two phases
-    def preload(self) -> float:
-        """Load the resident blocks (once per session); returns the seconds it took."""
-        t0 = time.perf_counter()
-        self._on_queues({"h2d": self._preload})
-        self._finish()
-        return time.perf_counter() - t0
+    def reset(self) -> None:
+        """Before a pass (no worker is running): nothing recorded."""
+        self.last[:] = [-1] * len(self.last)
 
-    def run(self, io: PlanIO, load_s: float | None) -> StreamRun:
-        """One pass; `load_s` the preload's seconds when this is the session's first pass."""
-        mg, backend = self.mg, self.backend
-        steps_of = {q: [s for s in self.program.steps if s.queue == q] for q in QUEUES}
-        self.origin = backend.stamp("compute") if self.timing else None
-        t0 = time.perf_counter()
-        self._on_queues({q: (lambda q=q: self._queue(q, steps_of[q])) for q in QUEUES
-                         if steps_of[q]})
-        self._finish()
-        wall = time.perf_counter() - t0
-        spans = self._spans() if self.timing else ()
-        load_bytes = (sum(mg.tensors[mg.nodes[i].tensor].bytes for i in self.program.preloaded)
-                      if load_s is not None else 0)
-        outputs = io.results(backend.output)
-        return StreamRun(outputs, Measured(backend.name, wall, load_s or 0.0, load_bytes, spans))
+    def publish(self, producer: int, node: int) -> None:
+        """`producer` recorded `node`: wake the workers sleeping for it (once each)."""
+        with self.lock:
+            self.last[producer] = node
+            if self.sleeping:
+                for k, want in enumerate(self.wants):
+                    if want is not None:
+                        awaited_producer, awaited = want
+                        if awaited_producer == producer and awaited <= node:
+                            self._wake(k)
 
-    def _preload(self) -> None:
-        for nid in self.program.preloaded:
-            self._check_abort()
-            self._issue("h2d", nid)
+    def sleep_until(self, worker: int, producer: int, node: int) -> None:
+        """Block `worker` until `producer` has recorded `node`, or the pass is aborted."""
+        with self.lock:
+            if self.last[producer] >= node:
+                return  # recorded since the worker looked
+            self.wants[worker] = (producer, node)
+            self.sleeping += 1
+            while self.wants[worker] is not None and not self.aborted:
+                self.wakeups[worker].wait()
+            if self.wants[worker] is not None:  # aborted: no one else clears it
+                self._forget(worker)
 
-    def _queue(self, queue: str, steps) -> None:
-        backend = self.backend
-        for step in steps:
-            for w in step.waits:
-                self.recorded[w].wait()
-                self._check_abort()
-                backend.wait(queue, w)
-            self._check_abort()
-            before = backend.stamp(queue) if self.timing else None
-            self._issue(queue, step.node)
-            if self.timing:
-                self.stamps[queue].append((step.node, before, backend.stamp(queue)))
-            if step.node in self.recorded:
-                backend.record(queue, step.node)
-                self.recorded[step.node].set()
+    def _wake(self, worker: int) -> None:
+        self._forget(worker)
+        self.wakeups[worker].notify()
 
-    def _issue(self, queue: str, nid: int) -> None:
-        n = self.mg.nodes[nid]
-        self.current[queue] = nid
-        if queue == "compute":
-            self.backend.run(n)
-        elif queue == "h2d":
-            self.backend.copy_h2d(n)
-        elif queue == "d2h":
-            self.backend.copy_d2h(n)
-        else:
-            self.backend.read_disk(n)
+    def _forget(self, worker: int) -> None:
+        """(Holding the lock.) `worker` no longer sleeps for a node."""
+        self.wants[worker] = None
+        self.sleeping -= 1
 
-    # ------------------------------------------------------------------ workers and faults
-    def _on_queues(self, work: dict[str, Callable[[], None]]) -> None:
-        threads: list[threading.Thread] = []
-        try:
-            for q, fn in work.items():
-                threads.append(threading.Thread(target=self._worker, args=(q, fn),
-                                                name=f"einpage-{q}", daemon=True))
-                threads[-1].start()
-            for t in threads:
-                while t.is_alive():
-                    t.join(_POLL_S)
-        except KeyboardInterrupt:
-            self._abort()
-            for t in threads:
-                t.join()
-            raise Interrupted("interrupted: every queue stopped, memory released") from None
+    def abort(self) -> None:
+        with self.lock:
+            self.aborted = True
+            for wakeup in self.wakeups:
+                wakeup.notify_all()
+
+
+class _Crew:
+    """The worker threads of a session, one per queue with work, each inside its queue context
+    from `start` to `stop`; between passes a worker sleeps on its job box. `preload` and `run`
+    hand out jobs and return when every worker is done, raising the first failure."""
+
+    def __init__(self, mg: MemGraph, program: StreamProgram, backend: Backend):
+        self.backend = backend
+        self.queues = tuple(q for q in QUEUES if any(s.queue == q for s in program.steps)
+                            or (q == "h2d" and program.preloaded))
+        self.steps = _queue_steps(mg, program, self.queues)
+        issue = {"compute": backend.run, "h2d": backend.copy_h2d, "d2h": backend.copy_d2h,
+                 "disk": backend.read_disk}
+        self.issue = tuple(issue[q] for q in self.queues)
+        self.preloaded = tuple(_Step(mg.nodes[n], (), False) for n in program.preloaded)
+        self.board = _Board(len(self.queues))
+        self.jobs: list[SimpleQueue] = [SimpleQueue() for _ in self.queues]
+        self.done: SimpleQueue = SimpleQueue()
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+        self.failure: tuple[str, str, BaseException] | None = None  # (queue, where, error)
+        self.left_badly: tuple[str, BaseException] | None = None  # a context that failed to exit
+
+    # ------------------------------------------------------------------ the caller's side
+    def start(self) -> None:
+        """Start the workers; return once each has entered its queue context."""
+        for k, q in enumerate(self.queues):
+            self.threads.append(threading.Thread(target=self._serve, args=(k,),
+                                                 name=f"einpage-{q}", daemon=True))
+            self.threads[-1].start()
+        self._collect(len(self.threads))
+
+    def preload(self) -> None:
+        """The preloaded nodes on the h2d worker."""
+        if self.preloaded:
+            self.jobs[self.queues.index("h2d")].put((self.preloaded, None))
+            self._collect(1)
+
+    def run(self, timing: bool) -> dict[str, list[tuple[int, Any, Any]]]:
+        """One pass; with `timing`, each queue's (node, stamp before, stamp after)."""
+        self.board.reset()
+        stamps = {q: [] for q in self.queues}
+        busy = [k for k, steps in enumerate(self.steps) if steps]  # h2d may only preload
+        for k in busy:
+            self.jobs[k].put((self.steps[k], stamps[self.queues[k]] if timing else None))
+        self._collect(len(busy))
+        return stamps
+
+    def abort(self) -> None:
+        """Stop every worker before its next step (from any thread)."""
+        self.board.abort()
+        self.backend.abort()
+
+    def dismiss(self) -> None:
+        """Tell every worker to end once its job is done (without waiting for it; a worker that
+        has ended already ignores it)."""
+        for box in self.jobs:
+            box.put(None)
+
+    def stop(self) -> None:
+        """End the workers: each finishes its job, leaves its queue context and exits; then
+        raise `ExecutionError` if a context failed to exit."""
+        self.dismiss()
+        for t in self.threads:
+            t.join()
+        if self.left_badly is not None:
+            queue, exc = self.left_badly
+            raise ExecutionError(f"{queue} queue failed to leave its context: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+
+    def _collect(self, jobs: int) -> None:
+        """Wait for `jobs` workers to report done (looking up for Ctrl-C, which propagates),
+        then raise the first failure: the original `EinpageError`, else `ExecutionError`."""
+        for _ in range(jobs):
+            while True:
+                try:
+                    self.done.get(timeout=_POLL_S)
+                    break
+                except Empty:
+                    continue
         if self.failure is not None:
-            queue, nid, exc = self.failure
+            queue, where, exc = self.failure
             if isinstance(exc, EinpageError):
                 raise exc
-            n = self.mg.nodes[nid] if nid >= 0 else None
-            where = f"node %{nid} ({n.kind})" if n is not None else "start"
             raise ExecutionError(f"{queue} queue failed at {where}: {type(exc).__name__}: "
                                  f"{exc}") from exc
 
-    def _finish(self) -> None:
-        try:
-            self.backend.finish()
-        except EinpageError:
-            raise
-        except Exception as exc:
-            raise ExecutionError(f"{self.backend.name}: {type(exc).__name__}: {exc}") from exc
-
-    def _worker(self, queue: str, fn: Callable[[], None]) -> None:
+    # ------------------------------------------------------------------ the workers' side
+    def _serve(self, k: int) -> None:
+        """Worker `k`'s thread: inside its queue context, run jobs until told to stop (None)."""
+        queue, entered = self.queues[k], False
         try:
             with self.backend.queue_context(queue):
-                fn()
-        except _Aborted:
-            pass
+                entered = True
+                self.done.put(None)
+                while (job := self.jobs[k].get()) is not None:
+                    try:
+                        self._work(k, *job)
+                    finally:
+                        self.done.put(None)
+        except BaseException as exc:  # noqa: BLE001 - entering or leaving the queue's context
+            if entered:
+                with self.lock:
+                    self.left_badly = self.left_badly or (queue, exc)
+            else:
+                self._fail(queue, "start", exc)
+                self.done.put(None)
+
+    def _work(self, k: int, steps: tuple[_Step, ...], stamps: list | None) -> None:
+        """Issue `steps` on worker `k`'s queue (the hot loop: one pass of one queue)."""
+        queue, backend, board, issue = self.queues[k], self.backend, self.board, self.issue[k]
+        last = board.last
+        node = None
+        try:
+            for node, waits, records in steps:
+                for producer, w in waits:
+                    if last[producer] < w:
+                        board.sleep_until(k, producer, w)
+                    if board.aborted:
+                        return
+                    backend.wait(queue, w)
+                if board.aborted:
+                    return
+                if stamps is None:
+                    issue(node)
+                else:
+                    before = backend.stamp(queue)
+                    issue(node)
+                    stamps.append((node.id, before, backend.stamp(queue)))
+                if records:
+                    backend.record(queue, node.id)
+                    board.publish(k, node.id)
         except BaseException as exc:  # noqa: BLE001 - every error stops every queue
-            with self.lock:
-                if self.failure is None:
-                    self.failure = (queue, self.current.get(queue, -1), exc)
-            self._abort()
+            where = f"node %{node.id} ({node.kind})" if node is not None else "start"
+            self._fail(queue, where, exc)
 
-    def _abort(self) -> None:
-        self.aborted.set()
-        self.backend.abort()
-        for flag in self.recorded.values():
-            flag.set()  # wake every waiter: it sees the abort and stops
-
-    def _check_abort(self) -> None:
-        if self.aborted.is_set():
-            raise _Aborted
-
-    # ------------------------------------------------------------------ timing
-    def _spans(self) -> tuple[Span, ...]:
-        mg, backend = self.mg, self.backend
-        spans = []
-        origin = self.origin
-        for q, marks in self.stamps.items():
-            for nid, a, b in marks:
-                n = mg.nodes[nid]
-                nbytes = mg.tensors[n.tensor].bytes if q != "compute" else 0
-                spans.append(Span(nid, q, backend.seconds(origin, a), backend.seconds(origin, b),
-                                  nbytes))
-        return tuple(sorted(spans, key=lambda s: (s.start, s.node)))
+    def _fail(self, queue: str, where: str, exc: BaseException) -> None:
+        with self.lock:
+            if self.failure is None:
+                self.failure = (queue, where, exc)
+        self.abort()
 
 
-class _Aborted(Exception):
-    """Raised inside a worker that must stop because another queue failed."""
+def _queue_steps(mg: MemGraph, program: StreamProgram,
+                 queues: tuple[str, ...]) -> tuple[tuple[_Step, ...], ...]:
+    """Each queue's steps, in plan order, as its worker runs them."""
+    worker = {q: k for k, q in enumerate(queues)}
+    out: list[list[_Step]] = [[] for _ in queues]
+    for s in program.steps:
+        waits = tuple((worker[queue_of(mg.nodes[w])], w) for w in s.waits)
+        out[worker[s.queue]].append(_Step(mg.nodes[s.node], waits, s.node in program.events))
+    return tuple(tuple(steps) for steps in out)

@@ -120,14 +120,16 @@ class HostLayout:
     streamed: frozenset[int]
 
 
-def host_layout(mg: MemGraph, stage_sources: bool) -> HostLayout:
+def host_layout(mg: MemGraph, stage_sources: bool,
+                exclude: frozenset[int] = frozenset()) -> HostLayout:
     """The host buffer of `mg`: every offloaded tensor, and with `stage_sources` every input block
-    that a reload reads from its source, each once, in order of first use."""
+    that a reload reads from its source (but those in `exclude`, which the backend keeps
+    elsewhere), each once, in order of first use."""
     offloaded = {n.tensor for n in mg.nodes if isinstance(n, OffloadNode)}
     at_host = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at == "host"}
     streamed = {n.tensor for n in mg.nodes
                 if isinstance(n, ReloadNode) and n.tensor in at_host and n.tensor not in offloaded}
-    wanted = offloaded | (streamed if stage_sources else set())
+    wanted = offloaded | ((streamed - exclude) if stage_sources else set())
     offsets, end = {}, 0
     for n in mg.nodes:
         tid = getattr(n, "tensor", None)

@@ -11,8 +11,8 @@ bounds-checked by `planio.instance_bytes`.
 
 Host memory. One pinned buffer (`cupy.cuda.PinnedMemory`, allocated once, not CuPy's
 power-of-two pinned pool) laid out by `host_layout(mg, stage_sources=True)`: each offloaded
-tensor's host copy, each streamed block (read from its source at `open`, so a reload is one
-async copy from pinned memory), then a ring of `STAGING_SLOTS` staging slots, each as large as
+tensor's host copy, each streamed block but weights (read from its source at `open`, so a
+reload is one async copy from pinned memory), then a ring of `STAGING_SLOTS` staging slots, each as large as
 the largest `input at device` block: such a block (a resident weight loaded with the model, an
 activation) is read from its source into the next slot and copied asynchronously, the slot
 reused once its copy's event has completed, so reads overlap copies; then a ring for KV rows
@@ -20,7 +20,8 @@ written between passes (`write_input`: one async copy per block from pinned memo
 compute stream, ordered before the next pass's reads). Last, the host arena of a plan with a
 disk tier (`mg.host_arena_bytes`, page-aligned): the staging buffers its `read` nodes fill from
 the checkpoint files (`runtime.diskread`, on the disk queue's reader thread) and its reloads
-copy from asynchronously.
+copy from asynchronously. Streamed weight blocks are pinned once per loaded model and shared
+by its later sessions (`pinned.PinnedWeights`).
 
 Streams. Three `Stream(non_blocking=True)`: compute, h2d, d2h (and one carrying the disk
 queue's events); a queue's worker thread runs inside `queue_context`, which makes the device and
@@ -68,6 +69,7 @@ from einpage.runtime.backends.cuda_source import (DEVICE_DTYPE, NVRTC_OPTIONS, E
                                                   KernelSource, convert_kernel, tag_of)
 from einpage.runtime.backends.gemm_call import gemm_call, issue, matrix
 from einpage.runtime.backends.gemm_plan import MatmulOps, execute_matmul
+from einpage.runtime.backends.pinned import PinnedWeights
 from einpage.runtime.diskread import DiskReader
 from einpage.runtime.planio import PlanIO, instance_bytes
 
@@ -193,6 +195,9 @@ class CupyBackend(Backend):
         self._region: dict[str, Any] = {}  # UnownedMemory over each region
         self._pinned = None
         self._pinned_ptr = 0
+        self._host_at: dict[int, int] = {}  # host address of each tensor's host copy
+        self._store: PinnedWeights | None = None
+        self._store_keys: tuple = ()
         self._streams: dict[str, Any] = {}
         self._events: dict[int, Any] = {}
         self._staging: list[Any] = []  # events of the last copy out of each staging slot
@@ -229,7 +234,11 @@ class CupyBackend(Backend):
         if workspace < need:
             raise BackendError(f"--backend cupy: a workspace of {workspace} bytes is below the "
                                f"{need} bytes this plan's applies need")
-        layout: HostLayout = host_layout(mg, stage_sources=True)
+        store = PinnedWeights.for_source(cp, io.weights)
+        weights = frozenset(tid for tid in host_layout(mg, stage_sources=True).streamed
+                            if mg.tensors[tid].role == "weight"
+                            and mg.tensors[tid].source is not None) if store else frozenset()
+        layout: HostLayout = host_layout(mg, stage_sources=True, exclude=weights)
         slot = max((aligned(mg.tensors[n.tensor].bytes) for n in mg.nodes
                     if isinstance(n, InputNode) and n.at == "device"), default=0)
         row = max((aligned(mg.tensors[n.tensor].bytes) for n in mg.nodes
@@ -257,12 +266,14 @@ class CupyBackend(Backend):
         self.workspace_bytes = workspace
         self._plans = plans
         self.layout = layout
+        self._host_at = {tid: self._pinned_ptr + at for tid, at in layout.offsets.items()}
         self._slot, self._staging_at = slot, staging_at
         self._row, self._rows_at = row, rows_at
         self._arena_at = arena_at
         self.reader = DiskReader(io)
         try:
             self._compile_kernels()
+            self._pin_weights(store, weights)
             self._fill_host(mg, io)
         except BaseException:
             self.close()
@@ -315,6 +326,25 @@ class CupyBackend(Backend):
         self.hook.reset()
         self.compile_s = time.perf_counter() - t0
 
+    def _pin_weights(self, store: PinnedWeights | None, tids: frozenset[int]) -> None:
+        """The streamed weight blocks' host copies: pinned once for the loaded model
+        (`pinned.PinnedWeights`), shared with the later sessions of its plans."""
+        if store is None or not tids:
+            return
+        mg, io = self.mg, self.io
+        keys, wanted = {}, {}
+        for tid in sorted(tids):
+            t = mg.tensors[tid]
+            keys[tid] = (t.source.input, tuple(t.source.origin), tuple(t.shape), t.dtype.value)
+            wanted[keys[tid]] = (math.prod(t.shape) * t.dtype.itemsize,
+                                 lambda buf, tid=tid, t=t: io.read_into(
+                                     tid, buf.view(t.dtype.numpy).reshape(t.shape)))
+        with self._device:
+            addresses = store.acquire(wanted)
+        self._store, self._store_keys = store, tuple(wanted)
+        for tid, key in keys.items():
+            self._host_at[tid] = addresses[key]
+
     def _fill_host(self, mg: MemGraph, io: PlanIO, activations_only: bool = False) -> None:
         """Streamed input blocks (weights, KV-store blocks, activations) start as their source's
         values in pinned memory; between passes only the activations change."""
@@ -366,6 +396,8 @@ class CupyBackend(Backend):
                     stream.synchronize()  # nothing may still read or write what is freed below
                 except Exception:  # a device error is reported by finish(); release regardless
                     pass
+        if self._store is not None:
+            self._store.release(self._store_keys)
         self._reset_state()
 
     def abort(self) -> None:
@@ -418,13 +450,11 @@ class CupyBackend(Backend):
         with self._device:
             for stream in self._streams.values():
                 stream.synchronize()
-            status = np.zeros(3, np.int64)
+            status = np.zeros(3, np.int64)  # pageable: the copy returns once it is complete
             compute = self._streams["compute"]
             self._at("status", 0).copy_to_host_async(status.ctypes.data, status.nbytes, compute)
-            compute.synchronize()
-            if status[0]:
+            if status[0]:  # cleared before the next pass's kernels (on the same stream)
                 self._at("status", 0).memset_async(0, STATUS_BYTES, compute)
-                compute.synchronize()
                 raise InputError(f"gather: index {int(status[1])} out of range for a table of "
                                  f"{int(status[2])} rows")
 
@@ -466,7 +496,7 @@ class CupyBackend(Backend):
 
     # ------------------------------------------------------------------ copies
     def _host_ptr(self, tid: int) -> int:
-        return self._pinned_ptr + self.layout.offsets[tid]
+        return self._host_at[tid]
 
     def read_disk(self, n: ReadNode) -> None:
         arena = self.host[self._arena_at:]
@@ -480,7 +510,7 @@ class CupyBackend(Backend):
                                      h2d)
             return
         if isinstance(n, ReloadNode):
-            if n.tensor not in self.layout.offsets:
+            if n.tensor not in self._host_at:
                 raise PlanError(f"reload %{n.id}: %t{n.tensor} has no host copy")
             dst.copy_from_host_async(self._host_ptr(n.tensor), nbytes, h2d)
             return
@@ -511,9 +541,8 @@ class CupyBackend(Backend):
             src, nbytes = self._instance(ref.tensor, ref.offset)
             out = np.empty(t.shape, t.dtype.numpy)
             compute = self._streams["compute"]
-            with self._device:
+            with self._device:  # into pageable memory: returns once the copy is complete
                 src.copy_to_host_async(out.ctypes.data, nbytes, compute)
-                compute.synchronize()
             return out
         if ref.tensor in self.layout.offloaded:
             return host_view(self.host, self.mg, self.layout, ref.tensor).copy()

@@ -9,11 +9,9 @@ the cuBLAS handle), then the median of several repeats.
 - `h2d(n)` / `d2h(n)`: an async copy of `n` bytes between one pinned host buffer
   (`cupy.cuda.PinnedMemory`, as the backend's) and a raw device allocation (`cupy.cuda.Memory`).
 - `memory_bandwidth()`: a device-to-device copy, read plus write: `2 * bytes / seconds`.
-- `matmul_flops(dtype)`: `cupy.matmul(a, b, out=c)` of `n x n` matrices (cuBLAS), `2 n^3` FLOPs.
-  f16, f32 and f64 run natively (f16 accumulated in float32 by cuBLAS). bf16 is timed as the
-  backend runs it: the backend stores bf16 as its `uint16` bits and never runs a bf16 GEMM
-  (`gemm_plan.matmul_plan` picks f16, f32 or f64), so both operands are converted to float32 by
-  the generated conversion kernel, then multiplied in f32; the rate includes the conversions.
+- `matmul_flops(dtype)`: one cuBLAS GemmEx of `n x n` matrices, as the backend issues it
+  (`gemm_call`), `2 n^3` FLOPs: f16 and bf16 on the tensor cores with float32 accumulation,
+  f32 and f64 natively.
 - `vector_flops()`: the generated elementwise kernel of `x0 + x1` over float32, counted as the
   cost model counts a join (one FLOP per operand per element).
 - `memory_bytes()`: the device's total memory; `describe()`: its name and memory.
@@ -28,7 +26,8 @@ from typing import Any, Callable
 from einpage.errors import BackendError
 from einpage.ir import scalar
 from einpage.runtime.backends.cuda import _compiled, _unusable_reason
-from einpage.runtime.backends.cuda_source import convert_kernel, join_kernel
+from einpage.runtime.backends.cuda_source import DEVICE_DTYPE, join_kernel
+from einpage.runtime.backends.gemm_call import gemm_call, issue, matrix
 
 #: timed repeats after the warm-up (their median is the measurement)
 REPEATS = 5
@@ -108,31 +107,25 @@ class CupyProbe:
 
     # ------------------------------------------------------------------ compute
     def matmul_flops(self, dtype: str, n: int = 4096) -> float:
-        """FLOP/s of an `n x n` by `n x n` product in `dtype` (f16, bf16, f32, f64); bf16 through
-        the backend's conversion to float32 (see the module's docstring)."""
+        """FLOP/s of an `n x n` by `n x n` product in `dtype` (f16, bf16, f32, f64) as the
+        backend runs it: one cuBLAS GemmEx (`gemm_call`), half operands on the tensor cores
+        accumulated in float32, into `c` of the operands' type."""
         if dtype not in _DTYPES:
             raise BackendError(f"no matmul for dtype {dtype!r}; expected one of {_DTYPES}")
         cp = self._cp
         with self._device, self._stream:
-            a, b = (cp.random.standard_normal((n, n), dtype=cp.float32) for _ in range(2))
+            a, b, c = (cp.random.standard_normal((n, n), dtype=cp.float32) for _ in range(3))
             if dtype == "bf16":
-                a16, b16 = (_bf16_bits(cp, x) for x in (a, b))
-                c = cp.empty((n, n), cp.float32)
-                convert = _compiled(convert_kernel("bf16", "f32"))
-
-                def issue():
-                    convert(a16, a)
-                    convert(b16, b)
-                    cp.matmul(a, b, out=c)
+                a, b, c = (_bf16_bits(cp, x) for x in (a, b, c))
             else:
-                np_dtype = {"f16": cp.float16, "f32": cp.float32, "f64": cp.float64}[dtype]
-                a, b = a.astype(np_dtype), b.astype(np_dtype)
-                c = cp.empty((n, n), np_dtype)
-
-                def issue():
-                    cp.matmul(a, b, out=c)
+                a, b, c = (x.astype(DEVICE_DTYPE[dtype]) for x in (a, b, c))
+            call = gemm_call(*(matrix(x.shape, x.strides, dtype) for x in (a, b, c)))
+            handle = cp.cuda.device.get_cublas_handle()
             self._stream.synchronize()
-        return 2.0 * n ** 3 / self._seconds(issue)
+
+        def run():
+            issue(cp.cuda.cublas, handle, call, a.data.ptr, b.data.ptr, c.data.ptr, 1.0, 0.0)
+        return 2.0 * n ** 3 / self._seconds(run)
 
     def vector_flops(self, n: int = 1 << 24) -> float:
         """FLOP/s of the generated kernel of `x0 + x1` over `n` float32 elements."""
