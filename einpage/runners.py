@@ -55,14 +55,15 @@ class PlanRunner:
     budget is the backend's memory (`backend_memory`). On cupy the budget is all the process
     takes of the device: the CUDA context and cuBLAS handles (measured), cuBLAS's workspace and
     the apply workspace come out of it, the plan gets the rest (`reservation` says how much
-    went where).
+    went where). With `arena`, `options.device_bytes` is the plan's arena itself and the rest
+    comes on top (a small model paged on a GPU, whose whole budget the context would exceed).
 
     Plans are cached by graph for the life of the runner (a decode step's graph is the same for
     every step of a KV bucket: one compile). `open(graph)` holds its plan open on the backend for
     many passes (`PlanSession`): what a generation's decode steps run on."""
 
     def __init__(self, weights: WeightSource, options: CompileOptions, backend: str = "auto",
-                 timing: bool = False):
+                 timing: bool = False, arena: bool = False):
         from einpage.runtime.backends import resolve
         self.weights, self.timing = weights, timing
         self.backend = "numpy" if backend == "numpy" else resolve(backend)
@@ -74,6 +75,7 @@ class PlanRunner:
         budget = options.device_bytes or backend_memory(self.backend) + self.context_bytes
         self.options = replace(options, device_bytes=budget)
         self.reservation = None  # on cupy: what the budget holds besides the plan (last plan)
+        self.arena = arena       # `options.device_bytes` is the plan's arena, not the budget
         self.passes: list[Pass] = []
         self._plans: dict[Graph, tuple[Compiled, int]] = {}
         self.compile_s = 0.0
@@ -107,7 +109,12 @@ class PlanRunner:
         if self.backend != "cupy":
             return compile_graph(graph, self.options), 0
         from einpage.runtime.backends.apply_plan import STATUS_BYTES, workspace_bytes
-        from einpage.runtime.backends.cuda_memory import reserve
+        from einpage.runtime.backends.cuda_memory import around, reserve
+        if self.arena:
+            compiled = compile_graph(graph, self.options)
+            workspace = workspace_bytes(compiled.memgraph)
+            self.reservation = around(budget, self.context_bytes, workspace)
+            return compiled, workspace
         workspace = STATUS_BYTES
         for _ in range(4):
             reservation = reserve(budget, self.context_bytes, workspace)

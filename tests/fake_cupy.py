@@ -1,6 +1,6 @@
 """A host stand-in for CuPy, for the CuPy backend's tests (`test_cuda_source`,
 `test_cuda_backend`): `FakeCupy` is the part of the CuPy v14.2.0 API the backend calls (and
-libcublas's `cublasSetWorkspace`, which CuPy does not wrap), over raw host memory, asynchronous
+the cuBLAS calls the backend makes through ctypes, `cublas_lib`), over raw host memory, asynchronous
 and checked as a device is (see `FakeCupy`); its `ElementwiseKernel` / `ReductionKernel` compile
 the generated CUDA C for the host with g++ (`HostKernels`: batched into shared libraries, loaded
 with ctypes; `-ffp-contract=off`, as NVRTC's `--fmad=false`).
@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from einpage.runtime.backends import cuda, cuda_memory, cuda_source, gemm_plan
+from einpage.runtime.backends import cublas_lib, cuda, cuda_source, gemm_plan
 
 CXX = shutil.which("g++") or shutil.which("c++")
 
@@ -301,6 +301,76 @@ class _Queue:
             self.cond.notify_all()
 
 
+class _Capture:
+    """What streams issued while capturing a CUDA graph: per stream, in order, its work
+    (`("op", fn, work)`), the events recorded on it (`("record", token)`) and the captured
+    events it waits on (`("wait", token)`). `origin` began the capture; a stream joins by
+    waiting on a captured event."""
+
+    def __init__(self, origin):
+        self.origin = origin
+        self.ops = {origin: []}
+        self.tokens: list = []      # token -> the stream that recorded it
+
+    def check_joined(self) -> None:
+        """CUDA's rule at `end_capture`: every stream that joined has joined back into the
+        origin (the origin waits on an event recorded after its last work)."""
+        waited = {op[1] for op in self.ops[self.origin] if op[0] == "wait"}
+        for stream, ops in self.ops.items():
+            if stream is self.origin:
+                continue
+            last = [op for op in ops if op[0] != "wait"]
+            if last and not (last[-1][0] == "record" and last[-1][1] in waited):
+                raise CUDARuntimeError("cudaErrorStreamCaptureUnjoined",
+                                       "a stream's captured work is not joined into the origin")
+
+
+class _Graph:
+    """`cupy.cuda.graph.Graph`: `launch(stream)` replays the captured work, the origin's on
+    `stream` and every other stream's on a branch queue of its own, the captured events
+    ordering them, after what `stream` issued before."""
+
+    def __init__(self, fake, capture: _Capture):
+        self.fake, self.capture = fake, capture
+        self.branches = {s: _Queue(fake, random.Random(fake.seed * 7919 + k))
+                         for k, s in enumerate(capture.ops) if s is not capture.origin}
+        for queue in self.branches.values():
+            fake.queues.add(queue)
+            weakref.finalize(self, queue.stop)
+        self.launches = 0
+
+    def launch(self, stream=None):
+        fake = self.fake
+        stream = fake._stream(stream)
+        start = (stream.queue, stream.queue.put(lambda: None, work=False))
+        queues = {s: q for s, q in self.branches.items()}
+        queues[self.capture.origin] = stream.queue
+        for s, queue in queues.items():
+            if s is not self.capture.origin:
+                queue.put(lambda: start[0].wait_for(start[1]), work=False)
+        tickets: dict[int, tuple] = {}
+        cursors = {s: 0 for s in queues}
+        while any(cursors[s] < len(self.capture.ops[s]) for s in queues):
+            progressed = False
+            for s, queue in queues.items():
+                ops = self.capture.ops[s]
+                while cursors[s] < len(ops):
+                    op = ops[cursors[s]]
+                    if op[0] == "wait":
+                        if op[1] not in tickets:
+                            break
+                        target = tickets[op[1]]
+                        queue.put(lambda t=target: t[0].wait_for(t[1]), work=False)
+                    elif op[0] == "record":
+                        tickets[op[1]] = (queue, queue.put(lambda: None, work=False))
+                    else:
+                        queue.put(op[1], op[2])
+                    cursors[s] += 1
+                    progressed = True
+            assert progressed, "the captured graph waits in a cycle"
+        self.launches += 1
+
+
 class FakeCupy(types.ModuleType):
     """The CuPy v14.2.0 API the backend calls, on the host, asynchronous as a device is: each
     stream runs its work later on its own worker thread with seeded random delays (`seed`,
@@ -345,6 +415,7 @@ class FakeCupy(types.ModuleType):
         self.handles: dict[tuple[int, int], dict] = {}       # (thread, device) -> handle state
         self._streams = 0
         self.queues = weakref.WeakSet()
+        self.streams = weakref.WeakSet()
         self._lock = threading.Lock()
         tls = self._tls = threading.local()
         fake = self
@@ -383,6 +454,10 @@ class FakeCupy(types.ModuleType):
                 self.ptr, self.size, self.owner = ptr, size, owner
                 self.device_id = device_id
 
+        def unsupported(what):
+            return CUDARuntimeError("cudaErrorStreamCaptureUnsupported",
+                                    f"{what} while a stream captures")
+
         class Stream:
             def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
                 assert non_blocking and not null, "the backend's streams are non-blocking"
@@ -391,8 +466,17 @@ class FakeCupy(types.ModuleType):
                 fake._streams += 1
                 self.ptr = 0x5000 + fake._streams
                 self.queue = _Queue(fake, random.Random(fake.seed * 1009 + fake._streams))
+                self.capture: _Capture | None = None
                 fake.queues.add(self.queue)
+                fake.streams.add(self)
                 weakref.finalize(self, self.queue.stop)
+
+            def put(self, fn, work: bool = True):
+                """Issue `fn`: queued, or recorded into the graph this stream captures."""
+                if self.capture is not None:
+                    self.capture.ops[self].append(("op", fn, work))
+                    return None
+                return self.queue.put(fn, work)
 
             def __enter__(self):
                 tls.__dict__.setdefault("streams", []).append(self)
@@ -403,6 +487,8 @@ class FakeCupy(types.ModuleType):
                 return False
 
             def synchronize(self):
+                if self.capture is not None:
+                    raise unsupported("a stream synchronize")
                 self.queue.drain()
                 fake._check_sticky()
 
@@ -413,13 +499,39 @@ class FakeCupy(types.ModuleType):
             def wait_event(self, event):
                 fake._check_sticky()
                 target = event.target
-                if target is not None:  # an event never recorded is complete
-                    self.queue.put(lambda: target[0].wait_for(target[1]), work=False)
+                if target is None:  # an event never recorded is complete
+                    return
+                if target[0] == "captured":  # this stream joins the capture
+                    capture = target[1]
+                    if self.capture is None:
+                        self.capture = capture
+                        capture.ops.setdefault(self, [])
+                    capture.ops[self].append(("wait", target[2]))
+                    return
+                if self.capture is not None:
+                    raise CUDARuntimeError("cudaErrorStreamCaptureIsolation",
+                                           "a captured stream waits on an event from outside")
+                self.queue.put(lambda: target[0].wait_for(target[1]), work=False)
 
             def record(self, event=None):
                 event = Event() if event is None else event
                 event.record(self)
                 return event
+
+            def begin_capture(self, mode=None):
+                assert self.capture is None, "already capturing"
+                self.capture = _Capture(self)
+
+            def end_capture(self):
+                capture = self.capture
+                assert capture is not None and capture.origin is self, "not capturing here"
+                for stream in capture.ops:
+                    stream.capture = None
+                capture.check_joined()
+                return _Graph(fake, capture)
+
+            def is_capturing(self):
+                return self.capture is not None
 
         class Event:
             def __init__(self, block=False, disable_timing=False, interprocess=False):
@@ -435,6 +547,13 @@ class FakeCupy(types.ModuleType):
                     raise CUDARuntimeError("cudaErrorInvalidResourceHandle",
                                            "invalid resource handle")
                 self.t = None
+                if stream.capture is not None:
+                    capture = stream.capture
+                    token = len(capture.tokens)
+                    capture.tokens.append(stream)
+                    capture.ops[stream].append(("record", token))
+                    self.target = ("captured", capture, token)
+                    return
 
                 def stamp():
                     self.t = time.perf_counter()
@@ -442,11 +561,15 @@ class FakeCupy(types.ModuleType):
 
             def synchronize(self):
                 if self.target is not None:
+                    if self.target[0] == "captured":
+                        raise unsupported("an event synchronize on a captured event")
                     self.target[0].wait_for(self.target[1])
                 fake._check_sticky()
 
             @property
             def done(self):
+                if self.target is not None and self.target[0] == "captured":
+                    raise unsupported("an event query on a captured event")
                 return self.target is None or self.target[0].completed >= self.target[1]
 
         class Device:
@@ -522,11 +645,8 @@ class FakeCupy(types.ModuleType):
         runtime = types.SimpleNamespace(
             getDeviceCount=lambda: len(fake.used), memGetInfo=mem_get_info,
             getDevice=current_device, CUDARuntimeError=CUDARuntimeError)
-        cublas = types.SimpleNamespace(gemmEx=self._gemm_ex,
-                                       gemmStridedBatchedEx=self._gemm_strided_batched_ex,
-                                       CUBLASError=CUBLASError)
         self.cuda = types.SimpleNamespace(
-            is_available=lambda: True, runtime=runtime, cublas=cublas,
+            is_available=lambda: True, runtime=runtime,
             Memory=Memory, UnownedMemory=UnownedMemory,
             MemoryPointer=lambda mem, offset: Pointer(fake, mem, offset),
             PinnedMemory=PinnedMemory, Stream=Stream, Event=Event, Device=Device,
@@ -595,7 +715,7 @@ class FakeCupy(types.ModuleType):
             raise CUDARuntimeError("cudaErrorInvalidResourceHandle",
                                    f"a launch on a stream of device {stream.device_id} while "
                                    f"device {self.current_device()} is current")
-        stream.queue.put(self._checked(fn, ranges))
+        stream.put(self._checked(fn, ranges))
 
     def _checked(self, fn, ranges, host=None):
         def run():
@@ -614,9 +734,12 @@ class FakeCupy(types.ModuleType):
             return
         device = src if host == dst else dst
         if self._pinned_host(host, size):
-            stream.queue.put(self._checked(lambda: ctypes.memmove(dst, src, size),
-                                           [(device, size, "a copy")], (host, size)))
+            stream.put(self._checked(lambda: ctypes.memmove(dst, src, size),
+                                     [(device, size, "a copy")], (host, size)))
             return
+        if stream.capture is not None:
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported",
+                                   "a pageable copy (synchronous) while a stream captures")
         self.pageable_copies += 1  # pageable: synchronous, through a staging buffer
         stream.synchronize()
         ctypes.memmove(dst, src, size)
@@ -644,6 +767,13 @@ class FakeCupy(types.ModuleType):
         self._device_range(ptr, size, "the cuBLAS workspace")
         state["workspace"] = (ptr, size)
 
+    def cublas_set_stream(self, handle: int, stream: int) -> None:
+        """cublasSetStream: the handle's GEMMs run on the stream whose `ptr` is `stream`."""
+        state = self._handle(handle)
+        found = [q for q in list(self.streams) if q.ptr == stream]
+        assert found, f"no stream {stream:#x}"
+        state["stream"] = found[0]
+
     def _matrix(self, ptr, tag, op, rows, cols, ld, what) -> np.ndarray:
         """op(X) as a (rows, cols) view of column-major X at `ptr` with leading dimension
         `ld` (cuBLAS's reading)."""
@@ -661,43 +791,38 @@ class FakeCupy(types.ModuleType):
         buf = (ctypes.c_ubyte * max(extent, 1)).from_address(ptr)
         return np.ndarray((rows, cols), _CUDA_NP[tag], buffer=buf, strides=strides)
 
-    def _gemm(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, stride_a, b, btype,
-              ldb, stride_b, beta, c, ctype, ldc, stride_c, count, compute) -> None:
+    def cublas_gemm(self, handle: int, call, a: int, b: int, c: int, alpha: float,
+                    beta: float) -> None:
+        """`cublas_lib.gemm`: cublasGemmEx / cublasGemmStridedBatchedEx of `call` on the handle's
+        stream, with cuBLAS's column-major reading of its operands (its first is `b`, its
+        second `a`: `c^T = b^T a^T`), types, leading dimensions and alignment checked."""
         state = self._handle(handle)
+        assert state.get("stream") is not None, "a GEMM on the handle's default (null) stream"
         if state["workspace"] is None and not state["own_workspace"]:
             state["own_workspace"] = True  # cuBLAS allocates its own, outside any budget
             self._charge(state["device"], CUBLAS_DEFAULT_WORKSPACE)
-        acc = np.float64 if compute == _COMPUTE_64F else np.float32
-        if (compute == _COMPUTE_64F) != (atype == 1):
-            raise CUBLASError("CUBLAS_STATUS_NOT_SUPPORTED", f"compute {compute} for {atype}")
-        if atype != btype or ctype not in _C_TYPES[atype]:
-            raise CUBLASError("CUBLAS_STATUS_NOT_SUPPORTED", f"types {atype} {btype} {ctype}")
-        scal = ctypes.c_double if acc is np.float64 else ctypes.c_float
-        al, be = scal.from_address(alpha).value, scal.from_address(beta).value  # read now
+        if (call.compute == _COMPUTE_64F) != (call.a_type == 1):
+            raise CUBLASError("CUBLAS_STATUS_NOT_SUPPORTED", f"compute {call.compute}")
+        if call.a_type != call.b_type or call.c_type not in _C_TYPES[call.a_type]:
+            raise CUBLASError("CUBLAS_STATUS_NOT_SUPPORTED",
+                              f"types {call.a_type} {call.b_type} {call.c_type}")
+        acc = np.float64 if call.compute == _COMPUTE_64F else np.float32
         self.gemms += 1
+        x_ptr, y_ptr = b, a  # cuBLAS's first operand is ours `b`
 
         def run():
-            for i in range(max(count, 1)):
-                x = self._matrix(a + i * stride_a * _SIZE[atype], atype, transa, m, k, lda, "a")
-                y = self._matrix(b + i * stride_b * _SIZE[btype], btype, transb, k, n, ldb, "b")
-                z = self._matrix(c + i * stride_c * _SIZE[ctype], ctype, 0, m, n, ldc, "c")
-                part = _as_float(x, acc) @ _as_float(y, acc) * acc(al)
-                if be:
-                    part = part + acc(be) * _as_float(z, acc)
+            for i in range(max(call.batch, 1)):
+                x = self._matrix(x_ptr + i * call.stride_a * _SIZE[call.a_type], call.a_type,
+                                 call.transa, call.m, call.k, call.lda, "a")
+                y = self._matrix(y_ptr + i * call.stride_b * _SIZE[call.b_type], call.b_type,
+                                 call.transb, call.k, call.n, call.ldb, "b")
+                z = self._matrix(c + i * call.stride_c * _SIZE[call.c_type], call.c_type, 0,
+                                 call.m, call.n, call.ldc, "c")
+                part = _as_float(x, acc) @ _as_float(y, acc) * acc(alpha)
+                if beta:
+                    part = part + acc(beta) * _as_float(z, acc)
                 _store(z, part)
-        self._launch(run)
-
-    def _gemm_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb,
-                 beta, c, ctype, ldc, compute, algo):
-        self._gemm(handle, transa, transb, m, n, k, alpha, a, atype, lda, 0, b, btype, ldb, 0,
-                   beta, c, ctype, ldc, 0, 0, compute)
-
-    def _gemm_strided_batched_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda,
-                                 stride_a, b, btype, ldb, stride_b, beta, c, ctype, ldc,
-                                 stride_c, count, compute, algo):
-        assert count >= 1
-        self._gemm(handle, transa, transb, m, n, k, alpha, a, atype, lda, stride_a, b, btype,
-                   ldb, stride_b, beta, c, ctype, ldc, stride_c, count, compute)
+        self._launch(run, state["stream"])
 
     # ------------------------------------------------------------------ arrays
     def adopt(self, array: np.ndarray):
@@ -887,12 +1012,14 @@ def host_kernels(tmp_path_factory) -> HostKernels:
 
 
 def install(kernels: HostKernels, **options) -> FakeCupy:
-    """`FakeCupy(kernels, **options)` as the `cupy` module of this process (and as libcublas's
-    `cublasSetWorkspace`), the backend's caches of CuPy objects cleared: for scripts
+    """`FakeCupy(kernels, **options)` as the `cupy` module of this process (and as the cuBLAS
+    calls of `cublas_lib`), the backend's caches of CuPy objects cleared: for scripts
     (`bench/gpu_session.py --dry-run`); tests use `installed`."""
     fake = FakeCupy(kernels, **options)
     sys.modules["cupy"] = fake
-    cuda_memory.set_cublas_workspace = fake.cublas_set_workspace
+    cublas_lib.set_workspace = fake.cublas_set_workspace
+    cublas_lib.set_stream = fake.cublas_set_stream
+    cublas_lib.gemm = fake.cublas_gemm
     cuda._hook_class.cache_clear()
     cuda._KERNELS.clear()
     cuda._HANDLE_BYTES.clear()
@@ -905,7 +1032,9 @@ def installed(monkeypatch, tmp_path_factory, **options) -> Iterator[FakeCupy]:
     cleared before and after."""
     fake = FakeCupy(host_kernels(tmp_path_factory), **options)
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(cuda_memory, "set_cublas_workspace", fake.cublas_set_workspace)
+    monkeypatch.setattr(cublas_lib, "set_workspace", fake.cublas_set_workspace)
+    monkeypatch.setattr(cublas_lib, "set_stream", fake.cublas_set_stream)
+    monkeypatch.setattr(cublas_lib, "gemm", fake.cublas_gemm)
     cuda._hook_class.cache_clear()
     cuda._KERNELS.clear()
     monkeypatch.setattr(cuda, "_HANDLE_BYTES", {})

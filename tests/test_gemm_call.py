@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from einpage.errors import PlanError
 from einpage.ir.dtypes import DType
 from einpage.runtime.backends.cuda_source import DEVICE_DTYPE
-from einpage.runtime.backends.gemm_call import C_TAGS, gemm_call, issue, matrix
+from einpage.runtime.backends import cublas_lib
+from einpage.runtime.backends.gemm_call import C_TAGS, gemm_call, matrix
 
 
 @pytest.fixture
@@ -58,9 +59,9 @@ def test_gemm_calls_equal_numpy(fake_cupy, m, n, k, batch, tag, ta, tb, pad, wid
         assert (call.transa, call.transb) == (int(tb), int(ta))
     keep = [cp.adopt(x) for x in (sa, sb, sc)]
     stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        issue(cp.cuda.cublas, cp.cuda.device.get_cublas_handle(), call, a.ctypes.data,
-              b.ctypes.data, c.ctypes.data, alpha, beta)
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas_lib.set_stream(handle, stream.ptr)
+    cublas_lib.gemm(handle, call, a.ctypes.data, b.ctypes.data, c.ctypes.data, alpha, beta)
     stream.synchronize()
     want = alpha * (la @ lb) + beta * lc
     got = c.view(DType(c_tag).numpy).astype(np.float64) if c_tag == "bf16" else \

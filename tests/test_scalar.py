@@ -168,3 +168,15 @@ def test_every_llama_expression_round_trips():
                 seen.add(text)
                 assert scalar.to_text(scalar.from_text(text)) == text
     assert any("e-6" in t for t in seen) and any("Piecewise" in t for t in seen)
+
+
+def test_equalities_round_trip_through_plan_text():
+    """Mixtral's one-hot expert fills hold `Eq` (a plan file of it once failed to load)."""
+    import sympy
+
+    from einpage.ir.scalar import from_text, index, to_text
+    i0, i1 = index(0), index(1)
+    for expr in (sympy.Piecewise((1, sympy.Eq(i0, 0)), (0, True)),
+                 sympy.Piecewise((0, sympy.Ne(i0, i1)), (1, True))):
+        text = to_text(expr)
+        assert to_text(from_text(text)) == text

@@ -42,7 +42,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "bf16 on a bf16 checkpoint rounds every activation to bf16: not the "
                         "default's numbers)")
     p.add_argument("--gpu-mem", help="device budget (e.g. 16GB, 512MiB) the plan is compiled "
-                                     "for (default: the backend's memory)")
+                                     "for (default: the backend's memory); on cupy all the "
+                                     "process takes of the device, its CUDA context included")
+    p.add_argument("--arena", help="the plan's arena itself (e.g. 300KB) in place of --gpu-mem: "
+                                   "on cupy the CUDA context and the workspaces come on top "
+                                   "(to page a small model on a GPU)")
     p.add_argument("--force", action="store_true",
                    help="allow a --gpu-mem above the memory of --device (a warning)")
     add_host_args(p)
@@ -105,12 +109,15 @@ def _runner(args, weights):
         raise InputError("--device and --device-file price the passes --timing prints: add "
                          "--timing")
     if args.backend == "reference":
-        if args.gpu_mem or args.policy or args.timing or args.trace:
-            raise InputError("--backend reference runs no plan: it takes no --gpu-mem, "
+        if args.gpu_mem or args.arena or args.policy or args.timing or args.trace:
+            raise InputError("--backend reference runs no plan: it takes no --gpu-mem, --arena, "
                              "--policy, --timing or --trace")
         return runners.dense_runner(weights)
     from einpage.compiler import CompileOptions
-    budget = parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
+    if args.gpu_mem and args.arena:
+        raise InputError("--gpu-mem and --arena both size the plan: give one")
+    budget = (parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else
+              parse_size(args.arena, "--arena") if args.arena else None)
     if args.policy and budget is None:
         raise InputError("--policy chooses what a --gpu-mem budget evicts: give --gpu-mem too")
     profile = _profile(args)
@@ -121,7 +128,7 @@ def _runner(args, weights):
     options = CompileOptions(device_bytes=budget, policy=args.policy or "reuse-distance",
                              device=_profile(args), host_bytes=host_bytes)
     return runners.PlanRunner(weights, options, args.backend,
-                              timing=bool(args.timing or args.trace))
+                              timing=bool(args.timing or args.trace), arena=bool(args.arena))
 
 
 def _profile(args):
@@ -366,7 +373,8 @@ def run_plan(args) -> None:
     from einpage.ir.memgraph import MemGraph
     from einpage.models.checkpoint import Checkpoint
     from einpage.runners import plan_weights
-    fixed = [flag for flag, given in (("--gpu-mem", args.gpu_mem), ("--policy", args.policy),
+    fixed = [flag for flag, given in (("--gpu-mem", args.gpu_mem), ("--arena", args.arena),
+                                      ("--policy", args.policy),
                                       ("--dtype", args.dtype), ("--force", args.force),
                                       ("--random-weights", args.random_weights),
                                       ("--seed", args.seed is not None)) if given]

@@ -100,7 +100,7 @@ def to_text(expr: sympy.Expr) -> str:
 
 
 _NAMES = {"Piecewise", "exp", "log", "cos", "sin", "sqrt", "Max", "Min", "Abs", "oo", "pi", "E",
-          "True", "False", "And", "Or", "Not"}
+          "True", "False", "And", "Or", "Not", "Eq", "Ne"}
 # Numbers first, so the exponent of `1.0e-6` is not read as a name `e`.
 _TOKEN = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[A-Za-z_][A-Za-z_0-9]*")
 _SYMBOL = re.compile(r"[xi][0-9]+|[A-Z]")

@@ -69,11 +69,13 @@ class StreamSession:
     pass, `write(name, lead, values)` between passes, `close()` (or a `with` block) at the end:
     it joins the worker threads, then closes the backend. Any error closes the session (memory
     released) before it reaches the caller. A session dropped without `close` ends its threads
-    when it is collected."""
+    when it is collected. With `graphs` (the default), `timing` off and a backend that can
+    (`Backend.can_capture`: CUDA graphs on cupy), the second pass is captured and every pass
+    from then on is one replay of it: one launch, no Python per node."""
 
     def __init__(self, mg: MemGraph, weights: WeightSource | None = None,
                  backend: Backend | str = "threads", program: StreamProgram | None = None,
-                 timing: bool = True):
+                 timing: bool = True, graphs: bool = True):
         if isinstance(backend, str):
             from einpage.runtime.backends import make_backend
             backend = make_backend(backend)
@@ -84,6 +86,9 @@ class StreamSession:
         self.passes = 0
         self._blocks = _store_blocks(mg)
         self._crew: _Crew | None = None
+        self.graphs = graphs
+        self.replays = 0      # passes run as one replay of the captured pass
+        self._captured = False
 
     def __enter__(self) -> "StreamSession":
         return self
@@ -172,9 +177,15 @@ class StreamSession:
     def _pass(self, load_s: float | None) -> StreamRun:
         """One pass; `load_s` the preload's seconds when this is the session's first pass."""
         mg, backend = self.mg, self.backend
+        replay = self._captured or (self.graphs and not self.timing and self.passes >= 1
+                                    and backend.can_capture())
         origin = backend.stamp("compute") if self.timing else None
         t0 = time.perf_counter()
-        stamps = self._crew.run(self.timing)
+        if replay:
+            self._replay()
+            stamps = None
+        else:
+            stamps = self._crew.run(self.timing)
         self._finish()
         wall = time.perf_counter() - t0
         spans = _spans(mg, backend, origin, stamps) if self.timing else ()
@@ -182,6 +193,21 @@ class StreamSession:
                       if load_s is not None else 0)
         outputs = self.io.results(backend.output)
         return StreamRun(outputs, Measured(backend.name, wall, load_s or 0.0, load_bytes, spans))
+
+    def _replay(self) -> None:
+        """The pass as one replay of the captured one (captured first, on the workers, where
+        it was not yet)."""
+        if not self._captured:
+            self.backend.begin_capture()
+            try:
+                self._crew.run(False)
+            except BaseException:
+                self.backend.end_capture(failed=True)
+                raise
+            self.backend.end_capture()
+            self._captured = True
+        self.backend.replay()
+        self.replays += 1
 
     def _finish(self) -> None:
         try:

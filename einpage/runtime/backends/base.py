@@ -100,6 +100,25 @@ class Backend(ABC):
         caller has already updated the input itself). `values` is C-contiguous, in the block's
         dtype, of the shape `block.shape[len(lead):]`: one contiguous run of the block."""
 
+    def can_capture(self) -> bool:
+        """Whether the pass of the open plan can be recorded once and replayed (CUDA graphs):
+        then, from a session's second pass on, the executor issues one pass between
+        `begin_capture` and `end_capture` and every pass is one `replay`."""
+        return False
+
+    def begin_capture(self) -> None:
+        """Record what the queues issue from now on instead of running it."""
+        raise NotImplementedError
+
+    def end_capture(self, failed: bool = False) -> None:
+        """Stop recording (`failed`: a queue failed meanwhile; release what was recorded and
+        raise nothing of the capture's own)."""
+        raise NotImplementedError
+
+    def replay(self) -> None:
+        """Issue the recorded pass once more (the activation inputs refreshed from `io`)."""
+        raise NotImplementedError
+
     @abstractmethod
     def close(self) -> None:
         """Release the arena and host buffers. Idempotent; called after an error too."""

@@ -58,7 +58,7 @@ from einpage.errors import BackendError, ExecutionError, InputError, PlanError
 from einpage.ir.memgraph import (HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph, OffloadNode,
                                  OutputRef, ReadNode, ReloadNode)
 from einpage.ir.tensors import PERSISTENT_ROLES
-from einpage.runtime.backends import cuda_memory
+from einpage.runtime.backends import cublas_lib
 from einpage.runtime.backends.apply_plan import (STATUS_BYTES, CopyApply, KernelApply,
                                                  MatmulApply, aligned, plan_applies,
                                                  workspace_bytes, workspace_for)
@@ -67,7 +67,7 @@ from einpage.runtime.backends.base import (Backend, HostLayout, host_layout, hos
 from einpage.runtime.backends.cuda_memory import Regions, regions
 from einpage.runtime.backends.cuda_source import (DEVICE_DTYPE, NVRTC_OPTIONS, ElementwiseSource,
                                                   KernelSource, convert_kernel, tag_of)
-from einpage.runtime.backends.gemm_call import gemm_call, issue, matrix
+from einpage.runtime.backends.gemm_call import gemm_call, matrix
 from einpage.runtime.backends.gemm_plan import MatmulOps, execute_matmul
 from einpage.runtime.backends.pinned import PinnedWeights
 from einpage.runtime.diskread import DiskReader
@@ -209,6 +209,9 @@ class CupyBackend(Backend):
         self._plans: dict = {}
         self._top = 0                # bump pointer into the workspace slots (compute thread)
         self._warming = False
+        self._handle = 0             # the compute thread's cuBLAS handle
+        self._fixed: dict[int, int] = {}  # activation input node -> its pinned slot
+        self._graph = None           # the captured pass (CUDA graph)
 
     def context_bytes(self) -> int:
         """Device bytes the process holds besides its allocations, measured: the CUDA context
@@ -246,7 +249,13 @@ class CupyBackend(Backend):
                    and mg.tensors[n.tensor].role == "cache"), default=0)
         staging_at = layout.nbytes
         rows_at = staging_at + STAGING_SLOTS * slot
-        arena_at = -(-(rows_at + ROW_SLOTS * row) // HOST_ALIGNMENT) * HOST_ALIGNMENT
+        fixed, end = {}, rows_at + ROW_SLOTS * row
+        for n in mg.nodes:  # activations copied in every pass: a slot each (no host wait)
+            if (isinstance(n, InputNode) and n.at == "device"
+                    and mg.tensors[n.tensor].role not in PERSISTENT_ROLES):
+                fixed[n.id] = end
+                end += aligned(mg.tensors[n.tensor].bytes)
+        arena_at = -(-end // HOST_ALIGNMENT) * HOST_ALIGNMENT
         try:
             with self._device:
                 free_before = cp.cuda.runtime.memGetInfo()[0]
@@ -269,6 +278,7 @@ class CupyBackend(Backend):
         self._host_at = {tid: self._pinned_ptr + at for tid, at in layout.offsets.items()}
         self._slot, self._staging_at = slot, staging_at
         self._row, self._rows_at = row, rows_at
+        self._fixed = fixed
         self._arena_at = arena_at
         self.reader = DiskReader(io)
         try:
@@ -414,10 +424,11 @@ class CupyBackend(Backend):
             if queue != "compute":
                 yield
                 return
-            if not warm:  # this thread's handle (made once per thread) takes the region
-                handle = self._cp.cuda.device.get_cublas_handle()
-                cuda_memory.set_cublas_workspace(handle, self._region["cublas"].ptr,
-                                                 self._regions.cublas)
+            if not warm:  # this thread's handle (made once per thread): the region, the stream
+                self._handle = self._cp.cuda.device.get_cublas_handle()
+                cublas_lib.set_workspace(self._handle, self._region["cublas"].ptr,
+                                         self._regions.cublas)
+                cublas_lib.set_stream(self._handle, self._streams["compute"].ptr)
             self._warming = warm
             try:
                 with self._cp.cuda.using_allocator(self._allocate):
@@ -457,6 +468,50 @@ class CupyBackend(Backend):
                 self._at("status", 0).memset_async(0, STATUS_BYTES, compute)
                 raise InputError(f"gather: index {int(status[1])} out of range for a table of "
                                  f"{int(status[2])} rows")
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def can_capture(self) -> bool:
+        """A pass with no host work in it (no disk reads) replays as one CUDA graph."""
+        return not any(isinstance(n, ReadNode) for n in self.mg.nodes)
+
+    def begin_capture(self) -> None:
+        """The compute stream captures; the copy streams join it by waiting on its first
+        event (a fork), so all of the pass is in the graph."""
+        compute = self._streams["compute"]
+        with self._device:
+            compute.begin_capture()
+            fork = self._cp.cuda.Event(disable_timing=True)
+            fork.record(compute)
+            for q in ("h2d", "d2h"):
+                self._streams[q].wait_event(fork)
+
+    def end_capture(self, failed: bool = False) -> None:
+        """Join the copy streams back into the compute stream, end the capture and keep the
+        graph (discarded where a queue failed meanwhile)."""
+        compute = self._streams["compute"]
+        with self._device:
+            try:
+                for q in ("h2d", "d2h"):
+                    join = self._cp.cuda.Event(disable_timing=True)
+                    join.record(self._streams[q])
+                    compute.wait_event(join)
+            finally:
+                try:
+                    graph = compute.end_capture()
+                except Exception:
+                    if not failed:
+                        raise
+                    graph = None
+        self._graph = None if failed else graph
+
+    def replay(self) -> None:
+        """Refill the activations' slots, then launch the graph on the compute stream (after the
+        KV rows written since the last pass, which went there too)."""
+        for nid, at in self._fixed.items():
+            tid = self.mg.nodes[nid].tensor
+            self._read_input(tid, at, instance_bytes(self.mg, tid, self.mg.nodes[nid].offset)[1])
+        with self._device:
+            self._graph.launch(self._streams["compute"])
 
     # ------------------------------------------------------------------ device memory
     def _at(self, region: str, offset: int):
@@ -516,18 +571,25 @@ class CupyBackend(Backend):
             return
         if n.at != "device":
             raise PlanError(f"input %{n.id} at {n.at!r} is not copied to the device")
+        if n.id in self._fixed:  # an activation: its own slot, refilled before every replay
+            at = self._fixed[n.id]
+            self._read_input(n.tensor, at, nbytes)
+            dst.copy_from_host_async(self._pinned_ptr + at, nbytes, h2d)
+            return
         k = self._next_slot
         self._next_slot = (k + 1) % STAGING_SLOTS
         if self._staging[k] is not None:
             self._staging[k].synchronize()  # the slot's last copy has read it
-        t = self.mg.tensors[n.tensor]
         at = self._staging_at + k * self._slot
-        self.io.read_into(n.tensor, self.host[at:at + nbytes].view(t.dtype.numpy)
-                          .reshape(t.shape))
+        self._read_input(n.tensor, at, nbytes)
         dst.copy_from_host_async(self._pinned_ptr + at, nbytes, h2d)
         event = self._cp.cuda.Event(block=True, disable_timing=True)
         event.record(h2d)
         self._staging[k] = event
+
+    def _read_input(self, tid: int, at: int, nbytes: int) -> None:
+        t = self.mg.tensors[tid]
+        self.io.read_into(tid, self.host[at:at + nbytes].view(t.dtype.numpy).reshape(t.shape))
 
     def copy_d2h(self, n: OffloadNode) -> None:
         src, nbytes = self._instance(n.tensor, n.offset)
@@ -650,8 +712,8 @@ class _DeviceMatmulOps(MatmulOps):
         call = gemm_call(matrix(lhs.shape, lhs.strides, plan.ab_tag),
                          matrix(rhs.shape, rhs.strides, plan.ab_tag),
                          matrix(out.shape, out.strides, plan.c_tag))
-        issue(self.xp.cuda.cublas, self.xp.cuda.device.get_cublas_handle(), call,
-              lhs.data.ptr, rhs.data.ptr, out.data.ptr, plan.alpha, plan.beta)
+        cublas_lib.gemm(self.backend._handle, call, lhs.data.ptr, rhs.data.ptr, out.data.ptr,
+                        plan.alpha, plan.beta)
 
     def epilogue(self, dst, src) -> None:
         _compiled(self.apply.epilogue)(src, dst)

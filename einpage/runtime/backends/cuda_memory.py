@@ -3,22 +3,22 @@
 
 **Regions.** One `cudaMalloc` holds, each region starting 256-byte aligned (CUDA's and cuBLAS's
 requirement: a misaligned kernel or cuBLAS operand is a sticky `cudaErrorMisalignedAddress`):
-the arena (`mg.device_bytes`), cuBLAS's workspace (`CUBLAS_WORKSPACE_BYTES`, handed to the
-compute thread's handle by `cublasSetWorkspace`, so cuBLAS allocates nothing of its own), the
+the arena (`mg.device_bytes`), cuBLAS's workspace (`cublas_workspace`, handed to the compute
+thread's handle by `cublas_lib.set_workspace`, so cuBLAS allocates nothing of its own), the
 workspace slots the plan's applies take, and the status words a gather sets.
 
 **Budget.** `--gpu-mem X` means the process takes at most X of the device. Besides the regions
 the process holds the CUDA context and its cuBLAS handles, measured by `memGetInfo` before any
-allocation (`Reservation.context`): the plan's arena gets what is left (`reserve`).
+allocation (`Reservation.context`): the plan's arena gets what is left (`reserve`). Where a
+plan's arena is given instead (`--arena`), the rest comes on top (`around`).
 
-Pure, apart from `set_cublas_workspace` (ctypes into the libcublas CuPy loaded).
+Pure: needs no CuPy.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
-from einpage.errors import BackendError, BudgetError
+from einpage.errors import BudgetError
 from einpage.ir.memgraph import ALIGNMENT
 from einpage.runtime.backends.apply_plan import STATUS_BYTES, aligned
 from einpage.units import format_size
@@ -28,10 +28,12 @@ from einpage.units import format_size
 CUBLAS_WORKSPACE_BYTES = 32 << 20
 
 
-def cublas_workspace(budget: int) -> int:
-    """cuBLAS's workspace under a budget of `budget` bytes: the recommended 32 MiB, or a
-    sixteenth of a smaller budget (a small model's GEMMs need little)."""
-    return min(CUBLAS_WORKSPACE_BYTES, aligned(max(budget, 0) // 16))
+def cublas_workspace(arena: int) -> int:
+    """cuBLAS's workspace beside an arena of `arena` bytes: the recommended 32 MiB, or a
+    sixteenth of a smaller arena (a small model's GEMMs need little)."""
+    return min(CUBLAS_WORKSPACE_BYTES, aligned(max(arena, 0) // 16))
+
+
 #: what memGetInfo's free bytes move by: cudaMalloc's granularity
 GRANULE = 2 << 20
 
@@ -80,47 +82,36 @@ class Reservation:
 
 
 def reserve(budget: int, context: int, workspace: int) -> Reservation:
-    """The arena a budget leaves once the context, cuBLAS's workspace and the apply workspace
-    (`workspace`: slots and status words) are taken; `BudgetError` where nothing is left."""
-    cublas = cublas_workspace(budget)
-    fixed = context + aligned(cublas) + aligned(workspace)
-    # the allocation is rounded to cudaMalloc's granule; the arena to 256 bytes
-    arena = (budget - fixed - GRANULE) // ALIGNMENT * ALIGNMENT
+    """The largest arena a budget leaves once the context, cuBLAS's workspace (which grows with
+    the arena, `cublas_workspace`) and the apply workspace (`workspace`: slots and status
+    words) are taken, with cudaMalloc's granule to spare; `BudgetError` where none is left."""
+    rest = budget - context - aligned(workspace) - GRANULE
+    if rest >= 17 * CUBLAS_WORKSPACE_BYTES:
+        arena = rest - CUBLAS_WORKSPACE_BYTES
+    else:
+        arena = rest * 16 // 17
+    arena = arena // ALIGNMENT * ALIGNMENT
+    while arena > 0 and arena + aligned(cublas_workspace(arena)) > rest:
+        arena -= ALIGNMENT
     if arena <= 0:
         raise BudgetError(f"a device budget of {format_size(budget)} holds no plan: the CUDA "
-                          f"context and cuBLAS handles take {format_size(context)}, cuBLAS's "
-                          f"workspace {format_size(cublas)} and the plan's kernels "
-                          f"{format_size(workspace)}; a budget counts all the process takes of "
-                          "the device (to page a small model on a GPU, compile a plan for a "
-                          "small arena and run the plan file)", fixed + GRANULE + ALIGNMENT,
-                          budget)
+                          f"context and cuBLAS handles take {format_size(context)} and the "
+                          f"plan's kernels {format_size(workspace)}; a budget counts all the "
+                          "process takes of the device (to page a small model on a GPU, give "
+                          "the plan's --arena instead)", budget - rest + ALIGNMENT, budget)
+    return around(arena, context, workspace, budget)
+
+
+def around(arena: int, context: int, workspace: int, budget: int | None = None
+           ) -> Reservation:
+    """What the process takes of the device for a plan's arena of `arena` bytes: `budget`
+    (default: the least that holds it all, with cudaMalloc's granule to spare)."""
+    cublas = cublas_workspace(arena)
+    total = context + aligned(cublas) + aligned(workspace) + arena + GRANULE
+    budget = total if budget is None else budget
     return Reservation(budget, context, cublas, workspace,
                        budget - context - cublas - workspace - arena, arena)
 
 
-def _libcublas() -> ctypes.CDLL:
-    """The libcublas CuPy loaded into this process (its path from /proc/self/maps), so that the
-    handle CuPy made is passed to the same library."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcublas.so" in line}
-    except OSError as exc:
-        raise BackendError(f"cannot find the loaded libcublas: {exc}") from None
-    if not paths:
-        raise BackendError("libcublas is not loaded (no cuBLAS handle made yet)")
-    return ctypes.CDLL(sorted(paths)[0])
-
-
-def set_cublas_workspace(handle: int, ptr: int, nbytes: int) -> None:
-    """cublasSetWorkspace(handle, ptr, nbytes): cuBLAS then takes its workspace from there (CuPy
-    14 does not wrap the call)."""
-    fn = _libcublas().cublasSetWorkspace_v2
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    fn.restype = ctypes.c_int
-    status = fn(ctypes.c_void_p(handle), ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes))
-    if status != 0:
-        raise BackendError(f"cublasSetWorkspace failed with status {status}")
-
-
-__all__ = ["CUBLAS_WORKSPACE_BYTES", "GRANULE", "cublas_workspace", "Regions", "Reservation", "regions", "reserve",
-           "set_cublas_workspace"]
+__all__ = ["CUBLAS_WORKSPACE_BYTES", "GRANULE", "Regions", "Reservation", "around",
+           "cublas_workspace", "regions", "reserve"]

@@ -27,7 +27,8 @@ from einpage.errors import BackendError
 from einpage.ir import scalar
 from einpage.runtime.backends.cuda import _compiled, _unusable_reason
 from einpage.runtime.backends.cuda_source import DEVICE_DTYPE, join_kernel
-from einpage.runtime.backends.gemm_call import gemm_call, issue, matrix
+from einpage.runtime.backends import cublas_lib
+from einpage.runtime.backends.gemm_call import gemm_call, matrix
 
 #: timed repeats after the warm-up (their median is the measurement)
 REPEATS = 5
@@ -121,10 +122,11 @@ class CupyProbe:
                 a, b, c = (x.astype(DEVICE_DTYPE[dtype]) for x in (a, b, c))
             call = gemm_call(*(matrix(x.shape, x.strides, dtype) for x in (a, b, c)))
             handle = cp.cuda.device.get_cublas_handle()
+            cublas_lib.set_stream(handle, self._stream.ptr)
             self._stream.synchronize()
 
         def run():
-            issue(cp.cuda.cublas, handle, call, a.data.ptr, b.data.ptr, c.data.ptr, 1.0, 0.0)
+            cublas_lib.gemm(handle, call, a.data.ptr, b.data.ptr, c.data.ptr, 1.0, 0.0)
         return 2.0 * n ** 3 / self._seconds(run)
 
     def vector_flops(self, n: int = 1 << 24) -> float:

@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
-
 from einpage.errors import PlanError
 
 CUDA_R_32F, CUDA_R_64F, CUDA_R_16F, CUDA_R_16BF = 0, 1, 2, 14
@@ -121,25 +119,5 @@ def matrix(shape: Sequence[int], strides: Sequence[int], tag: str) -> Matrix:
 
 
 
-def issue(cublas, handle: int, call: GemmCall, a_ptr: int, b_ptr: int, c_ptr: int,
-          alpha: float, beta: float) -> None:
-    """Issue `call` (for `c = alpha * a @ b + beta * c`) through `cublas` (CuPy's
-    `cupy.cuda.cublas`) on the calling thread's current stream. alpha and beta are host
-    scalars of the compute type, read before the call returns."""
-    scalar = np.float64 if call.compute == CUBLAS_COMPUTE_64F else np.float32
-    scalars = np.array([alpha, beta], scalar)
-    al, be = scalars.ctypes.data, scalars.ctypes.data + scalars.itemsize
-    if call.batch:
-        cublas.gemmStridedBatchedEx(handle, call.transa, call.transb, call.m, call.n, call.k,
-                                    al, b_ptr, call.a_type, call.lda, call.stride_a,
-                                    a_ptr, call.b_type, call.ldb, call.stride_b, be,
-                                    c_ptr, call.c_type, call.ldc, call.stride_c, call.batch,
-                                    call.compute, CUBLAS_GEMM_DEFAULT)
-    else:
-        cublas.gemmEx(handle, call.transa, call.transb, call.m, call.n, call.k, al, b_ptr,
-                      call.a_type, call.lda, a_ptr, call.b_type, call.ldb, be, c_ptr,
-                      call.c_type, call.ldc, call.compute, CUBLAS_GEMM_DEFAULT)
-
-
-__all__ = ["C_TAGS", "CUBLAS_GEMM_DEFAULT", "CUDA_TYPE", "GemmCall", "Matrix", "compute_type",
-           "gemm_call", "issue", "matrix"]
+__all__ = ["C_TAGS", "CUBLAS_COMPUTE_64F", "CUBLAS_GEMM_DEFAULT", "CUDA_TYPE", "GemmCall", "Matrix", "compute_type",
+           "gemm_call", "matrix"]

@@ -1,0 +1,1646 @@
+#!/usr/bin/env python3
+"""One command for a machine with an NVIDIA GPU: install the checkout, run the GPU tests,
+compute-sanitizer on paged plans, `einpage calibrate --backend cupy`, measured-vs-predicted
+passes, the CuPy backend against the threads backend on every fixture family, and a 1,000-step
+decode soak, within 9 minutes; every result under `--out DIR`.
+
+    python bench/gpu_session.py --out "$OUT"                       # on the GPU machine
+    python bench/gpu_session.py --out "$OUT" --steps 'san-*,soak'  # some steps (names or globs)
+    python bench/gpu_session.py --list                             # the steps, in order
+    python bench/gpu_session.py --dry-run --out /tmp/gs            # no GPU: against the stand-in
+
+The session is a list of named steps, run in order. Each is a command line (or a preparation
+command, such as compiling a plan, then the command) or a Python function run in a fresh child
+interpreter through this file (so that a time limit can stop it and GPU memory starts clean);
+each has the time it is expected to take and a hard limit, and records the command, exit
+status, seconds and the numbers parsed from its output. A global deadline (default 9 minutes)
+bounds the whole: a step whose expected time no longer fits is recorded as `skipped-time` and
+not started; a running step is stopped at its own limit or at the deadline and recorded as
+`timeout`, saying which.
+
+`--out DIR` receives few files, since the device tool brings back at most 8 from $OUT:
+`results.json` (per step: the command, rc, seconds, status, parsed numbers), `summary.md` (the
+tables), `logs.tar.gz` (every step's log) and `profile-<kind>.json` (calibrate's). Each step's
+output goes to `<step>.log` in the work directory (`--work`, default a new one in /tmp, kept),
+with the plans, inputs and scratch. All of it is rewritten after every step, so a session cut
+short from outside still leaves what it did. A short table is printed last.
+
+`--dry-run` (any machine with g++): `tests/fake_cupy.FakeCupy` stands in for CuPy in every
+child, pip install is skipped, the sanitizer steps check the compute-sanitizer invocation and
+run the inner command directly, and workloads too large for a CPU are shrunk (recorded per
+step): the whole script runs end to end so that its first GPU run cannot die of a typo.
+
+Statuses: ok, failed, timeout, skipped-time (the deadline), skipped-dry-run, not-available
+(something the step needs is missing here: the reason is recorded), interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import glob
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).absolute().parent
+REPO = HERE.parent
+#: where the tests look for the Hugging Face fixtures (tests/conftest.py)
+TEST_FIXTURES = REPO.parent / "shared" / "fixtures"
+FIXTURES_ENV = "EINPAGE_GPU_SESSION_FIXTURES"   # --fixtures, for the children
+#: the fixtures this session uses (`--fixtures`; on the device machine ../shared does not
+#: travel with the checkout: carry a copy, e.g. .gpu/fixtures, see bench/RESULTS.md)
+FIXTURES = Path(os.environ.get(FIXTURES_ENV) or TEST_FIXTURES)
+#: every Hugging Face fixture family (shared/fixtures/<name>)
+FAMILIES = ("tiny-llama-f32", "tiny-llama-bf16", "tiny-llama31", "tiny-mistral", "tiny-qwen2",
+            "tiny-qwen3", "tiny-mixtral")
+#: the fixture the sanitizer, the soak and the decode checks run
+SMALL_FIXTURE = "tiny-llama-f32"
+#: the test files that run on the GPU (the rest of the suite is `pytest-cpu`)
+GPU_TEST_FILES = ("tests/test_cuda_backend.py", "tests/test_cuda_source.py",
+                  "tests/test_cuda_memory.py", "tests/test_gemm_plan.py",
+                  "tests/test_cupy_api.py", "tests/test_nvrtc.py", "tests/test_cli_backends.py")
+#: einpage's own dependencies (pyproject.toml): without one nothing runs
+REQUIRED = ("numpy", "opt_einsum", "sympy", "safetensors", "ml_dtypes", "tqdm", "tokenizers")
+OPTIONAL = ("pytest", "hypothesis", "cupy", "torch", "transformers", "accelerate", "matplotlib")
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+DEFAULT_DEADLINE_S = 9 * 60
+#: seconds kept back from the deadline to write the results and print the table
+RESERVE_S = 10.0
+FAKE_ENV = "EINPAGE_GPU_SESSION_FAKE"   # the stand-in's kernel directory, in dry-run children
+FAMILIES_ENV = "EINPAGE_GPU_SESSION_FAMILIES"  # --families: the families `agree` checks
+XDIST_ENV = "EINPAGE_GPU_SESSION_XDIST"  # --xdist N: pytest-cpu on N workers (pytest-xdist)
+OK_STATUSES = ("ok", "skipped-dry-run")
+
+# Workloads: (real, dry run). The dry run keeps every command's shape on sizes a CPU runs in
+# seconds (the `small` preset for llama-7b/13b, fewer tokens and steps).
+LLAMA_PREFILL_SEQ = (2048, 32)        # tokens of the llama prefill rows (B=1)
+DECODE_PROMPT = (512, 16)             # prompt of the decode rows
+DECODE_STEPS = (64, 6)                # decode steps (new tokens = steps + 1)
+SOAK_STEPS = (1000, 20)               # decode steps of the soak
+SOAK_MARK = 10                        # the soak compares memory at this step and the last
+AGREE_NEW_TOKENS = 16                 # new tokens of the cupy-vs-threads generate check
+SAN_DECODE_STEPS = 32                 # decode steps of the sanitizer's decode run
+
+
+# ====================================================================== steps and the session
+
+@dataclass
+class Step:
+    """A named step: `argv(ctx)` (a command) or `py` (a function name in PY_STEPS, run in a
+    child interpreter); `expect_s` the time it normally takes (it is not started unless that
+    fits before the deadline), `limit_s` its hard limit; `dry_*` the same in a dry run.
+    `parse(ctx, record, log_text)` adds numbers to the record and may set its status;
+    `sanitizer` names the compute-sanitizer tool wrapping the command; `needs(ctx)` returns why
+    the step cannot run here (not-available), or None."""
+    name: str
+    kind: str
+    about: str
+    argv: Callable[["Context"], list[str]] | None = None
+    py: str | None = None
+    expect_s: float = 30.0
+    limit_s: float = 120.0
+    dry_expect_s: float = 5.0
+    dry_limit_s: float = 120.0
+    parse: Callable | None = None
+    sanitizer: str | None = None
+    needs: Callable[["Context"], str | None] | None = None
+    skip_in_dry_run: bool = False
+
+    def times(self, dry: bool) -> tuple[float, float]:
+        return (self.dry_expect_s, self.dry_limit_s) if dry else (self.expect_s, self.limit_s)
+
+
+@dataclass
+class Context:
+    """What the steps share: the output directory (`results.json`, `summary.md`, `logs.tar.gz`,
+    the calibrated profile: few files, as the device tool brings back at most 8 from $OUT), the
+    work directory (each step's log, plans, inputs, scratch), the mode, how to call einpage, and
+    what earlier steps found (the GPU's kind, the calibrated profile)."""
+    out: Path
+    work: Path | None = None
+    dry_run: bool = False
+    python: str = sys.executable
+    einpage: list[str] = field(default_factory=list)
+    kind: str = "gpu"
+    gpu_name: str = ""
+    profile: str | None = None        # --device-file of the measured rows (calibrate's)
+    profile_note: str = ""
+    sanitizer_path: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.work is None:
+            self.work = self.out / "work"
+        if not self.einpage:
+            self.einpage = [self.python, str(Path(__file__).absolute()), "_cli"]
+
+    def pick(self, pair):
+        return pair[1] if self.dry_run else pair[0]
+
+    @property
+    def kernels(self) -> Path:
+        return self.work / "host-kernels"
+
+    @property
+    def inputs(self) -> Path:
+        path = self.work / "inputs"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        paths = [str(REPO)] + ([str(REPO / "tests")] if self.dry_run else [])
+        if env.get("PYTHONPATH"):
+            paths.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env["PYTHONUNBUFFERED"] = "1"
+        env.pop("EINPAGE_CPU_MEM", None)
+        if self.dry_run:
+            self.kernels.mkdir(parents=True, exist_ok=True)
+            env[FAKE_ENV] = str(self.kernels)
+        else:
+            env.pop(FAKE_ENV, None)
+        return env
+
+
+def select(steps: list[Step], spec: str | None) -> list[Step]:
+    """The steps `spec` names (comma-separated names or globs, in the session's order), or all.
+    An entry that matches nothing is an error (a typo must not silently run nothing)."""
+    if not spec:
+        return list(steps)
+    wanted = [s.strip() for s in spec.split(",") if s.strip()]
+    for w in wanted:
+        if not any(fnmatch.fnmatchcase(s.name, w) for s in steps):
+            raise SystemExit(f"gpu_session: --steps {w!r} matches no step; see --list")
+    return [s for s in steps if any(fnmatch.fnmatchcase(s.name, w) for w in wanted)]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop the child we started and its children (its own process group), by its id."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+_CURRENT: list[subprocess.Popen] = []
+
+
+def run_command(argv: list[str], log: Path, timeout: float, env: dict, cwd: Path = REPO
+                ) -> tuple[int | None, float, bool]:
+    """(exit status or None, seconds, timed out) of `argv`, its output appended to `log`."""
+    t0 = time.monotonic()
+    with open(log, "ab") as fh:
+        fh.write(f"$ {shlex.join(argv)}\n".encode())
+        fh.flush()
+        try:
+            # its own process group (not session): stopped as a group, and still ended
+            # with the session that runs this script
+            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                                    preexec_fn=os.setpgrp)
+        except OSError as exc:
+            fh.write(f"cannot start: {exc}\n".encode())
+            return 127, time.monotonic() - t0, False
+        _CURRENT.append(proc)
+        try:
+            rc = proc.wait(max(timeout, 0.1))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            rc, timed_out = proc.returncode, True
+        except BaseException:  # interrupted: the child does not outlive the session
+            _kill_group(proc)
+            raise
+        finally:
+            _CURRENT.remove(proc)
+    return rc, time.monotonic() - t0, timed_out
+
+
+def run_steps(steps: list[Step], ctx: Context, deadline_s: float = DEFAULT_DEADLINE_S,
+              say: Callable[[str], None] = print, started: float | None = None) -> dict:
+    """Run `steps` in order within `deadline_s` (from `started`, default now); return the
+    results (also written to `ctx.out` after every step, with the logs so far)."""
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    ctx.work.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic() if started is None else started
+    deadline = t_start + deadline_s
+    results = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "dry_run": ctx.dry_run, "deadline_s": deadline_s, "repo": str(REPO),
+               "argv": sys.argv, "work": str(ctx.work), "logs": LOGS, "steps": [],
+               "notes": ctx.notes}
+    for k, step in enumerate(steps):
+        expect, limit = step.times(ctx.dry_run)
+        left = deadline - time.monotonic() - RESERVE_S
+        record = {"name": step.name, "kind": step.kind, "about": step.about, "command": None,
+                  "rc": None, "seconds": 0.0, "status": None, "note": "", "numbers": {},
+                  "expect_s": expect, "limit_s": limit}
+        results["steps"].append(record)
+        if expect > left:
+            record.update(status="skipped-time", note=f"expected {expect:.0f} s, "
+                                                      f"{max(left, 0):.0f} s left before the deadline")
+            say(f"[{k + 1}/{len(steps)}] {step.name}: skipped-time ({record['note']})")
+            _write(results, ctx, t_start)
+            continue
+        say(f"[{k + 1}/{len(steps)}] {step.name} ({step.about}) ...")
+        record["status"] = "running"
+        _write(results, ctx, t_start)
+        try:
+            _run_one(step, ctx, record, min(limit, left), limit)
+        except KeyboardInterrupt:
+            record.update(status="interrupted", note="interrupted (SIGINT/SIGTERM)")
+            _write(results, ctx, t_start)
+            raise
+        except Exception as exc:  # a bug of this script: record it, go on with the next step
+            record.update(status="failed", note=f"gpu_session error: {type(exc).__name__}: {exc}")
+        say(f"    {record['status']} in {record['seconds']:.1f} s"
+            + (f": {record['note']}" if record["note"] else ""))
+        _write(results, ctx, t_start)
+    return results
+
+
+def _run_one(step: Step, ctx: Context, record: dict, timeout: float, limit: float) -> None:
+    log = ctx.work / f"{step.name}.log"
+    log.unlink(missing_ok=True)
+    record["log"] = log.name
+    why = step.needs(ctx) if step.needs else None
+    if why:
+        record.update(status="not-available", note=f"not available: {why}")
+        log.write_text(record["note"] + "\n")
+        return
+    if step.py:
+        commands = [[ctx.python, str(Path(__file__).absolute()), "_py", step.py, step.name,
+                     str(ctx.work)] + (["--dry-run"] if ctx.dry_run else [])]
+    else:
+        got = step.argv(ctx)
+        commands = got if got and isinstance(got[0], list) else [got]
+    if step.sanitizer:  # the main command (the last) runs under compute-sanitizer
+        wrapped = _sanitized(step, ctx, commands[-1], record)
+        if wrapped is None:  # a malformed invocation (recorded)
+            log.write_text(record["note"] + "\n")
+            return
+        commands[-1] = wrapped
+    record["command"] = " && ".join(shlex.join(c) for c in commands)
+    if step.skip_in_dry_run and ctx.dry_run:
+        record.update(status="skipped-dry-run", note="dry run: not run")
+        log.write_text(f"dry run: not run: {record['command']}\n")
+        return
+    t0 = time.monotonic()
+    for argv in commands:  # preparation (a plan to compile), then the step's command
+        rc, _, timed_out = run_command(argv, log, timeout - (time.monotonic() - t0), ctx.env())
+        if rc != 0 or timed_out:
+            break
+    seconds = time.monotonic() - t0
+    record.update(rc=rc, seconds=round(seconds, 2))
+    if timed_out:
+        which = ("its limit" if timeout >= limit else "the session's deadline")
+        record.update(status="timeout", note=f"stopped at {which} after {seconds:.0f} s")
+    else:
+        record["status"] = "ok" if rc == 0 else "failed"
+        if rc != 0:
+            record["note"] = f"exit status {rc}: " + _last_error(log)
+    text = log.read_text(errors="replace")
+    if step.py:
+        done = ctx.work / f"{step.name}.json"
+        if done.exists():
+            got = json.loads(done.read_text())
+            record["numbers"].update(got.get("numbers", {}))
+            if got.get("status") and got["status"] != "ok" and record["status"] == "ok":
+                record["status"] = got["status"]  # the function's own verdict, where worse
+            if got.get("note") and got.get("status") != "ok":
+                record["note"] = got["note"]
+    if step.parse is not None:
+        try:
+            step.parse(ctx, record, text)
+        except Exception as exc:
+            record["numbers"]["parse_error"] = f"{type(exc).__name__}: {exc}"
+            if record["status"] == "ok":
+                record.update(status="failed", note=f"output not understood: {exc}")
+
+
+def _last_error(log: Path) -> str:
+    """The most telling line of a failed step's log: an `einpage: error:` line, a Python
+    exception, or the last line."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    for pattern in (r"^einpage: error:", r"^(FAILED|ERROR) ", r"^\w+(Error|Exception)\b",
+                    r"ERROR SUMMARY: [1-9]"):
+        hits = [ln for ln in lines if re.search(pattern, ln)]
+        if hits:
+            return hits[-1][:300]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+# ====================================================================== output files
+
+def _write(results: dict, ctx: Context, t_start: float) -> None:
+    results["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    results["gpu"] = ctx.gpu_name
+    results["kind"] = ctx.kind
+    results["profile"] = ctx.profile
+    tmp = ctx.out / ".results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    tmp.replace(ctx.out / "results.json")
+    tmp = ctx.out / ".summary.md.tmp"
+    tmp.write_text(summary_markdown(results))
+    tmp.replace(ctx.out / "summary.md")
+    _pack_logs(results, ctx)
+
+
+#: every step's log, in one file of the output directory
+LOGS = "logs.tar.gz"
+#: a log longer than this goes into the archive as its first and last bytes
+LOG_CAP = 4 << 20
+
+
+def _pack_logs(results: dict, ctx: Context) -> None:
+    import io
+    import tarfile
+    tmp = ctx.out / f".{LOGS}.tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for record in results["steps"]:
+            path = ctx.work / record.get("log", "-")
+            if not record.get("log") or not path.exists():
+                continue
+            data = path.read_bytes()
+            if len(data) > LOG_CAP:
+                data = (data[:LOG_CAP // 4] + b"\n[... cut by gpu_session ...]\n"
+                        + data[-3 * LOG_CAP // 4:])
+            info = tarfile.TarInfo(path.name)
+            info.size, info.mtime = len(data), int(path.stat().st_mtime)
+            tar.addfile(info, io.BytesIO(data))
+    tmp.replace(ctx.out / LOGS)
+
+
+def _key(record: dict) -> str:
+    """One short phrase of a step's result for the tables."""
+    n = record.get("numbers", {})
+    if record["status"] not in ("ok", "failed"):
+        return record.get("note", "")[:90]
+    kind = record["kind"]
+    if kind == "env" and "modules" in n:
+        return (f"{n.get('gpu_name') or 'no GPU'}; cupy {n['modules'].get('cupy')}; "
+                f"compute-sanitizer {'found' if n.get('sanitizer') else 'missing'}")
+    if kind == "install" and "version" in n:
+        return f"einpage {n['version']} at {n.get('einpage', '?')}"
+    if kind == "pytest" and "passed" in n:
+        return ", ".join(f"{n[k]} {k}" for k in ("passed", "failed", "errors", "skipped")
+                         if n.get(k))
+    if kind == "sanitizer":
+        errs = n.get("sanitizer_errors")
+        base = (f"{errs} sanitizer errors" if errs is not None else
+                "dry run: invocation checked, inner run alone" if n.get("dry_run")
+                else "no sanitizer summary")
+        return base + (f"; disk {n['disk_bytes']}" if n.get("disk_bytes") else "")
+    if kind == "calibrate" and "h2d_GBps" in n:
+        return (f"h2d {n['h2d_GBps']:.3g} GB/s, d2h {n['d2h_GBps']:.3g} GB/s, f16 "
+                f"{n.get('f16_TFLOPs', 0):.3g} TFLOP/s, per node "
+                f"{n.get('launch_overhead_us', 0):.3g} us")
+    if kind == "measured" and "wall_measured_s" in n:
+        text = (f"{n['first']}: {_s(n['wall_measured_s'])} vs {_s(n.get('wall_predicted_s'))}"
+                f" ({_x(n.get('ratio'))})")
+        if n.get("decode_steps"):
+            text += (f"; {n['decode_steps']} decode steps {_s(n['decode_measured_s'])} vs "
+                     f"{_s(n.get('decode_predicted_s'))} ({_x(n.get('decode_ratio'))})")
+        return text
+    if kind == "soak" and "steps" in n:
+        return (f"{n['steps']} steps, device free {n.get('device_free_delta_bytes')} B apart, "
+                f"RSS {n.get('rss_growth_pct', 0):+.2f}%")
+    if kind == "agree" and "fixtures" in n:
+        good = sum(1 for f in n["fixtures"].values() if f.get("ok"))
+        return f"{good}/{len(n['fixtures'])} families agree"
+    return record.get("note", "")[:90]
+
+
+def _s(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f} s" if v >= 0.1 else f"{v * 1e3:.2f} ms"
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def summary_markdown(results: dict) -> str:
+    steps = results["steps"]
+    mode = "dry run (FakeCupy stand-in)" if results["dry_run"] else f"on {results.get('gpu') or 'the GPU'}"
+    lines = [f"# GPU session, {results['started']}, {mode}", "",
+             f"{len(steps)} steps, {results.get('elapsed_s', 0):.0f} s of a "
+             f"{results['deadline_s']:.0f} s deadline; profile: {results.get('profile') or '-'}",
+             "", "| step | status | seconds | result |", "| --- | --- | ---: | --- |"]
+    for r in steps:
+        lines.append(f"| {r['name']} | {r['status']} | {r['seconds']:.1f} | "
+                     f"{_key(r).replace('|', '/')} |")
+    measured = [r for r in steps if r["kind"] == "measured" and r["numbers"].get("passes")]
+    if measured:
+        lines += ["", "## Measured against predicted (`--timing`)", "",
+                  "Ratios are measured / predicted. Decode: the sum over its steps.", "",
+                  "| row | workload | pass | measured | predicted | ratio | compute busy ratio "
+                  "| h2d bytes | h2d achieved | h2d hidden |",
+                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in measured:
+            n = r["numbers"]
+            p = n["passes"][0]
+            lines.append(f"| {r['name']} | {n.get('workload', '')} | {p['title']} | "
+                         f"{_s(p.get('wall', {}).get('measured'))} | "
+                         f"{_s(p.get('wall', {}).get('predicted'))} | "
+                         f"{_x(p.get('wall', {}).get('ratio'))} | "
+                         f"{_x(p.get('compute busy', {}).get('ratio'))} | "
+                         f"{p.get('h2d bytes', {}).get('measured', '-')} | "
+                         f"{p.get('h2d bytes', {}).get('achieved', '-')} | "
+                         f"{p.get('h2d_hidden', '-')} |")
+            if n.get("decode_steps"):
+                lines.append(f"| {r['name']} | | {n['decode_steps']} decode steps | "
+                             f"{_s(n.get('decode_measured_s'))} | "
+                             f"{_s(n.get('decode_predicted_s'))} | {_x(n.get('decode_ratio'))} "
+                             "| | | | |")
+    agree = [r for r in steps if r["kind"] == "agree" and r["numbers"].get("fixtures")]
+    for r in agree:
+        lines += ["", "## cupy against threads at 1/4 of the weights", "",
+                  "`run`: logits of a plan file on cupy against `--gpu-mem W/4` on threads; "
+                  "generate: in-process, plans for an arena of W/4 on both; CLI generate: "
+                  "cupy against threads, both at --arena W/4.", "",
+                  "| family | run: logits max diff | close | vs transformers | generate: tokens "
+                  "identical | text identical | CLI generate: tokens, text identical | error |",
+                  "| --- | ---: | --- | ---: | --- | --- | --- | --- |"]
+        for fam, f in r["numbers"]["fixtures"].items():
+            diff, tf = f.get("logits_max_abs_diff"), f.get("vs_transformers_max_abs_diff")
+            error = (f.get("error") or "").replace("|", "/")[:160]
+            lines.append(f"| {fam} | {'-' if diff is None else f'{diff:.3g}'} | "
+                         f"{f.get('logits_close', '-')} | {'-' if tf is None else f'{tf:.3g}'} | "
+                         f"{f.get('tokens_identical', '-')} | {f.get('text_identical', '-')} | "
+                         f"{f.get('cli_tokens_identical', '-')}, "
+                         f"{f.get('cli_text_identical', '-')} | {error} |")
+    soak = [r for r in steps if r["kind"] == "soak" and r["numbers"].get("marks")]
+    for r in soak:
+        n = r["numbers"]
+        lines += ["", "## Decode soak", "",
+                  f"{n['steps']} decode steps of {n.get('fixture')} (B={n.get('batch')}, "
+                  f"plan arena {n.get('arena_bytes')} B) in one session on {n.get('backend')}: "
+                  f"step time p50 {_s(n.get('step_p50_s'))}, p95 {_s(n.get('step_p95_s'))}.", "",
+                  "| step | device free (memGetInfo) | host RSS |", "| ---: | ---: | ---: |"]
+        for m in n["marks"]:
+            lines.append(f"| {m['step']} | {m.get('device_free')} | {m.get('rss')} |")
+    notes = results.get("notes") or []
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {t}" for t in notes]
+    return "\n".join(lines) + "\n"
+
+
+def short_table(results: dict) -> str:
+    rows = [(r["name"], r["status"], f"{r['seconds']:.0f}", _key(r)[:70]) for r in results["steps"]]
+    w0 = max([len(r[0]) for r in rows] + [4])
+    w1 = max([len(r[1]) for r in rows] + [6])
+    out = [f"{'step':<{w0}}  {'status':<{w1}}  {'s':>4}  result"]
+    out += [f"{a:<{w0}}  {b:<{w1}}  {c:>4}  {d}" for a, b, c, d in rows]
+    bad = [r["name"] for r in results["steps"] if r["status"] not in OK_STATUSES]
+    out.append(f"{len(rows) - len(bad)}/{len(rows)} ok; {results.get('elapsed_s', 0):.0f} s"
+               + (f"; not ok: {', '.join(bad)}" if bad else ""))
+    return "\n".join(out)
+
+
+# ====================================================================== parsing outputs
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10,
+          "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int | None:
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.I)
+    if not m:
+        return None
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+
+
+def parse_secs(text: str) -> float | None:
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*(ms|us|s)\s*", text)
+    if not m:
+        return None
+    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
+
+
+_TITLE = re.compile(r"^(\S.*?) on (\S+): measured(?: \| predicted on (.+))?$")
+_ROW = re.compile(r"^\s+(wall|compute busy|compute stall|h2d busy|d2h busy|disk busy)\s+"
+                  r"(-|[0-9.e+-]+ m?s)\s+\|\s+(-|[0-9.e+-]+ m?s)(?:\s+\(([0-9.e+-]+)x\))?\s*$")
+_BYTES = re.compile(r"^\s+(h2d|d2h|disk) bytes\s+(.+?)\s+\|\s+(.+?)\s+achieved (.+?)\s*$")
+_HIDDEN = re.compile(r"^\s+h2d hidden behind compute: (\d+)%")
+_LOAD = re.compile(r"^\s+before the pass: (.+?) of resident weights loaded in (.+?)\s*$")
+
+
+def parse_timing(text: str) -> list[dict]:
+    """The passes `--timing` printed (einpage.cli.timing.print_measured): title, backend,
+    device, and per figure measured / predicted / ratio."""
+    passes: list[dict] = []
+    for line in text.splitlines():
+        m = _TITLE.match(line)
+        if m:
+            passes.append({"title": m.group(1), "backend": m.group(2), "device": m.group(3)})
+            continue
+        if not passes:
+            continue
+        p = passes[-1]
+        if m := _ROW.match(line):
+            got, want = parse_secs(m.group(2)), parse_secs(m.group(3))
+            ratio = float(m.group(4)) if m.group(4) else (got / want if got and want else None)
+            p[m.group(1)] = {"measured": got, "predicted": want, "ratio": ratio}
+        elif m := _BYTES.match(line):
+            p[f"{m.group(1)} bytes"] = {"measured": m.group(2), "predicted": m.group(3),
+                                        "achieved": m.group(4),
+                                        "measured_bytes": parse_bytes(m.group(2)),
+                                        "predicted_bytes": parse_bytes(m.group(3))}
+        elif m := _HIDDEN.match(line):
+            p["h2d_hidden"] = f"{m.group(1)}%"
+        elif m := _LOAD.match(line):
+            p["load"] = {"bytes": m.group(1), "seconds": parse_secs(m.group(2))}
+    return passes
+
+
+def _json_line(text: str) -> dict | None:
+    """The last line of `text` that is a JSON object (generate --json), or None."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return None
+
+
+def parse_measured(ctx: Context, record: dict, text: str) -> None:
+    passes = parse_timing(text)
+    n = record["numbers"]
+    n["passes"] = passes
+    n["profile"] = ctx.profile or ctx.profile_note
+    if record["status"] != "ok":
+        return
+    if not passes:
+        raise ValueError("no --timing pass in the output")
+    first = passes[0]
+    n["first"] = first["title"]
+    wall = first.get("wall", {})
+    n.update(wall_measured_s=wall.get("measured"), wall_predicted_s=wall.get("predicted"),
+             ratio=wall.get("ratio"))
+    if wall.get("predicted") is None:
+        record["note"] = "no prediction printed (no --device/--device-file?)"
+    decode = passes[1:]
+    if decode:
+        got = sum(p.get("wall", {}).get("measured") or 0.0 for p in decode)
+        want = [p.get("wall", {}).get("predicted") for p in decode]
+        want_s = sum(want) if all(w is not None for w in want) else None
+        n.update(decode_steps=len(decode), decode_measured_s=got, decode_predicted_s=want_s,
+                 decode_ratio=got / want_s if want_s else None,
+                 decode_step_mean_s=got / len(decode))
+    summary = _json_line(text)
+    if summary:
+        for key in ("prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",
+                    "compile_s", "plans_compiled", "decode_steps", "backend", "batch"):
+            if key in summary:
+                n[f"json_{key}"] = summary[key]
+
+
+def parse_pytest(ctx: Context, record: dict, text: str) -> None:
+    n = record["numbers"]
+    tail = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|error|skipped)", ln)]
+    if tail:
+        for count, what in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|"
+                                      r"deselected|warnings?)", tail[-1]):
+            key = {"error": "errors", "warning": "warnings"}.get(what, what)
+            n[key] = int(count)
+    n["failures"] = [ln.split(" - ")[0][:200] for ln in text.splitlines()
+                     if ln.startswith(("FAILED ", "ERROR "))][:30]
+    if record["status"] == "failed" and record["rc"] == 5:
+        record["note"] = "pytest collected no test"
+    if record["status"] == "ok" and "passed" not in n:
+        raise ValueError("no pytest summary line")
+
+
+def parse_calibrate(ctx: Context, record: dict, text: str) -> None:
+    if record["status"] != "ok":
+        return
+    path = ctx.out / f"profile-{ctx.kind}.json"
+    profile = json.loads(path.read_text())
+    n = record["numbers"]
+    n["profile_file"] = str(path.relative_to(ctx.out))
+    n["profile"] = profile
+    n["h2d_GBps"] = profile["h2d_bandwidth"] / 1e9
+    n["d2h_GBps"] = profile["d2h_bandwidth"] / 1e9
+    n["hbm_GBps"] = profile["hbm_bandwidth"] / 1e9
+    for dtype, flops in profile.get("matmul_flops", {}).items():
+        n[f"{dtype}_TFLOPs"] = flops / 1e12
+    n["launch_overhead_us"] = profile.get("launch_overhead", 0) * 1e6
+    ctx.profile = str(path)
+    ctx.profile_note = f"calibrated: {path.name}"
+    record["note"] = (f"copy {n['profile_file']} to bench/profiles/{ctx.kind}.json to keep it"
+                      if not ctx.dry_run else "")
+
+
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
+_RACE = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+
+
+def parse_sanitized(ctx: Context, record: dict, text: str) -> None:
+    n = record["numbers"]
+    sums = [int(x) for x in _SUMMARY.findall(text)]
+    if sums:
+        n["sanitizer_errors"] = sums[-1]
+    if m := list(_RACE.finditer(text)):
+        n["race_hazards"], n["race_errors"], n["race_warnings"] = (int(g) for g in m[-1].groups())
+    passes = parse_timing(text)
+    if passes:
+        disk = passes[0].get("disk bytes", {})
+        if disk:
+            n["disk_bytes"] = disk.get("measured")
+        n["passes"] = len(passes)
+    summary = _json_line(text)
+    if summary and "decode_steps" in summary:
+        n["decode_steps"] = summary["decode_steps"]
+    if record["status"] == "ok" and not ctx.dry_run:
+        if not sums:
+            record.update(status="failed", note="no ERROR SUMMARY line from compute-sanitizer")
+        elif sums[-1]:
+            record.update(status="failed", note=f"{sums[-1]} sanitizer errors")
+    if record["status"] == "ok" and record["name"].endswith("-disk") and not n.get("disk_bytes"):
+        record.update(status="failed", note="the run read nothing from disk: no disk tier")
+
+
+# ====================================================================== the steps
+
+def _fixture(name: str) -> Path:
+    return FIXTURES / name
+
+
+def _has_fixture(name: str) -> Callable[[Context], str | None]:
+    def need(ctx: Context) -> str | None:
+        path = _fixture(name)
+        return None if (path / "model.safetensors").exists() else f"no fixture {path}"
+    return need
+
+
+def _needs_modules(*names: str) -> Callable[[Context], str | None]:
+    def need(ctx: Context) -> str | None:
+        import importlib.util
+        missing = [n for n in names if importlib.util.find_spec(n) is None]
+        return f"python modules missing: {', '.join(missing)}" if missing else None
+    return need
+
+
+def _weight_bytes(path: Path) -> int:
+    """A checkpoint's weight bytes (einpage's own figure: `cfg.weight_bytes()`)."""
+    from einpage.models import resolve
+    return resolve(str(path))[0].weight_bytes()
+
+
+def _preset_bytes(name: str) -> int:
+    from einpage.models.config import PRESETS
+    return PRESETS[name].weight_bytes()
+
+
+def _device_args(ctx: Context) -> list[str]:
+    if ctx.profile:
+        return ["--device-file", ctx.profile]
+    name = _builtin_device(ctx.gpu_name)
+    ctx.profile_note = f"builtin {name} (no calibrated profile)"
+    return ["--device", name]
+
+
+def _builtin_device(gpu_name: str) -> str:
+    """The cost model's profile nearest the GPU's name (h100-pcie where none matches)."""
+    from einpage.predict import PROFILES
+    g = gpu_name.lower()
+    for key, name in (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
+                      ("a100-pcie", "a100-pcie"), ("a100", "a100-sxm"), ("v100", "v100"),
+                      ("p100", "p100"), ("t4", "t4"), ("4090", "rtx4090")):
+        if key in g:
+            return name if name in PROFILES else "h100-pcie"
+    return "h100-pcie"
+
+
+def _tokens_file(ctx: Context, batch: int, seq: int, vocab: int = 32000) -> str:
+    import numpy as np
+    path = ctx.inputs / f"tokens-{batch}x{seq}-v{vocab}.npy"
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        np.save(path, rng.integers(1, vocab, (batch, seq), dtype=np.int64))
+    return str(path)
+
+
+def _shape(path: Path) -> tuple[int, int]:
+    import numpy as np
+    return tuple(np.load(path).shape)
+
+
+def _host_budget_for_disk(ctx: Context, path: Path, arena: int) -> str:
+    """A `--cpu-mem` small enough that most streamed weight blocks come from disk: what
+    `einpage compile --cpu-mem 1` names as the smallest host budget that works, with a margin
+    (the figure is rounded)."""
+    batch, seq = _shape(path / "input_ids.npy")
+    argv = ctx.einpage + ["compile", str(path), "--gpu-mem", str(arena), "--batch", str(batch),
+                          "--seq", str(seq), "--cpu-mem", "1", "--quiet"]
+    env = ctx.env()
+    env.pop(FAKE_ENV, None)
+    got = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    m = re.search(r"smallest host budget that would work is ([0-9.]+ ?[KMGT]?i?B)", got.stderr)
+    if not m:
+        raise RuntimeError("could not learn the smallest host budget: "
+                           + (got.stderr.strip().splitlines() or ["(no error)"])[-1])
+    return str(int(parse_bytes(m.group(1)) * 1.25) + 64 * 1024)
+
+
+def _fixture_plan_run(name: str, disk: bool = False, timing: bool = True):
+    """A fixture's prefill on cupy at 1/4 of its weights, the way einpage runs a small model on a
+    GPU: `einpage compile FIXTURE --gpu-mem W/4 -o plan` (with `disk`: a `--cpu-mem` that puts
+    weights on disk), then `einpage run plan --checkpoint FIXTURE --backend cupy`. (With
+    `--gpu-mem` a cupy budget counts the CUDA context, which 1/4 of a fixture cannot hold.)"""
+    def argv(ctx: Context) -> list[list[str]]:
+        path = _fixture(name)
+        arena = _weight_bytes(path) // 4
+        batch, seq = _shape(path / "input_ids.npy")
+        plans = ctx.work / "plans"
+        plans.mkdir(exist_ok=True)
+        plan = plans / f"{name}{'-disk' if disk else ''}.json"
+        compile_ = ctx.einpage + ["compile", str(path), "--gpu-mem", str(arena), "--batch",
+                                  str(batch), "--seq", str(seq), "--quiet", "-o", str(plan)]
+        if disk:
+            compile_ += ["--cpu-mem", _host_budget_for_disk(ctx, path, arena)]
+        run = ctx.einpage + ["run", str(plan), "--checkpoint", str(path), "--tokens-file",
+                             str(path / "input_ids.npy"), "--backend", "cupy"]
+        if timing:
+            run += ["--timing", *_device_args(ctx)]
+        return [compile_, run]
+    return argv
+
+
+def find_sanitizer() -> str | None:
+    """compute-sanitizer on PATH, in a CUDA toolkit, or in the nvidia pip packages."""
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    patterns = ["/usr/local/cuda*/bin/compute-sanitizer",
+                "/usr/local/cuda*/compute-sanitizer/compute-sanitizer",
+                "/opt/nvidia/*/compute-sanitizer/compute-sanitizer",
+                "/opt/cuda*/bin/compute-sanitizer"]
+    patterns += [f"{p}/nvidia/cuda_sanitizer_api/**/compute-sanitizer" for p in sys.path if p]
+    for pattern in patterns:
+        hits = sorted(h for h in glob.glob(pattern, recursive=True) if os.access(h, os.X_OK))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def sanitizer_argv(tool: str, inner: list[str], path: str = "compute-sanitizer") -> list[str]:
+    return [path, "--tool", tool, "--error-exitcode", "1", "--print-limit", "20", *inner]
+
+
+def check_sanitizer_argv(argv: list[str]) -> str | None:
+    """Why `argv` is not a well-formed compute-sanitizer invocation of a program, or None."""
+    if not argv or Path(argv[0]).name != "compute-sanitizer":
+        return "the command does not start with compute-sanitizer"
+    k, known = 1, {"--tool": SANITIZER_TOOLS + ("initcheck",), "--error-exitcode": None,
+                   "--print-limit": None}
+    while k < len(argv) and argv[k].startswith("--"):
+        opt = argv[k]
+        if opt not in known or k + 1 >= len(argv):
+            return f"unknown or incomplete sanitizer option {opt!r}"
+        value = argv[k + 1]
+        if known[opt] is not None and value not in known[opt]:
+            return f"{opt} {value!r}: expected one of {known[opt]}"
+        if known[opt] is None and not value.isdigit():
+            return f"{opt} {value!r}: expected an integer"
+        k += 2
+    if "--tool" not in argv[1:k] or "--error-exitcode" not in argv[1:k]:
+        return "--tool and --error-exitcode are both needed"
+    inner = argv[k:]
+    if not inner:
+        return "no program after the sanitizer's options"
+    if not (shutil.which(inner[0]) or Path(inner[0]).is_file()):
+        return f"the program {inner[0]!r} is not an executable"
+    return None
+
+
+def _sanitized(step: Step, ctx: Context, inner: list[str], record: dict) -> list[str] | None:
+    """The sanitizer-wrapped command (real run), or the inner command once the wrapped one is
+    checked (dry run); None where the invocation is malformed (recorded)."""
+    path = ctx.sanitizer_path or find_sanitizer()
+    wrapped = sanitizer_argv(step.sanitizer, inner, path or "compute-sanitizer")
+    record["numbers"]["sanitizer_command"] = shlex.join(wrapped)
+    problem = check_sanitizer_argv(wrapped)
+    if problem:
+        record.update(status="failed", note=f"malformed sanitizer invocation: {problem}")
+        return None
+    if ctx.dry_run:
+        record["numbers"]["sanitizer"] = "invocation checked; dry run: inner command run alone"
+        record["numbers"]["dry_run"] = True
+        return inner
+    record["numbers"]["sanitizer"] = step.sanitizer
+    return wrapped
+
+
+def _needs_sanitizer(ctx: Context) -> str | None:
+    if ctx.dry_run:
+        return None
+    ctx.sanitizer_path = ctx.sanitizer_path or find_sanitizer()
+    return None if ctx.sanitizer_path else ("compute-sanitizer not found (PATH, /usr/local/cuda*"
+                                            ", /opt/nvidia, nvidia pip packages)")
+
+
+def _both(*needs):
+    def need(ctx):
+        for n in needs:
+            why = n(ctx)
+            if why:
+                return why
+        return None
+    return need
+
+
+def _install_argv(ctx: Context) -> list[str]:
+    script = (
+        "import subprocess, sys, shutil, pathlib\n"
+        "base = [sys.executable, '-m', 'pip', 'install', '--no-deps', '--no-build-isolation']\n"
+        f"repo = {str(REPO)!r}\n"
+        "rc = subprocess.call(base + ['-e', repo])\n"
+        "if rc:\n"
+        "    print('editable install failed; trying a plain install', flush=True)\n"
+        "    rc = subprocess.call(base + [repo])\n"
+        "if rc: sys.exit(rc)\n"
+        "exe = pathlib.Path(sys.executable).parent / 'einpage'\n"
+        "exe = str(exe) if exe.exists() else shutil.which('einpage')\n"
+        "print('einpage entry point:', exe, flush=True)\n"
+        "sys.exit(subprocess.call([exe, '--version']) if exe else 3)\n")
+    return [ctx.python, "-c", script]
+
+
+def parse_install(ctx: Context, record: dict, text: str) -> None:
+    m = re.search(r"^einpage entry point: (\S+)$", text, re.M)
+    if record["status"] == "ok" and m and m.group(1) != "None":
+        ctx.einpage = [m.group(1)]
+        record["numbers"]["einpage"] = m.group(1)
+    if v := re.search(r"^einpage (\d\S*)$", text, re.M):
+        record["numbers"]["version"] = v.group(1)
+    if record["status"] != "ok":
+        ctx.notes.append("install failed: the einpage commands run from the source tree "
+                         "(PYTHONPATH) through bench/gpu_session.py _cli")
+
+
+def _pytest_argv(gpu: bool) -> Callable[[Context], list[str]]:
+    def argv(ctx: Context) -> list[str]:
+        base = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
+        files = [f for f in GPU_TEST_FILES if (REPO / f).exists()]
+        if ctx.dry_run:  # a few fast tests: the invocation and the parsing, not the suite
+            if gpu:
+                return base + ["tests/test_cuda_backend.py", "-k",
+                               "workspace_bytes or one_line"]
+            return base + ["tests/test_scalar.py"]
+        if gpu:  # serially: a cupy budget counts what other processes hold of the device
+            return base + files
+        workers = int(os.environ.get(XDIST_ENV) or 0)
+        return (base + ([f"-n{workers}"] if workers else [])
+                + [f"--ignore={f}" for f in files])
+    return argv
+
+
+def _calibrate_argv(ctx: Context) -> list[str]:
+    cmd = ctx.einpage + ["calibrate", "--backend", "cupy", "-o",
+                         str(ctx.out / f"profile-{ctx.kind}.json")]
+    if not ctx.dry_run:  # the drive of the checkpoints: 1 GB written there, read, removed
+        cmd += ["--disk", str(FIXTURES.parent if FIXTURES.parent.is_dir() else REPO)]
+    return cmd
+
+
+def _parse_env(ctx: Context, record: dict, text: str) -> None:
+    n = record["numbers"]
+    ctx.kind = n.get("kind", ctx.kind)
+    ctx.gpu_name = n.get("gpu_name", "")
+    if n.get("sanitizer"):
+        ctx.sanitizer_path = n["sanitizer"]
+    if n.get("stand_in_lacks"):
+        ctx.notes.append("the CuPy stand-in (tests/fake_cupy.py) lacks "
+                         f"{', '.join(n['stand_in_lacks'])}: gpu_session adds them in dry runs")
+
+
+def dry_budget(arena: int) -> int:
+    """Dry run: the `--gpu-mem` that leaves about `arena` bytes to the plan on the stand-in,
+    whose CUDA context and cuBLAS handles take `fake_cupy.CONTEXT_BYTES` + 2 handles (the
+    budget counts them, `einpage.runtime.backends.cuda_memory.reserve`)."""
+    try:
+        sys.path.insert(0, str(REPO / "tests"))
+        import fake_cupy
+        context = fake_cupy.CONTEXT_BYTES + 2 * fake_cupy.HANDLE_BYTES
+    except Exception:
+        context = 320 << 20
+    try:
+        from einpage.runtime.backends.cuda_memory import GRANULE, cublas_workspace
+    except ImportError:
+        return context + (64 << 20) + arena
+    budget = context + arena
+    for _ in range(8):  # cuBLAS's share depends on the budget: a fixed point in a few rounds
+        budget = context + -(-cublas_workspace(budget) // 256) * 256 + GRANULE + arena
+    return budget
+
+
+def _llama_run(model: str, budget: str, dry_arena: Callable[[int], int]):
+    def argv(ctx: Context) -> list[str]:
+        if ctx.dry_run:
+            name, flag = "small", str(dry_budget(dry_arena(_preset_bytes("small"))))
+        else:
+            name, flag = model, budget
+        seq = ctx.pick(LLAMA_PREFILL_SEQ)
+        return ctx.einpage + ["run", name, "--random-weights", "--tokens-file",
+                              _tokens_file(ctx, 1, seq, 256 if ctx.dry_run else 32000),
+                              "--gpu-mem", flag, "--backend", "cupy", "--timing",
+                              *_device_args(ctx)]
+    return argv
+
+
+def _llama_decode(batch: int):
+    def argv(ctx: Context) -> list[str]:
+        name, flag = (("small", str(dry_budget(2 * _preset_bytes("small")))) if ctx.dry_run
+                      else ("llama-7b", "16GB"))
+        prompt = ctx.pick(DECODE_PROMPT)
+        steps = ctx.pick(DECODE_STEPS)
+        return ctx.einpage + ["generate", name, "--random-weights", "--tokens-file",
+                              _tokens_file(ctx, batch, prompt, 256 if ctx.dry_run else 32000),
+                              "--max-new-tokens", str(steps + 1), "--ignore-eos",
+                              "--gpu-mem", flag, "--backend", "cupy", "--json", "--timing",
+                              *_device_args(ctx)]
+    return argv
+
+
+def _workload(text: str, shrunk: bool = True):
+    """A parse that also records, in words, the workload (and its dry-run stand-in)."""
+    def parse(ctx: Context, record: dict, log: str) -> None:
+        record["numbers"]["workload"] = (f"dry run: `small` preset for {text}"
+                                         if ctx.dry_run and shrunk else text)
+        parse_measured(ctx, record, log)
+    return parse
+
+
+def build_steps() -> list[Step]:
+    """The session, in the order it runs (the most wanted first: what does not fit the deadline
+    is at the end)."""
+    san_need = _both(_has_fixture(SMALL_FIXTURE), _needs_sanitizer)
+    steps = [
+        Step("env", "env", "python, GPU, CuPy, dependencies, compute-sanitizer, fixtures",
+             py="env", expect_s=10, limit_s=60, parse=_parse_env),
+        Step("install", "install", "pip install --no-deps --no-build-isolation -e . ; einpage "
+             "--version", argv=_install_argv, expect_s=30, limit_s=120, parse=parse_install,
+             skip_in_dry_run=True),
+        Step("pytest-gpu", "pytest", "the GPU test files (the backend on the real device)",
+             argv=_pytest_argv(True), expect_s=150, limit_s=300, dry_expect_s=5,
+             parse=parse_pytest, needs=_needs_modules("pytest", "hypothesis")),
+    ]
+    for tool, expect in (("memcheck", 60), ("racecheck", 90), ("synccheck", 60)):
+        steps.append(Step(f"san-{tool}-disk", "sanitizer", f"compute-sanitizer {tool}: "
+                          f"{SMALL_FIXTURE} prefill plan at 1/4 with a disk tier (small "
+                          "--cpu-mem)", argv=_fixture_plan_run(SMALL_FIXTURE, disk=True),
+                          sanitizer=tool, expect_s=expect, limit_s=3 * expect, dry_expect_s=5,
+                          parse=parse_sanitized, needs=san_need))
+    steps += [
+        Step("calibrate", "calibrate", "einpage calibrate --backend cupy (and --disk)",
+             argv=_calibrate_argv, expect_s=40, limit_s=150, dry_expect_s=10,
+             parse=parse_calibrate),
+    ]
+    for fam in FAMILIES:
+        steps.append(Step(f"mvp-{fam}", "measured", f"{fam} prefill plan at 1/4 of its weights,"
+                          " --timing", argv=_fixture_plan_run(fam), expect_s=12, limit_s=90,
+                          dry_expect_s=4, parse=_workload(f"{fam} prefill at 1/4", shrunk=False),
+                          needs=_has_fixture(fam)))
+    steps += [
+        Step("agree", "agree", "cupy vs threads on every family at 1/4: run (plan file) and "
+             "generate (in-process)", py="agree", expect_s=60, limit_s=240, dry_expect_s=20),
+        Step("soak", "soak", f"{SOAK_STEPS[0]} decode steps in one session: memGetInfo and "
+             "RSS flat", py="soak", expect_s=60, limit_s=300, dry_expect_s=8,
+             needs=_has_fixture(SMALL_FIXTURE)),
+        Step("mvp-7b-16GB", "measured", "llama-7b --random-weights prefill B=1 S=2048 at 16 GB",
+             argv=_llama_run("llama-7b", "16GB", lambda w: 2 * w), expect_s=90, limit_s=300,
+             dry_expect_s=5, parse=_workload("llama-7b B=1 S=2048 at 16GB")),
+        Step("mvp-7b-4GB", "measured", "llama-7b --random-weights prefill B=1 S=2048 at 4 GB",
+             argv=_llama_run("llama-7b", "4GB", lambda w: w // 4), expect_s=120, limit_s=360,
+             dry_expect_s=5, parse=_workload("llama-7b B=1 S=2048 at 4GB")),
+        Step("mvp-decode64-b1", "measured", "llama-7b 64 decode steps, B=1, prompt 512, 16 GB",
+             argv=_llama_decode(1), expect_s=150, limit_s=400, dry_expect_s=6,
+             parse=_workload("llama-7b decode 64 steps B=1 at 16GB")),
+        Step("mvp-decode64-b16", "measured", "llama-7b 64 decode steps, B=16, prompt 512, 16 GB",
+             argv=_llama_decode(16), expect_s=180, limit_s=450, dry_expect_s=8,
+             parse=_workload("llama-7b decode 64 steps B=16 at 16GB")),
+    ]
+    for tool, expect in (("memcheck", 60), ("racecheck", 90), ("synccheck", 60)):
+        steps.append(Step(f"san-{tool}-prefill", "sanitizer", f"compute-sanitizer {tool}: "
+                          f"{SMALL_FIXTURE} prefill plan at 1/4",
+                          argv=_fixture_plan_run(SMALL_FIXTURE), sanitizer=tool,
+                          expect_s=expect, limit_s=3 * expect, dry_expect_s=5,
+                          parse=parse_sanitized, needs=san_need))
+    for tool, expect in (("memcheck", 60), ("racecheck", 90), ("synccheck", 60)):
+        steps.append(Step(f"san-{tool}-decode", "sanitizer", f"compute-sanitizer {tool}: "
+                          f"{SMALL_FIXTURE} prefill + {SAN_DECODE_STEPS} decode steps at 1/4 "
+                          "(in-process)", py="decode", sanitizer=tool, expect_s=expect,
+                          limit_s=3 * expect, dry_expect_s=5, parse=parse_sanitized,
+                          needs=san_need))
+    steps += [
+        Step("mvp-13b-12GB", "measured", "llama-13b --random-weights prefill B=1 S=2048 at 12 GB",
+             argv=_llama_run("llama-13b", "12GB", lambda w: w // 3), expect_s=180,
+             limit_s=450, dry_expect_s=5, parse=_workload("llama-13b B=1 S=2048 at 12GB")),
+        Step("pytest-cpu", "pytest", "the rest of the test suite", argv=_pytest_argv(False),
+             expect_s=150, limit_s=420, dry_expect_s=5, parse=parse_pytest,
+             needs=_needs_modules("pytest", "hypothesis")),
+    ]
+    return steps
+
+
+# ====================================================================== children: the stand-in
+
+def install_fake(kernels: Path) -> list[str]:
+    """`tests/fake_cupy.FakeCupy` as `sys.modules["cupy"]` in this process (`fake_cupy.install`,
+    made for this script; where the stand-in has none, what `fake_cupy.installed` does for a
+    test), plus what the stand-in lacks of the CuPy API that `einpage calibrate --backend cupy`
+    and the env step call (only where missing). Returns the names of those additions."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import fake_cupy
+    kernels.mkdir(parents=True, exist_ok=True)
+    host = fake_cupy.HostKernels(kernels)
+    if hasattr(fake_cupy, "install"):
+        fake = fake_cupy.install(host)
+    else:
+        from einpage.runtime.backends import cuda
+        fake = fake_cupy.FakeCupy(host)
+        sys.modules["cupy"] = fake
+        cuda._hook_class.cache_clear()
+        cuda._KERNELS.clear()
+    added = _shim_fake(fake, fake_cupy)
+    _shrink_calibration()
+    return added
+
+
+FAKE_MEMORY = 80 << 30
+
+
+def _shim_fake(fake, module) -> list[str]:
+    """Add to the stand-in what `CupyProbe` (calibrate) and the env step call and it lacks:
+    host-side versions that keep the stand-in's rules where it has them (work issued on the
+    current stream, device ranges checked)."""
+    import ctypes
+    import types
+
+    import numpy as np
+    added = []
+    runtime = fake.cuda.runtime
+    total = getattr(fake, "total", FAKE_MEMORY)
+    if not hasattr(runtime, "memGetInfo"):
+        def mem_get_info():  # free: what the live raw allocations leave of a nominal total
+            used = sum(int(m.size) for m in list(fake.live))
+            return total - used, total
+        runtime.memGetInfo = mem_get_info
+        added.append("cuda.runtime.memGetInfo")
+    if not hasattr(runtime, "getDeviceProperties"):
+        runtime.getDeviceProperties = lambda device: {"name": b"FakeCupy host stand-in",
+                                                      "totalGlobalMem": total}
+        added.append("cuda.runtime.getDeviceProperties")
+    if not hasattr(runtime, "runtimeGetVersion"):
+        runtime.runtimeGetVersion = lambda: 0
+        added.append("cuda.runtime.runtimeGetVersion")
+    for name in ("float16", "float32", "float64", "uint8", "uint16", "uint32", "int32", "int64"):
+        if not hasattr(fake, name):
+            setattr(fake, name, getattr(np, name))
+            added.append(name)
+
+    def owned(shape, dtype):  # an array that keeps its allocation alive, as CuPy's does
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (int(shape),)
+        memptr = fake._alloc(max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1))
+        out = fake.ndarray(shape, dtype, memptr=memptr)
+        out._einpage_memptr = memptr
+        return out
+
+    def launch(fn):  # on the current stream where the stand-in queues work, else at once
+        tls = getattr(fake, "_tls", None)
+        if hasattr(fake, "_launch") and getattr(tls, "streams", None):
+            fake._launch(fn)
+        else:
+            fn()
+
+    if not hasattr(fake, "empty"):
+        fake.empty = lambda shape, dtype=float: owned(shape, dtype)
+        added.append("empty")
+    if not hasattr(fake, "random"):
+        rng = np.random.default_rng(0)
+
+        def standard_normal(size, dtype=np.float64):
+            out = owned(size, dtype)  # fresh memory no stream uses yet: filled at once
+            out[...] = rng.standard_normal(out.shape).astype(dtype)
+            return out
+        fake.random = types.SimpleNamespace(standard_normal=standard_normal)
+        added.append("random.standard_normal")
+    array = getattr(module, "_Array", None)
+    if array is not None and "astype" not in array.__dict__:
+        def astype(self, dtype, *args, **kwargs):  # CuPy: a new device array
+            out = owned(self.shape, dtype)
+            source = self
+            launch(lambda: np.copyto(out, np.ndarray.astype(source, dtype)))
+            return out
+        array.astype = astype
+        added.append("ndarray.astype (into device memory)")
+    if not hasattr(fake, "matmul"):
+        def matmul(a, b, out=None):
+            assert out is not None
+            launch(lambda: np.copyto(out, np.matmul(a.astype(np.float32), b.astype(np.float32))
+                                     .astype(out.dtype)))
+            return out
+        fake.matmul = matmul
+        added.append("matmul")
+    if not hasattr(fake, "__version__"):
+        fake.__version__ = "fake"
+    pointer = getattr(module, "Pointer", None)
+    if pointer is not None and not hasattr(pointer, "copy_from_device_async"):
+        def copy_from_device_async(self, src, size, stream=None):
+            dst, at = self.ptr, src.ptr
+            owner = getattr(self, "fake", None)
+            if owner is not None and hasattr(owner, "_launch"):
+                owner._device_range(dst, size, "a copy's destination")
+                owner._device_range(at, size, "a copy's source")
+                owner._launch(lambda: ctypes.memmove(dst, at, size), stream)
+            else:
+                ctypes.memmove(dst, at, size)
+        pointer.copy_from_device_async = copy_from_device_async
+        added.append("MemoryPointer.copy_from_device_async")
+    return added
+
+
+def _shrink_calibration() -> None:
+    """Dry run: calibrate's probes on sizes a CPU measures in seconds."""
+    import inspect
+
+    from einpage import calibrate
+    calibrate.SIZES = tuple(1 << k for k in range(16, 21, 2))
+    calibrate._REPEATS = 2
+    try:
+        from einpage.runtime.backends.cuda_probe import CupyProbe
+    except ImportError:
+        return
+    for method, n in (("matmul_flops", 128), ("memory_bandwidth", 1 << 20),
+                      ("vector_flops", 1 << 16)):
+        fn = getattr(CupyProbe, method, None)
+        params = list(inspect.signature(fn).parameters.values()) if fn else []
+        if params and params[-1].name == "n" and fn.__defaults__:
+            fn.__defaults__ = fn.__defaults__[:-1] + (n,)
+    init = CupyProbe.__init__
+    if init.__defaults__ and list(inspect.signature(init).parameters)[-1] == "repeats":
+        init.__defaults__ = init.__defaults__[:-1] + (2,)
+
+
+def _launch_cli(argv: list[str]) -> int:
+    kernels = os.environ.get(FAKE_ENV)
+    if kernels:
+        install_fake(Path(kernels))
+    from einpage.cli.main import main
+    return main(argv)
+
+
+# ====================================================================== children: python steps
+
+def _rss() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def py_env(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
+    import importlib.metadata as md
+    import importlib.util
+    n: dict = {"python": sys.version.split()[0], "platform": platform.platform(),
+               "cpus": os.cpu_count(), "stand_in_lacks": shims}
+    versions = {}
+    for mod in REQUIRED + OPTIONAL:
+        if mod in sys.modules:  # the stand-in (dry run) has no __spec__
+            versions[mod] = getattr(sys.modules[mod], "__version__", "present")
+            continue
+        if importlib.util.find_spec(mod) is None:
+            versions[mod] = None
+            continue
+        dist = {"cupy": None, "opt_einsum": "opt_einsum"}.get(mod, mod)
+        try:
+            versions[mod] = md.version(dist) if dist else "present"
+        except md.PackageNotFoundError:
+            versions[mod] = "present"
+    n["modules"] = versions
+    if versions.get("cupy") or dry:
+        try:
+            import cupy
+            versions["cupy"] = getattr(cupy, "__version__", "present")
+        except Exception as exc:
+            versions["cupy"] = f"import failed: {type(exc).__name__}: {exc}"
+    missing = [m for m in REQUIRED if not versions.get(m)]
+    smi = shutil.which("nvidia-smi")
+    if smi and not dry:
+        try:
+            got = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version,"
+                                  "compute_cap", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=30)
+            first = got.stdout.strip().splitlines()[0].split(", ")
+            n.update(gpu_name=first[0], gpu_memory=first[1], driver=first[2],
+                     compute_cap=first[3] if len(first) > 3 else None)
+        except Exception as exc:
+            n["nvidia_smi"] = f"failed: {exc}"
+    try:
+        from einpage.runtime.backends.cuda import _unusable_reason
+        reason = _unusable_reason()
+        n["cuda_usable"] = reason is None
+        if reason:
+            n["cuda_unusable_reason"] = reason
+        else:
+            import cupy
+            props = cupy.cuda.runtime.getDeviceProperties(0)
+            name = props.get("name", b"")
+            n.setdefault("gpu_name", name.decode() if isinstance(name, bytes) else str(name))
+            n["device_memory_bytes"] = int(props.get("totalGlobalMem", 0))
+            n["mem_get_info"] = list(cupy.cuda.runtime.memGetInfo())
+            n["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+    except Exception as exc:
+        n["cuda_probe_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        import einpage
+        n["einpage"] = {"version": einpage.__version__, "file": einpage.__file__}
+    except Exception as exc:
+        n["einpage"] = f"import failed: {type(exc).__name__}: {exc}"
+        missing.append("einpage")
+    n["sanitizer"] = find_sanitizer()
+    n["fixtures"] = {f: (_fixture(f) / "model.safetensors").exists() for f in FAMILIES}
+    n["kind"] = "fake-cupy" if dry else _slug(n.get("gpu_name") or "gpu")
+    if missing:
+        return "failed", f"missing: {', '.join(missing)}", n
+    if not dry and not n.get("cuda_usable"):
+        return "failed", f"no usable GPU: {n.get('cuda_unusable_reason')}", n
+    return "ok", "", n
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def _cli_in_process(argv: list[str]) -> tuple[int, str, str]:
+    """`einpage ARGV` in this process: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+    from einpage.cli.main import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def arena_runner(weights, arena: int, backend: str = "cupy", timing: bool = False):
+    """A `PlanRunner` whose plans are compiled for an arena of exactly `arena` bytes (as
+    `--arena` asks): on cupy the CUDA context and the workspaces come on top instead of out of
+    the budget, which 1/4 of a fixture's weights could not hold."""
+    from einpage.compiler import CompileOptions
+    from einpage.runners import PlanRunner
+    return PlanRunner(weights, CompileOptions(arena), backend, timing=timing, arena=True)
+
+
+def _fixture_prompt(path: Path):
+    """(tokens, lengths, codec or None) of a fixture's generation prompt: its prompt.txt through
+    its tokenizer where it has one (as `einpage generate --prompt-file`), else
+    greedy_prompt.npy."""
+    import numpy as np
+    from einpage.models.generation import pad_rows
+    from einpage.models.text import TextCodec, has_tokenizer
+    codec = TextCodec.from_checkpoint(path) if has_tokenizer(path) else None
+    if codec is not None and (path / "prompt.txt").exists():
+        lines = [ln for ln in (path / "prompt.txt").read_text(encoding="utf-8").splitlines() if ln]
+        return (*pad_rows([codec.encode(t) for t in lines]), codec)
+    tokens = np.load(path / "greedy_prompt.npy").astype(np.int64)
+    return tokens, np.full(tokens.shape[0], tokens.shape[1], np.int64), codec
+
+
+def _generate(path: Path, runner, new_tokens: int, ignore_eos: bool = False):
+    """Greedy generation of a fixture on `runner`, with its EOS ids as `einpage generate`."""
+    from einpage.models import resolve
+    from einpage.models.generation import generate
+    from einpage.models.text import end_of_sequence
+    cfg, _ = resolve(str(path))
+    tokens, lengths, codec = _fixture_prompt(path)
+    eos = end_of_sequence(path)
+    done = generate(cfg, tokens, new_tokens, runner, lengths=lengths,
+                    eos_ids=None if ignore_eos else eos.ids, pad_id=eos.pad_id)
+    texts = [codec.decode(row) for row in done.rows()] if codec is not None else None
+    return done, texts
+
+
+def py_agree(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
+    """cupy against threads for every fixture family at 1/4 of its weights: `einpage run` (a
+    plan file compiled for 1/4 on cupy; `--gpu-mem W/4` on threads) gives logits within
+    tolerance, greedy generation (in-process, plans for an arena of 1/4 on both) gives identical
+    tokens and text, and `einpage generate --backend cupy --arena W/4` gives the tokens and text
+    of `einpage generate --backend threads --arena W/4`."""
+    import numpy as np
+    from einpage.models import resolve
+    work = work / "agree"
+    work.mkdir(exist_ok=True)
+    fixtures, bad = {}, []
+    chosen = os.environ.get(FAMILIES_ENV)
+    for fam in [f for f in chosen.split(",") if f] if chosen else FAMILIES:
+        path = _fixture(fam)
+        if not (path / "model.safetensors").exists():
+            fixtures[fam] = {"ok": False, "error": "fixture missing"}
+            bad.append(fam)
+            continue
+        cfg, weights = resolve(str(path))
+        arena = cfg.weight_bytes() // 4
+        batch, seq = _shape(path / "input_ids.npy")
+        f: dict = {"arena": arena}
+        try:
+            plan, got = work / f"{fam}.plan.json", {}
+            steps = {"compile": ["compile", path, "--gpu-mem", arena, "--batch", batch, "--seq",
+                                 seq, "--quiet", "-o", plan],
+                     "cupy": ["run", plan, "--checkpoint", path, "--tokens-file",
+                              path / "input_ids.npy", "--backend", "cupy", "--out",
+                              work / f"{fam}-cupy.npy"],
+                     "threads": ["run", path, "--tokens-file", path / "input_ids.npy",
+                                 "--gpu-mem", arena, "--backend", "threads", "--out",
+                                 work / f"{fam}-threads.npy"]}
+            for what, argv in steps.items():
+                rc, so, se = _cli_in_process(argv)
+                print(f"{fam}: einpage {' '.join(map(str, argv))}: rc {rc}\n{so}{se}", flush=True)
+                if rc:
+                    raise RuntimeError(f"einpage {argv[0]} ({what}): {se.strip()}")
+            a, b = np.load(work / f"{fam}-cupy.npy"), np.load(work / f"{fam}-threads.npy")
+            f["logits_max_abs_diff"] = float(np.max(np.abs(a - b)))
+            f["logits_close"] = bool(np.allclose(a, b, rtol=1e-4, atol=2e-5))
+            if (path / "logits.npy").exists():
+                want = np.load(path / "logits.npy")
+                if want.shape == a.shape:
+                    f["vs_transformers_max_abs_diff"] = float(np.max(np.abs(a - want)))
+            for backend in ("cupy", "threads"):
+                got[backend] = _generate(path, arena_runner(weights, arena, backend),
+                                         AGREE_NEW_TOKENS)
+            (cu, cu_text), (th, th_text) = got["cupy"], got["threads"]
+            f["tokens_identical"] = bool(np.array_equal(cu.tokens, th.tokens))
+            if cu_text is not None:
+                f["text_identical"] = cu_text == th_text
+            prompt = (["--prompt-file", path / "prompt.txt"] if (path / "prompt.txt").exists()
+                      else ["--tokens-file", path / "greedy_prompt.npy"])
+            cli = {}
+            for backend in ("cupy", "threads"):
+                argv = ["generate", path, *prompt, "--max-new-tokens", AGREE_NEW_TOKENS,
+                        "--arena", str(arena), "--backend", backend, "--json"]
+                rc, so, se = _cli_in_process(argv)
+                print(f"{fam}: einpage {' '.join(map(str, argv))}: rc {rc}\n{so}{se}", flush=True)
+                if rc:
+                    raise RuntimeError(f"einpage generate --backend {backend}: {se.strip()}")
+                cli[backend] = json.loads(so.strip().splitlines()[-1])
+            f["cli_tokens_identical"] = cli["cupy"]["tokens"] == cli["threads"]["tokens"]
+            f["cli_text_identical"] = cli["cupy"].get("text") == cli["threads"].get("text")
+            f["cli_matches_in_process"] = cli["threads"]["tokens"] == th.tokens.tolist()
+            f["ok"] = bool(f["logits_close"] and f["tokens_identical"]
+                           and f.get("text_identical", True) and f["cli_tokens_identical"]
+                           and f["cli_text_identical"])
+        except Exception as exc:
+            f.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
+        fixtures[fam] = f
+        if not f["ok"]:
+            bad.append(fam)
+    n = {"fixtures": fixtures, "new_tokens": AGREE_NEW_TOKENS,
+         "tolerance": "rtol 1e-4, atol 2e-5"}
+    return ("failed", f"differ or failed: {', '.join(bad)}", n) if bad else ("ok", "", n)
+
+
+def py_decode(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
+    """The sanitizer's decode run: the small fixture's prefill and SAN_DECODE_STEPS decode steps
+    on cupy, plans for an arena of 1/4 of its weights."""
+    from einpage.models import resolve
+    path = _fixture(SMALL_FIXTURE)
+    cfg, weights = resolve(str(path))
+    runner = arena_runner(weights, cfg.weight_bytes() // 4, "cupy")
+    done, _ = _generate(path, runner, SAN_DECODE_STEPS + 1, ignore_eos=True)
+    print(json.dumps({"decode_steps": done.decode_steps, "tokens": done.tokens.tolist()}))
+    n = {"decode_steps": done.decode_steps, "passes": len(runner.passes),
+         "arena": cfg.weight_bytes() // 4}
+    if done.decode_steps != SAN_DECODE_STEPS:
+        return "failed", f"{done.decode_steps} decode steps, not {SAN_DECODE_STEPS}", n
+    return "ok", "", n
+
+
+def py_soak(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
+    """Decode steps of the small fixture, plans for an arena of 1/4 of its weights, in one
+    `PlanSession` (one KV bucket holds every step) on cupy: `cupy.cuda.runtime.memGetInfo` and
+    host RSS at step SOAK_MARK and at the last step; flat device memory and RSS growth <= 1%
+    pass."""
+    import cupy
+    import numpy as np
+    from einpage.models import resolve
+    from einpage.models.generation import decode_step_graph, last_logits, prefill
+    from einpage.models.kvstore import KVStore, capacity_for
+    steps = SOAK_STEPS[1] if dry else SOAK_STEPS[0]
+    path = _fixture(SMALL_FIXTURE)
+    cfg, weights = resolve(str(path))
+    prompt = np.load(path / "greedy_prompt.npy")
+    batch, length = prompt.shape
+    arena = cfg.weight_bytes() // 4
+    runner = arena_runner(weights, arena, "cupy")
+    logits = prefill(cfg, prompt, runner)
+    last = np.argmax(last_logits(logits["logits"]), axis=-1)
+    capacity = capacity_for(length + steps)
+    store = KVStore(cfg, batch, capacity)
+    store.fill(logits)
+    graph = decode_step_graph(cfg, batch, capacity)
+    marks, times = [], []
+    with runner.open(graph) as session:
+        for k in range(1, steps + 1):
+            t0 = time.perf_counter()
+            got = session.run({"tokens": last[:, None], "pos": store.pos.copy(),
+                               **store.view(capacity)})
+            for name, lead, row in store.write(got):
+                session.write(name, lead, row)
+            last = np.argmax(last_logits(got["logits"]), axis=-1)
+            times.append(time.perf_counter() - t0)
+            if k in (1, SOAK_MARK, steps) or k % 100 == 0:
+                free, total = cupy.cuda.runtime.memGetInfo()
+                marks.append({"step": k, "device_free": int(free), "device_total": int(total),
+                              "rss": _rss()})
+    at = {m["step"]: m for m in marks}
+    first, end = at[SOAK_MARK], at[steps]
+    growth = (end["rss"] - first["rss"]) / first["rss"] * 100
+    ordered = sorted(times)
+    n = {"fixture": SMALL_FIXTURE, "backend": runner.backend, "batch": batch, "steps": steps,
+         "arena_bytes": arena, "capacity": capacity, "marks": marks,
+         "device_free_delta_bytes": end["device_free"] - first["device_free"],
+         "rss_growth_pct": growth, "passes_kept": len(runner.passes),
+         "step_p50_s": ordered[len(ordered) // 2],
+         "step_p95_s": ordered[max(int(len(ordered) * 0.95) - 1, 0)],
+         "tokens_last": last.tolist()}
+    problems = []
+    if end["device_free"] != first["device_free"]:
+        problems.append(f"device free memory moved by {n['device_free_delta_bytes']} B between "
+                        f"step {SOAK_MARK} and {steps}")
+    if growth > 1.0:
+        problems.append(f"host RSS grew {growth:.2f}% (> 1%)")
+    return ("failed", "; ".join(problems), n) if problems else ("ok", "", n)
+
+
+#: the python steps: (output dir, dry run, what the stand-in lacked) -> (status, note, numbers)
+PY_STEPS = {"env": py_env, "agree": py_agree, "soak": py_soak, "decode": py_decode}
+
+
+def _run_py_step(function: str, name: str, work: Path, dry: bool) -> int:
+    """A python step in this (child) process: its numbers go to `out/<name>.json`."""
+    shims = []
+    kernels = os.environ.get(FAKE_ENV)
+    if kernels:
+        shims = install_fake(Path(kernels))
+    status, note, numbers = PY_STEPS[function](work, dry, shims)
+    (work / f"{name}.json").write_text(json.dumps({"status": status, "note": note,
+                                                  "numbers": numbers}, indent=1, default=str))
+    print(json.dumps({"status": status, "note": note}), flush=True)
+    return 0 if status == "ok" else 1
+
+
+# ====================================================================== the command
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_cli"]:
+        return _launch_cli(argv[1:])
+    if argv[:1] == ["_py"]:
+        return _run_py_step(argv[1], argv[2], Path(argv[3]), "--dry-run" in argv[4:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT") or "gpu-session",
+                   help="directory for results.json, summary.md, logs.tar.gz (every step's log)"
+                        " and profile-<kind>.json (default $OUT, else ./gpu-session)")
+    p.add_argument("--work", help="directory for each step's <step>.log, plans, inputs and "
+                                  "scratch (default: a new directory in /tmp, kept)")
+    p.add_argument("--steps", help="comma-separated step names or globs (default: all, in "
+                                   "order; see --list)")
+    p.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
+                   help=f"seconds for the whole session (default {DEFAULT_DEADLINE_S})")
+    p.add_argument("--dry-run", action="store_true",
+                   help="no GPU: the CuPy stand-in (tests/fake_cupy.py, needs g++), no pip "
+                        "install, no compute-sanitizer, small workloads")
+    p.add_argument("--families", help="comma-separated fixture families the agree step checks "
+                                      f"(default: all of {', '.join(FAMILIES)})")
+    p.add_argument("--fixtures", help="the Hugging Face fixtures directory (default: "
+                                      "../shared/fixtures, else .gpu/fixtures or shared/fixtures "
+                                      "in the checkout: ../shared does not travel to the device "
+                                      "machine); the tests are shown it through ../shared")
+    p.add_argument("--profile", help="a device profile (einpage calibrate -o) for the measured "
+                                     "steps' predictions when calibrate is not among the steps")
+    p.add_argument("--xdist", type=int, default=0,
+                   help="run pytest-cpu on N pytest-xdist workers (default: serially)")
+    p.add_argument("--list", action="store_true", help="print the steps and exit")
+    args = p.parse_args(argv)
+    if args.families:
+        unknown = [f for f in args.families.split(",") if f not in FAMILIES]
+        if unknown:
+            p.error(f"--families: unknown {', '.join(unknown)}; families: {', '.join(FAMILIES)}")
+        os.environ[FAMILIES_ENV] = args.families
+    if str(REPO) not in sys.path:  # the steps' arguments use einpage (installed or not)
+        sys.path.insert(0, str(REPO))
+    notes = _use_fixtures(args.fixtures)
+    if args.xdist:
+        os.environ[XDIST_ENV] = str(args.xdist)
+    steps = build_steps()
+    if args.list:
+        for s in steps:
+            exp, lim = s.times(args.dry_run)
+            print(f"{s.name:<22} {s.kind:<10} ~{exp:>4.0f} s (limit {lim:>4.0f})  {s.about}")
+        return 0
+    chosen = select(steps, args.steps)
+    if args.dry_run and not (shutil.which("g++") or shutil.which("c++")):
+        print("gpu_session: --dry-run needs g++ (the stand-in compiles the kernels for the host)",
+              file=sys.stderr)
+        return 2
+    import tempfile
+    work = (Path(args.work).absolute() if args.work
+            else Path(tempfile.mkdtemp(prefix="gpu-session-work-")))
+    ctx = Context(out=Path(args.out).absolute(), work=work, dry_run=args.dry_run)
+    ctx.notes += notes
+    if args.profile:
+        ctx.profile = str(Path(args.profile).absolute())
+        ctx.profile_note = f"--profile {args.profile}"
+    if "env" not in [s.name for s in chosen] and not args.dry_run:
+        ctx.kind = _slug(_gpu_name_quick() or "gpu")
+    ctx.notes.append("on cupy --gpu-mem counts all the process takes of the device (the CUDA "
+                     "context, cuBLAS's workspace, the apply workspace), which 1/4 of a fixture's "
+                     "weights cannot hold: the fixture prefill steps compile a plan for 1/4 "
+                     "(einpage compile -o) and run the plan file; einpage generate has no such "
+                     "form, so the decode checks at 1/4 (agree, soak, san-*-decode) run "
+                     "in-process on plans compiled for an arena of 1/4 (gpu_session.arena_runner)")
+    ctx.notes.append("einpage --timing prints text only: the measured and predicted figures are "
+                     "parsed from it (einpage.cli.timing.print_measured's format)")
+    started = time.monotonic()
+
+    def stop(signum, frame):
+        for proc in list(_CURRENT):
+            _kill_group(proc)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        results = run_steps(chosen, ctx, args.deadline, started=started,
+                            say=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        results = json.loads((ctx.out / "results.json").read_text())
+        print("gpu_session: interrupted; results so far are in", ctx.out, file=sys.stderr)
+    print()
+    print(short_table(results))
+    print(f"results: {ctx.out / 'results.json'}, {ctx.out / 'summary.md'}, "
+          f"{ctx.out / LOGS}; logs and scratch: {ctx.work}")
+    return 0 if all(r["status"] in OK_STATUSES for r in results["steps"]) else 1
+
+
+def _use_fixtures(given: str | None) -> list[str]:
+    """Point FIXTURES (here and, through the environment, in the children) at `given` or the
+    first fixtures directory found; where it is not ../shared/fixtures and that does not exist,
+    link it there, where the tests look. Returns notes of what was done."""
+    global FIXTURES
+    candidates = ([Path(given)] if given else
+                  [TEST_FIXTURES, REPO / ".gpu" / "fixtures", REPO / "shared" / "fixtures"])
+    found = next((c for c in candidates if c.is_dir()), None)
+    if found is None:
+        return [f"no fixtures directory ({', '.join(map(str, candidates))}): the fixture steps "
+                "are not available"]
+    FIXTURES = found.absolute()
+    os.environ[FIXTURES_ENV] = str(FIXTURES)
+    notes = [] if FIXTURES == TEST_FIXTURES.absolute() else [f"fixtures from {FIXTURES}"]
+    if not TEST_FIXTURES.exists():
+        try:
+            TEST_FIXTURES.parent.mkdir(parents=True, exist_ok=True)
+            TEST_FIXTURES.symlink_to(FIXTURES, target_is_directory=True)
+            notes.append(f"linked {TEST_FIXTURES} -> {FIXTURES} for the tests")
+        except OSError as exc:
+            notes.append(f"the tests will not find the fixtures: cannot link {TEST_FIXTURES}: "
+                         f"{exc}")
+    return notes
+
+
+def _gpu_name_quick() -> str:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return ""
+    try:
+        got = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return got.stdout.strip().splitlines()[0] if got.stdout.strip() else ""
+    except Exception:
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
