@@ -1,6 +1,6 @@
 """A host stand-in for CuPy, for the CuPy backend's tests (`test_cuda_source`,
-`test_cuda_backend`): `FakeCupy` is the part of the CuPy v14.2.0 API the backend calls (and
-the cuBLAS calls the backend makes through ctypes, `cublas_lib`), over raw host memory, asynchronous
+`test_cuda_backend`): `FakeCupy` is the part of the CuPy v14.2.0 API the backend calls (and the
+cuBLAS calls the backend makes through ctypes, `cublas_lib`), over raw host memory, asynchronous
 and checked as a device is (see `FakeCupy`); its `ElementwiseKernel` / `ReductionKernel` compile
 the generated CUDA C for the host with g++ (`HostKernels`: batched into shared libraries, loaded
 with ctypes; `-ffp-contract=off`, as NVRTC's `--fmad=false`).
@@ -182,8 +182,8 @@ class HostKernels:
         if not lib.exists():
             cpp = self.directory / f"k_{digest}.cpp"
             cpp.write_text(text)
-            result = subprocess.run([CXX, "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-w", "-o", str(lib),
-                                     str(cpp)], capture_output=True, text=True)
+            result = subprocess.run([CXX, "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-w",
+                                     "-o", str(lib), str(cpp)], capture_output=True, text=True)
             assert result.returncode == 0, result.stderr[-4000:]
         dll = ctypes.CDLL(str(lib))
         for s in sources:

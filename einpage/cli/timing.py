@@ -46,6 +46,8 @@ def print_measured(m, sim, title: str = "pass") -> None:
     if m.load_bytes:
         print(f"  before the pass: {format_size(m.load_bytes)} of resident weights loaded in "
               f"{_secs(m.load_s)}")
+    if m.compile_s:
+        print(f"  before the pass: kernels compiled in {_secs(m.compile_s)} (once per plan)")
 
 
 def print_timing(passes, first: str = "prefill pass") -> None:

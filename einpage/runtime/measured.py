@@ -25,6 +25,7 @@ class Measured:
     load_s: float              # before the pass: the weights loaded with the model
     load_bytes: int
     spans: tuple[Span, ...]    # every node of the pass (empty when timing was off)
+    compile_s: float = 0.0     # before the pass: the kernels compiled when the plan was opened
 
     def busy_s(self, queue: str) -> float:
         return sum(s.end - s.start for s in self.spans if s.queue == queue)

@@ -192,7 +192,9 @@ class StreamSession:
         load_bytes = (sum(mg.tensors[mg.nodes[i].tensor].bytes for i in self.program.preloaded)
                       if load_s is not None else 0)
         outputs = self.io.results(backend.output)
-        return StreamRun(outputs, Measured(backend.name, wall, load_s or 0.0, load_bytes, spans))
+        compile_s = getattr(backend, "compile_s", 0.0) if load_s is not None else 0.0
+        return StreamRun(outputs, Measured(backend.name, wall, load_s or 0.0, load_bytes, spans,
+                                           compile_s))
 
     def _replay(self) -> None:
         """The pass as one replay of the captured one (captured first, on the workers, where

@@ -20,8 +20,7 @@ from einpage.ir.memgraph import ALIGNMENT, ApplyNode, MemGraph, TensorInfo
 from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, op_text
 from einpage.runtime.backends.cuda_source import (COMPUTE_CTYPE, ITEMSIZE, ElementwiseSource,
                                                   KernelSource, convert_kernel, fill_kernel,
-                                                  gather_kernel, join_kernel, reduce_kernel,
-                                                  tag_of)
+                                                  gather_kernel, join_kernel, reduce_kernel)
 from einpage.runtime.backends.gemm_plan import (MatmulPlan, contiguous_strides, matmul_plan,
                                                 nocopy_reshape_strides, operand_layout)
 from einpage.runtime.planio import instance_bytes, tensor_info

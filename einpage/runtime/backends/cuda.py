@@ -12,10 +12,12 @@ bounds-checked by `planio.instance_bytes`.
 Host memory. One pinned buffer (`cupy.cuda.PinnedMemory`, allocated once, not CuPy's
 power-of-two pinned pool) laid out by `host_layout(mg, stage_sources=True)`: each offloaded
 tensor's host copy, each streamed block but weights (read from its source at `open`, so a
-reload is one async copy from pinned memory), then a ring of `STAGING_SLOTS` staging slots, each as large as
-the largest `input at device` block: such a block (a resident weight loaded with the model, an
-activation) is read from its source into the next slot and copied asynchronously, the slot
-reused once its copy's event has completed, so reads overlap copies; then a ring for KV rows
+reload is one async copy from pinned memory), then a ring of `STAGING_SLOTS` staging slots, each
+as large as the largest `input at device` block: such a block (a resident weight or KV block
+loaded with the model) is read from its source into the next slot and copied asynchronously,
+the slot reused once its copy's event has completed, so reads overlap copies (an activation
+copied in every pass has a slot of its own, refilled before a CUDA graph's replay); then a
+ring for KV rows
 written between passes (`write_input`: one async copy per block from pinned memory, on the
 compute stream, ordered before the next pass's reads). Last, the host arena of a plan with a
 disk tier (`mg.host_arena_bytes`, page-aligned): the staging buffers its `read` nodes fill from
@@ -26,9 +28,15 @@ by its later sessions (`pinned.PinnedWeights`).
 Streams. Three `Stream(non_blocking=True)`: compute, h2d, d2h (and one carrying the disk
 queue's events); a queue's worker thread runs inside `queue_context`, which makes the device and
 the queue's stream current (cuBLAS and every kernel run on the current stream) and, on the
-compute thread, gives its cuBLAS handle the workspace region. `record` / `wait` use
-`Event(disable_timing=True)`; `stamp` a timing event on the queue's stream. Every CUDA call runs
-with the backend's device current.
+compute thread, gives its cuBLAS handle the workspace region and the compute stream (the
+executor enters each context once per session). `record` / `wait` use one
+`Event(disable_timing=True)` per recorded node, recorded anew each pass; `stamp` a timing event
+on the queue's stream. Every CUDA call runs with the backend's device current.
+
+CUDA graphs. A plan with no host work in its pass (no disk reads) can be captured
+(`begin_capture`: the copy streams fork from the compute stream, so all of the pass is in the
+graph; `end_capture`: they join back) and replayed in one launch per pass (`replay`). GEMMs go
+through `cublas_lib` (ctypes), whose calls capture, where CuPy's cuBLAS wrappers refuse.
 
 Compute. `apply_plan.plan_apply` decides at `open` how each apply runs: a cuBLAS GemmEx (half
 operands on the tensor cores, float32 accumulation, transposes as operation flags, the join's
@@ -304,8 +312,11 @@ class CupyBackend(Backend):
         self._streams = {q: cp.cuda.Stream(non_blocking=True)
                          for q in ("compute", "h2d", "d2h", "disk")}
         self._at("status", 0).memset_async(0, STATUS_BYTES, self._streams["compute"])
-        self._staging = [None] * STAGING_SLOTS
-        self._rows = [None] * ROW_SLOTS
+        # an event per pinned slot, recorded after each copy out of it (one never recorded is
+        # complete): a slot is reused once its event is
+        self._staging = [cp.cuda.Event(block=True, disable_timing=True)
+                         for _ in range(STAGING_SLOTS)]
+        self._rows = [cp.cuda.Event(block=True, disable_timing=True) for _ in range(ROW_SLOTS)]
 
     def _open_host(self, cp, nbytes: int) -> None:
         if nbytes == 0:
@@ -387,14 +398,12 @@ class CupyBackend(Backend):
         self._next_row = (k + 1) % ROW_SLOTS
         compute = self._streams["compute"]
         with self._device:
-            if self._rows[k] is not None:
-                self._rows[k].synchronize()  # the slot's last copy has read it
+            self._rows[k].synchronize()  # the slot's last copy has read it
             at = self._rows_at + k * self._row
             self.host[at:at + values.nbytes] = values.view(np.uint8).reshape(-1)
             # on the compute stream: after this pass's reads, before the next pass's
             self._at("arena", start + first * rest * t.dtype.itemsize).copy_from_host_async(
                 self._pinned_ptr + at, values.nbytes, compute)
-            self._rows[k] = self._cp.cuda.Event(disable_timing=True)
             self._rows[k].record(compute)
 
     def close(self) -> None:
@@ -437,10 +446,13 @@ class CupyBackend(Backend):
                 self._warming = False
 
     def record(self, queue: str, node: int) -> None:
+        """Record the node's event, made at its first record and recorded anew every pass (a
+        pass's waits come after its records, and passes do not overlap)."""
+        event = self._events.get(node)
         with self._device:
-            event = self._cp.cuda.Event(disable_timing=True)
+            if event is None:
+                event = self._events[node] = self._cp.cuda.Event(disable_timing=True)
             event.record(self._streams[queue])
-        self._events[node] = event
 
     def wait(self, queue: str, node: int) -> None:
         if queue == "disk":  # the reader writes host memory now: the awaited copy must be done
@@ -578,14 +590,11 @@ class CupyBackend(Backend):
             return
         k = self._next_slot
         self._next_slot = (k + 1) % STAGING_SLOTS
-        if self._staging[k] is not None:
-            self._staging[k].synchronize()  # the slot's last copy has read it
+        self._staging[k].synchronize()  # the slot's last copy has read it
         at = self._staging_at + k * self._slot
         self._read_input(n.tensor, at, nbytes)
         dst.copy_from_host_async(self._pinned_ptr + at, nbytes, h2d)
-        event = self._cp.cuda.Event(block=True, disable_timing=True)
-        event.record(h2d)
-        self._staging[k] = event
+        self._staging[k].record(h2d)
 
     def _read_input(self, tid: int, at: int, nbytes: int) -> None:
         t = self.mg.tensors[tid]

@@ -119,5 +119,6 @@ def matrix(shape: Sequence[int], strides: Sequence[int], tag: str) -> Matrix:
 
 
 
-__all__ = ["C_TAGS", "CUBLAS_COMPUTE_64F", "CUBLAS_GEMM_DEFAULT", "CUDA_TYPE", "GemmCall", "Matrix", "compute_type",
+__all__ = ["C_TAGS", "CUBLAS_COMPUTE_64F", "CUBLAS_GEMM_DEFAULT", "CUDA_TYPE", "GemmCall",
+           "Matrix", "compute_type",
            "gemm_call", "matrix"]
