@@ -56,12 +56,12 @@ from typing import Callable
 HERE = Path(__file__).absolute().parent
 REPO = HERE.parent
 #: where the tests look for the Hugging Face fixtures (tests/conftest.py)
-TEST_FIXTURES = REPO.parent / "shared" / "fixtures"
+TEST_FIXTURES = REPO / "tests" / "fixtures"
 FIXTURES_ENV = "EINPAGE_GPU_SESSION_FIXTURES"   # --fixtures, for the children
-#: the fixtures this session uses (`--fixtures`; on the device machine ../shared does not
-#: travel with the checkout: carry a copy, e.g. .gpu/fixtures, see bench/RESULTS.md)
+#: the fixtures this session uses (`--fixtures`; by default the repository's own, which travel
+#: with the checkout)
 FIXTURES = Path(os.environ.get(FIXTURES_ENV) or TEST_FIXTURES)
-#: every Hugging Face fixture family (shared/fixtures/<name>)
+#: every Hugging Face fixture family (tests/fixtures/<name>)
 FAMILIES = ("tiny-llama-f32", "tiny-llama-bf16", "tiny-llama31", "tiny-mistral", "tiny-qwen2",
             "tiny-qwen3", "tiny-mixtral")
 #: the fixture the sanitizer, the soak and the decode checks run
@@ -1536,10 +1536,8 @@ def main(argv: list[str] | None = None) -> int:
                         "install, no compute-sanitizer, small workloads")
     p.add_argument("--families", help="comma-separated fixture families the agree step checks "
                                       f"(default: all of {', '.join(FAMILIES)})")
-    p.add_argument("--fixtures", help="the Hugging Face fixtures directory (default: "
-                                      "../shared/fixtures, else .gpu/fixtures or shared/fixtures "
-                                      "in the checkout: ../shared does not travel to the device "
-                                      "machine); the tests are shown it through ../shared")
+    p.add_argument("--fixtures", help="the Hugging Face fixtures directory (default: the "
+                                      "repository's tests/fixtures)")
     p.add_argument("--profile", help="a device profile (einpage calibrate -o) for the measured "
                                      "steps' predictions when calibrate is not among the steps")
     p.add_argument("--xdist", type=int, default=0,
@@ -1607,11 +1605,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _use_fixtures(given: str | None) -> list[str]:
     """Point FIXTURES (here and, through the environment, in the children) at `given` or the
-    first fixtures directory found; where it is not ../shared/fixtures and that does not exist,
-    link it there, where the tests look. Returns notes of what was done."""
+    repository's own (tests/fixtures, where the tests look); where that does not exist, link
+    it to `given`. Returns notes of what was done."""
     global FIXTURES
-    candidates = ([Path(given)] if given else
-                  [TEST_FIXTURES, REPO / ".gpu" / "fixtures", REPO / "shared" / "fixtures"])
+    candidates = [Path(given)] if given else [TEST_FIXTURES]
     found = next((c for c in candidates if c.is_dir()), None)
     if found is None:
         return [f"no fixtures directory ({', '.join(map(str, candidates))}): the fixture steps "

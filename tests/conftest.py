@@ -23,18 +23,19 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 #: set `--cpu-mem` get the same plans on every machine (tests/test_tiers.py sets it).
 os.environ["EINPAGE_CPU_MEM"] = "unlimited"
 
-#: Tiny checkpoints written by Hugging Face transformers, with its logits and greedy tokens.
-FIXTURES = TESTS.parent.parent / "shared" / "fixtures"
+#: Tiny checkpoints written by Hugging Face transformers, with its logits and greedy tokens
+#: (tests/fixtures/README.md): part of the repository, so a fresh clone tests everything.
+FIXTURES = TESTS / "fixtures"
 
 
 @pytest.fixture(scope="session")
 def hf_fixture():
-    """`hf_fixture(name)`: the fixture directory `shared/fixtures/<name>`, or skip the test."""
+    """`hf_fixture(name)`: the fixture directory `tests/fixtures/<name>` (a missing one is a
+    skip the conftest hook fails)."""
     def locate(name: str) -> Path:
         path = FIXTURES / name
         if not (path / "model.safetensors").exists():
-            pytest.skip(f"Hugging Face fixture {path} not found (expected shared/fixtures/ next "
-                        "to the repository)")
+            pytest.skip(f"Hugging Face fixture {path} not found (expected in tests/fixtures/)")
         return path
     return locate
 

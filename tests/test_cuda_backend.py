@@ -19,7 +19,6 @@ import gc
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,7 +45,7 @@ from einpage.runtime.backends.cuda import CupyBackend, cuda_usable
 from einpage.runtime.stream_executor import run_streams
 
 GPU = cuda_usable()
-FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures"
+from conftest import FIXTURES
 
 
 # ====================================================================== the host stand-in or a GPU

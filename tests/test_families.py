@@ -1,5 +1,5 @@
 """The model families (Llama 3.x, Mistral, Qwen2, Qwen3, Mixtral) against the numbers Hugging Face
-transformers wrote into `shared/fixtures/tiny-<family>/`, and against the independent NumPy
+transformers wrote into `tests/fixtures/tiny-<family>/`, and against the independent NumPy
 oracle `llama_oracle` (which grows each family's difference, written from transformers'
 semantics without einpage code) on those checkpoints and on variants derived from them.
 

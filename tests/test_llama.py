@@ -1,6 +1,6 @@
 """einpage's LLaMA (graphs in the DSL, run by the dense reference) against the independent NumPy
 oracle `llama_oracle` on checkpoints written by `checkpoints.write_checkpoint`, and against the
-numbers Hugging Face transformers wrote into `shared/fixtures/`."""
+numbers Hugging Face transformers wrote into `tests/fixtures/`."""
 from __future__ import annotations
 
 import llama_oracle

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # also works under --i
 from checkpoints import bf16_bits, write_checkpoint
 from llama_oracle import forward, greedy, load_hf_checkpoint
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+from conftest import FIXTURES
 
 # Both fixtures' logits were computed by transformers in float32 -- for the bf16 one,
 # from the bf16-stored weights upcast to float32 (see its README.md). The oracle reads
@@ -26,7 +26,7 @@ LOGITS_ATOL = {"tiny-llama-f32": 2e-6, "tiny-llama-bf16": 2e-6}
 def _fixture(name):
     path = FIXTURES / name
     if not (path / "model.safetensors").exists():
-        pytest.skip(f"fixture {path} not found (expected shared/fixtures next to the repo)")
+        pytest.skip(f"fixture {path} not found (expected in tests/fixtures/)")
     return path
 
 

@@ -1,5 +1,5 @@
 """Text in and out (issue 13): the checkpoint's own tokenizer against the ids and text Hugging Face
-transformers wrote into `shared/fixtures/tiny-<family>/`, ragged batches (rows padded on the
+transformers wrote into `tests/fixtures/tiny-<family>/`, ragged batches (rows padded on the
 right) whose every row answers as its own run, on the reference and on plans under a budget,
 and the command line's `--prompt` / `--prompt-file` / `--json` text, streamed output and
 one-line errors. The last tests run the real fixtures end to end: `einpage generate DIR --prompt
@@ -36,12 +36,11 @@ GENERATED_IDS = {"tiny-llama31": [96, 84, 167, 87, 207, 168, 73, 240],
 
 
 def text_fixture(name: str):
-    """`shared/fixtures/<name>` with its tokenizer and texts, or skip."""
+    """`tests/fixtures/<name>` with its tokenizer and texts, or skip."""
     path = FIXTURES / name
     if not all((path / f).is_file() for f in ("tokenizer.json", "prompt.txt", "generated.txt",
                                               "model.safetensors")):
-        pytest.skip(f"fixture {path} with a tokenizer not found (expected shared/fixtures/ next "
-                    "to the repository)")
+        pytest.skip(f"fixture {path} with a tokenizer not found (expected in tests/fixtures/)")
     return path
 
 
