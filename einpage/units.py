@@ -51,7 +51,10 @@ def parse_size(text: str, what: str = "size") -> int:
 def parse_rate(text: str, what: str, unit: str) -> float:
     """`25GB/s`, `25e9`, `756T`, `756TFLOPS` -> a positive float (decimal prefixes)."""
     example = "25GB/s or 25e9" if unit == "B" else "756T, 756TFLOPS or 7.56e14"
-    return parse_quantity(text, rate_units(unit), what, example)
+    value = parse_quantity(text, rate_units(unit), what, example)
+    if value < 1:  # below one unit a second every time the cost model prints is infinite
+        raise InputError(f"bad {what} {text!r}: below 1 {'B' if unit == 'B' else 'FLOP'}/s")
+    return value
 
 
 def parse_seconds(text: str, what: str) -> float:

@@ -96,6 +96,12 @@ def _text_ckpt(change: Callable[[Path], None]):
     return setup
 
 
+def _edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
 # ------------------------------------------------------------------ the catalogue
 
 C = Case
@@ -391,6 +397,27 @@ CASES = [
       needs="text"),
     C("text-without-input", "run {text}", "one of the arguments --prompt --prompt-file --tokens "
       "--tokens-file", needs="text"),
+    # --- issue 33's escapes: each once a traceback, a warning or a silent answer
+    C("tokens-beyond-64-bits", "run tiny --random-weights --tokens 99999999999999999999999",
+      "token id 99999999999999999999999 is out of range"),
+    C("tokens-file-uint64-max", "run tiny --random-weights --tokens-file {tmp}/ids.npy",
+      "token id 18446744073709551615 is out of range",
+      _token_file(np.array([[2 ** 64 - 1]], np.uint64))),
+    C("seq-beyond-reason", "compile llama-7b --gpu-mem 16GB --seq 1000000000000",
+      "graph too large to plan"),
+    C("h2d-bandwidth-vanishing", "compile llama-7b --gpu-mem 16GB --h2d-bandwidth 1e-300",
+      "below 1 B/s"),
+    C("flops-vanishing", "compile llama-7b --gpu-mem 16GB --flops 1e-30", "below 1 FLOP/s"),
+    C("config-head-dim-zero", "run {tmp}/ckpt --tokens 1", "head_dim must be a positive integer",
+      _config(lambda c: c.update(head_dim=0))),
+    C("add-bos-token-a-number", "run {tmp}/ckpt --prompt hi",
+      "tokenizer_config.json: add_bos_token must be true or false, got 5",
+      _text_ckpt(lambda p: _edit_json(p / "tokenizer_config.json", add_bos_token=5)),
+      needs="text"),
+    C("bos-token-names-no-token", "run {tmp}/ckpt --prompt hi",
+      "tokenizer_config.json: add_bos_token is set but bos_token names no token",
+      _text_ckpt(lambda p: _edit_json(p / "tokenizer_config.json", add_bos_token=True,
+                                      bos_token="<nowhere>")), needs="text"),
 ]
 
 
@@ -451,3 +478,27 @@ def test_bad_input_ends_with_one_line(case, world, tmp_path, capsys, monkeypatch
     assert_one_line_error(capsys, cli(*argv), case.needle)
     assert _tree(tmp_path) == before, "a file was left behind"
     assert _tree(world["ckpt"].parent) == shared, "a file was left behind"
+
+
+@pytest.mark.parametrize("command", ["compile", "run", "generate"])
+def test_ctrl_c_exits_130_from_every_command(command, monkeypatch, capsys):
+    """Ctrl-C ends every command with status 130 and one line, whether it arrives as Python's
+    KeyboardInterrupt or as the stream runtime's `Interrupted` (its queues stopped)."""
+    import importlib
+
+    from einpage.errors import Interrupted
+    cli_main = importlib.import_module("einpage.cli.main")
+    for raised in (KeyboardInterrupt(), Interrupted("interrupted: every queue stopped")):
+        def handler(args, raised=raised):
+            raise raised
+        for group in cli_main.GROUPS:
+            if command in group.HANDLERS:
+                monkeypatch.setitem(group.HANDLERS, command, handler)
+        argv = {"compile": ["compile", "tiny", "--gpu-mem", "1MB"],
+                "run": ["run", "tiny", "--random-weights", "--tokens", "1"],
+                "generate": ["generate", "tiny", "--random-weights", "--tokens", "1",
+                             "--max-new-tokens", "1"]}[command]
+        capsys.readouterr()
+        assert cli_main.main(argv) == 130
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "interrupted" in err[0]

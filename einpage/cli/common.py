@@ -26,6 +26,9 @@ def tokens_from_args(args) -> np.ndarray:
             raise InputError(f"--tokens {args.tokens!r}: expected comma-separated integers") from None
         if not ids:
             raise InputError("--tokens is empty")
+        big = [t for t in ids if not _INT64_MIN <= t <= _INT64_MAX]
+        if big:
+            raise InputError(f"--tokens: token id {big[0]} is out of range (ids are 64-bit)")
         return np.asarray([ids], dtype=np.int64)
     path = Path(args.tokens_file)
     try:
@@ -37,7 +40,12 @@ def tokens_from_args(args) -> np.ndarray:
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise InputError(f"{path}: token ids must be an integer array of shape (batch, length), "
                          f"got {ids.dtype} {ids.shape}")
+    if ids.size and ids.dtype.kind == "u" and int(ids.max()) > _INT64_MAX:
+        raise InputError(f"{path}: token id {int(ids.max())} is out of range (ids are 64-bit)")
     return ids.astype(np.int64)
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass(frozen=True)

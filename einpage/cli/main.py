@@ -8,7 +8,7 @@ import sys
 from einpage import __version__
 from einpage.cli import catalog, execute, plan
 from einpage.cli.outputs import check_outputs
-from einpage.errors import EinpageError
+from einpage.errors import EinpageError, Interrupted
 from einpage.outputs import ignore_file_size_signal
 
 GROUPS = (catalog, plan, execute)
@@ -38,6 +38,10 @@ def main(argv=None) -> int:
     try:
         check_outputs(args)  # every output writable before any work (einpage.cli.outputs)
         handlers[args.command](args)
+    except Interrupted as exc:  # Ctrl-C inside a run: its queues stopped, memory released
+        print(f"einpage: {str(exc).splitlines()[0] if str(exc) else 'interrupted'}",
+              file=sys.stderr)
+        return 130
     except EinpageError as exc:  # one line: the context an API caller sees stays in the message
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"einpage: error: {first}", file=sys.stderr)

@@ -196,10 +196,11 @@ def choose_class_parts(ops: list[CutOp], block_bytes: int) -> dict[int, int]:
             ws2, row2, tasks2 = arr.measure(parts, users, double=k)
             before = value[users]
             after = np.where(row_phase[users], row2, ws2)
-            shrink = np.log2(before / np.maximum(after, 1.0))
-            need = np.log2(np.maximum(before / limit, 1.0))
-            gain = np.minimum(shrink, need)[over[users]].sum()
-            if gain <= 0:
+            with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # sizes past
+                shrink = np.log2(before / np.maximum(after, 1.0))      # float range: no gain
+                need = np.log2(np.maximum(before / limit, 1.0))
+                gain = np.minimum(shrink, need)[over[users]].sum()
+            if not gain > 0:
                 continue
             added = (tasks2 * (ws2 + overhead) - tasks[users] * (ws[users] + overhead)).sum()
             cost = max(added, 0.0) * (CONTRACTED_COST if contracting[k] else 1) / gain

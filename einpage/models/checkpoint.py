@@ -110,7 +110,8 @@ def config_from_json(raw: dict, name: str, where: str) -> ModelConfig:
         hidden = _int(raw, "hidden_size")
         layers = _int(raw, "num_hidden_layers")
         kv_heads = _int(raw, "num_key_value_heads", heads)
-        head_dim = _int(raw, "head_dim", None) or hidden // heads
+        head_dim = _int(raw, "head_dim", None)  # 0 is refused by ModelConfig, not defaulted
+        head_dim = hidden // heads if head_dim is None else head_dim
         biased = _flag(raw, "attention_bias")
         experts = _int(raw, "num_local_experts", 0) if family == "mixtral" else 0
         window, window_layers = _window(raw, family, layers, unsupported)

@@ -43,18 +43,24 @@ class TextCodec:
     """Text <-> token ids with one checkpoint's tokenizer. `bos_id`, `eos_id`, `pad_id`: the
     ids of the config's special tokens (None where it names none)."""
 
-    def __init__(self, tokenizer, config: dict, source: str = "tokenizer"):
-        self._tok, self.source = tokenizer, source
+    def __init__(self, tokenizer, config: dict, source: str = "tokenizer",
+                 config_source: str = "tokenizer_config.json"):
+        """`source` names the tokenizer, `config_source` the config in errors about it."""
+        self._tok, self.source, self.config_source = tokenizer, source, config_source
         self.bos_id = self._special(config, "bos_token")
         self.eos_id = self._special(config, "eos_token")
         self.pad_id = self._special(config, "pad_token")
+        for key in ("add_bos_token", "add_eos_token"):
+            if config.get(key) is not None and not isinstance(config[key], bool):
+                raise CheckpointError(f"{config_source}: {key} must be true or false, got "
+                                      f"{config[key]!r}")
         explicit = "add_bos_token" in config or "add_eos_token" in config
         self._add = ((bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
                      if explicit else None)
-        if self._add and self._add[0] and self.bos_id is None:
-            raise CheckpointError(f"{source}: add_bos_token is set but bos_token names no token")
-        if self._add and self._add[1] and self.eos_id is None:
-            raise CheckpointError(f"{source}: add_eos_token is set but eos_token names no token")
+        for k, which in enumerate(("bos", "eos")):
+            if self._add and self._add[k] and getattr(self, f"{which}_id") is None:
+                raise CheckpointError(f"{config_source}: add_{which}_token is set but "
+                                      f"{which}_token names no token of {source}")
         self._clean_up = bool(config.get("clean_up_tokenization_spaces", False))
 
     @classmethod
@@ -74,7 +80,8 @@ class TextCodec:
                                   f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from None
         tokenizer.no_truncation()
         tokenizer.no_padding()
-        return cls(tokenizer, _read_config(directory / TOKENIZER_CONFIG), str(path))
+        return cls(tokenizer, _read_config(directory / TOKENIZER_CONFIG), str(path),
+                   str(directory / TOKENIZER_CONFIG))
 
     def _special(self, config: dict, key: str) -> int | None:
         token = config.get(key)
@@ -83,7 +90,8 @@ class TextCodec:
         if token is None:
             return None
         if not isinstance(token, str):
-            raise CheckpointError(f"{self.source}: {key} must be a string, got {token!r}")
+            raise CheckpointError(f"{self.config_source}: {key} must be a string, got "
+                                  f"{token!r}")
         return self._tok.token_to_id(token)
 
     @property
