@@ -3,7 +3,7 @@ The measurement behind `cuda_source.NVRTC_OPTIONS`' `--fmad=false` (issue 25).
 
 Every join and reduction kernel of the tiny LLaMA's plans (f32, bf16, f16; prefill and decode;
 paged under a small budget, so reductions also run as partials accumulated into their output) is
-built for the host twice from its CUDA C, as `tests/fake_cupy.py` builds it (its `_host_source`):
+built for the host twice from its CUDA C, as `tests/host_kernels.py` builds it (its `_host_source`):
 once with `-ffp-contract=off` (each operation rounded, as NumPy and NVRTC's `--fmad=false` do) and
 once with `-ffp-contract=fast -mfma` (g++ fuses what it can into FMA instructions, as NVRTC's
 default `--fmad=true` does on the GPU). Each runs on random inputs; the outputs are compared bit
@@ -29,7 +29,7 @@ import sympy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from fake_cupy import _HOST_HEADER, CXX, _call, _host_source  # noqa: E402
+from host_kernels import _HOST_HEADER, CXX, _call, _host_source  # noqa: E402
 
 from einpage.compiler import CompileOptions, compile_graph  # noqa: E402
 from einpage.ir import scalar  # noqa: E402

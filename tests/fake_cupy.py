@@ -2,8 +2,8 @@
 `test_cuda_backend`): `FakeCupy` is the part of the CuPy v14.2.0 API the backend calls (and the
 cuBLAS calls the backend makes through ctypes, `cublas_lib`), over raw host memory, asynchronous
 and checked as a device is (see `FakeCupy`); its `ElementwiseKernel` / `ReductionKernel` compile
-the generated CUDA C for the host with g++ (`HostKernels`: batched into shared libraries, loaded
-with ctypes; `-ffp-contract=off`, as NVRTC's `--fmad=false`).
+the generated CUDA C for the host with g++ (`host_kernels`); its streams, errors and CUDA graphs
+are `fake_streams`.
 
 `installed(monkeypatch, tmp_path_factory)` is a fixture body: `FakeCupy` as `sys.modules["cupy"]`
 for one test, with the backend's caches of CuPy objects cleared around it (skips without g++);
@@ -12,214 +12,25 @@ for one test, with the backend's caches of CuPy objects cleared around it (skips
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import random
-import re
-import shutil
-import subprocess
 import sys
 import threading
 import time
 import types
 import weakref
-from pathlib import Path
 from typing import Iterator
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from einpage.runtime.backends import cublas_lib, cuda, cuda_source, gemm_plan
+from einpage.runtime.backends import cublas_lib, cuda, cuda_apply, cuda_source, gemm_plan
 
-CXX = shutil.which("g++") or shutil.which("c++")
-
-# ---------------------------------------------------------------------- kernels on the host (g++)
-
-_CT = {"float16": "float16", "uint16": "unsigned short", "float32": "float",
-       "float64": "double", "int64": "long long", "int32": "int"}
-_NP = {"float16": np.float16, "uint16": np.uint16, "float32": np.float32, "float64": np.float64,
-       "int64": np.int64, "int32": np.int32}
-
-_HOST_HEADER = r"""
-#include <math.h>
-#include <string.h>
-#include <stdbool.h>
-#include <stddef.h>
-struct float16 {
-  _Float16 v;
-  float16() {}
-  float16(float f) : v((_Float16)f) {}
-  operator float() const { return (float)v; }
-};
-template <class T> struct RawArr { T* p; T& operator[](long long k) const { return p[k]; } };
-"""
-
-
-class Param:
-    def __init__(self, text: str, is_input: bool):
-        words = text.split()
-        self.raw = words[0] == "raw"
-        self.type, self.name = words[-2], words[-1]
-        self.is_input = is_input
-        # our kernels' convention: a*, y are broadcast arrays; other non-raw params are scalars
-        self.array = self.raw or re.fullmatch(r"a\d+|y", self.name) is not None
-
-    @property
-    def ctype(self) -> str:
-        return _CT[self.type]
-
-
-def kernel_params(in_params: str, out_params: str) -> list[Param]:
-    return ([Param(p, True) for p in in_params.split(",") if p.strip()]
-            + [Param(p, False) for p in out_params.split(",") if p.strip()])
-
-
-def _offsets(arrays: list[Param], flat: str) -> str:
-    n = max(len(arrays), 1)
-    return (f"long long off[{n}] = {{0}}; {{ long long q = {flat}; "
-            "for (int d = ndim - 1; d >= 0; --d) { long long ix = q % shape[d]; q /= shape[d]; "
-            f"for (int k = 0; k < {len(arrays)}; ++k) off[k] += ix * strides[k * ndim + d]; }} }}")
-
-
-def _bind(params: list[Param], arrays: list[Param]) -> str:
-    lines, s = [], 0
-    for p in params:
-        if not p.array:
-            lines.append(f"const {p.ctype} {p.name} = ({p.ctype})sc[{s}];")
-            s += 1
-            continue
-        k = arrays.index(p)
-        if p.raw:
-            const = "const " if p.is_input else ""
-            lines.append(f"RawArr<{const}{p.ctype}> {p.name}{{({const}{p.ctype}*)A[{k}]}};")
-    return "\n".join(lines)
-
-
-def _refs(arrays: list[Param], outputs: bool) -> str:
-    out = []
-    for k, p in enumerate(arrays):
-        if p.raw or (not p.is_input) != outputs:
-            continue
-        const = "const " if p.is_input else ""
-        out.append(f"{const}{p.ctype} &{p.name} = *({const}{p.ctype}*)(A[{k}] + off[{k}]);")
-    return " ".join(out)
-
-
-def _host_source(src) -> str:
-    ns = f"ns_{src.name}"
-    head = f"namespace {ns} {{\n{src.preamble}\n}}\n"
-    sig = (f'extern "C" void {src.name}(void** A_, const long long* shape, '
-           "const long long* strides, int ndim, long long size, int nout, const long long* sc)")
-    if isinstance(src, cuda_source.ElementwiseSource):
-        params = kernel_params(src.in_params, src.out_params)
-        arrays = [p for p in params if p.array]
-        return head + f"""{sig} {{
-  using namespace {ns};
-  char** A = (char**)A_; (void)nout;
-  {_bind(params, arrays)}
-  for (long long i = 0; i < size; ++i) {{
-    {_offsets(arrays, "i")}
-    {_refs(arrays, False)} {_refs(arrays, True)}
-    {src.operation};
-  }}
-}}
-"""
-    params = kernel_params(src.in_params, src.out_params)
-    arrays = [p for p in params if p.array]
-    return head + f"""#define REDUCE(a, b) ({src.reduce_expr})
-#define POST_MAP(a) ({src.post_map_expr})
-{sig} {{
-  using namespace {ns};
-  typedef {src.reduce_type} _type_reduce;
-  char** A = (char**)A_;
-  {_bind(params, arrays)}
-  long long outsize = 1, redsize = 1;
-  for (int d = 0; d < ndim; ++d) {{ if (d < nout) outsize *= shape[d]; else redsize *= shape[d]; }}
-  for (long long o = 0; o < outsize; ++o) {{
-    _type_reduce _s = _type_reduce({src.identity});
-    for (long long r = 0; r < redsize; ++r) {{
-      {_offsets(arrays, "o * redsize + r")}
-      {_refs(arrays, False)}
-      _type_reduce _a = static_cast<_type_reduce>({src.map_expr});
-      _s = REDUCE(_s, _a);
-    }}
-    {{ {_offsets(arrays, "o * redsize")}
-      {_refs(arrays, True)}
-      POST_MAP(_s); }}
-  }}
-}}
-#undef REDUCE
-#undef POST_MAP
-"""
-
-
-class HostKernels:
-    """Generated kernels compiled for the host by g++, in batches, loaded with ctypes."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.pending: dict = {}
-        self.functions: dict = {}
-
-    def add(self, src) -> None:
-        if src.name not in self.functions:
-            self.pending[src.name] = src
-
-    def function(self, name: str):
-        if name not in self.functions:
-            self.build()
-        return self.functions[name]
-
-    def build(self) -> None:
-        sources = list(self.pending.values())
-        self.pending = {}
-        if not sources:
-            return
-        text = _HOST_HEADER + "\n".join(_host_source(s) for s in sources)
-        digest = hashlib.sha1(text.encode()).hexdigest()[:16]
-        lib = self.directory / f"k_{digest}.so"
-        if not lib.exists():
-            cpp = self.directory / f"k_{digest}.cpp"
-            cpp.write_text(text)
-            result = subprocess.run([CXX, "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-w",
-                                     "-o", str(lib), str(cpp)], capture_output=True, text=True)
-            assert result.returncode == 0, result.stderr[-4000:]
-        dll = ctypes.CDLL(str(lib))
-        for s in sources:
-            fn = getattr(dll, s.name)
-            fn.restype = None
-            self.functions[s.name] = fn
-
-
-def _call(fn, arrays, shape, strides, scalars, nout=0):
-    ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
-    shp = np.asarray(shape, np.int64)
-    std = np.asarray(strides, np.int64).reshape(-1)
-    sc = np.asarray(list(scalars) or [0], np.int64)
-    size = int(np.prod(shape)) if len(shape) else 1
-    fn(ptrs, shp.ctypes.data_as(ctypes.c_void_p), std.ctypes.data_as(ctypes.c_void_p),
-       ctypes.c_int(len(shape)), ctypes.c_longlong(size), ctypes.c_int(nout),
-       sc.ctypes.data_as(ctypes.c_void_p))
-
+from fake_streams import CUBLASError, CUDARuntimeError, _Capture, _Graph, _Queue
+from host_kernels import _NP, CXX, HostKernels, Param, _call, kernel_params
 
 # ---------------------------------------------------------------------- a stand-in for CuPy
-
-class CUDARuntimeError(RuntimeError):
-    """`cupy.cuda.runtime.CUDARuntimeError`: `status`, and CuPy's message form."""
-
-    def __init__(self, name: str, message: str):
-        self.status = name
-        super().__init__(f"{name}: {message}")
-
-
-class CUBLASError(RuntimeError):
-    """`cupy_backends.cuda.libs.cublas.CUBLASError`."""
-
-    def __init__(self, name: str, message: str = ""):
-        self.status = name
-        super().__init__(f"{name}{': ' + message if message else ''}")
-
 
 #: what the stand-in charges for the CUDA context and a cuBLAS handle on a device
 CONTEXT_BYTES = 300 << 20
@@ -239,136 +50,6 @@ def _aligned_buffer(size: int, alignment: int = 256) -> tuple[np.ndarray, int]:
     raw = np.zeros(max(int(size), 1) + alignment, np.uint8)
     skip = (-raw.ctypes.data) % alignment
     return raw, raw.ctypes.data + skip
-
-
-class _Queue:
-    """One stream's work: a FIFO of callables run by its own worker thread, each after a seeded
-    random delay, so that only events order the streams (as on a device)."""
-
-    def __init__(self, fake, rng):
-        self.fake, self.rng = fake, rng
-        self.items: list = []
-        self.cond = threading.Condition()
-        self.issued = self.completed = 0
-        self.stopped = False
-        self.thread = threading.Thread(target=self._work, daemon=True, name="fake-cupy-stream")
-        self.thread.start()
-
-    def put(self, fn, work: bool = True) -> int:
-        """Queue `fn`; `work` False for markers (event records, waits), which take no time."""
-        with self.cond:
-            self.items.append((fn, work))
-            self.issued += 1
-            self.cond.notify_all()
-            return self.issued
-
-    def _work(self) -> None:
-        while True:
-            with self.cond:
-                while not self.items and not self.stopped:
-                    self.cond.wait()
-                if self.stopped and not self.items:
-                    return
-                fn, work = self.items.pop(0)
-            delay = self.fake.max_delay
-            if work and delay and self.rng.random() < 0.5:
-                time.sleep(self.rng.random() * delay)
-            try:
-                if self.fake.sticky is None:
-                    fn()
-            except CUDARuntimeError as exc:  # a device fault: every later call fails
-                self.fake.sticky = exc
-            except BaseException as exc:  # noqa: BLE001 - reported at the next synchronize
-                self.fake.sticky = CUDARuntimeError("cudaErrorLaunchFailure",
-                                                    f"{type(exc).__name__}: {exc}")
-            with self.cond:
-                self.completed += 1
-                self.cond.notify_all()
-
-    def wait_for(self, ticket: int) -> None:
-        with self.cond:
-            while self.completed < ticket:
-                self.cond.wait()
-
-    def drain(self) -> None:
-        with self.cond:
-            ticket = self.issued
-        self.wait_for(ticket)
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
-
-
-class _Capture:
-    """What streams issued while capturing a CUDA graph: per stream, in order, its work
-    (`("op", fn, work)`), the events recorded on it (`("record", token)`) and the captured
-    events it waits on (`("wait", token)`). `origin` began the capture; a stream joins by
-    waiting on a captured event."""
-
-    def __init__(self, origin):
-        self.origin = origin
-        self.ops = {origin: []}
-        self.tokens: list = []      # token -> the stream that recorded it
-
-    def check_joined(self) -> None:
-        """CUDA's rule at `end_capture`: every stream that joined has joined back into the
-        origin (the origin waits on an event recorded after its last work)."""
-        waited = {op[1] for op in self.ops[self.origin] if op[0] == "wait"}
-        for stream, ops in self.ops.items():
-            if stream is self.origin:
-                continue
-            last = [op for op in ops if op[0] != "wait"]
-            if last and not (last[-1][0] == "record" and last[-1][1] in waited):
-                raise CUDARuntimeError("cudaErrorStreamCaptureUnjoined",
-                                       "a stream's captured work is not joined into the origin")
-
-
-class _Graph:
-    """`cupy.cuda.graph.Graph`: `launch(stream)` replays the captured work, the origin's on
-    `stream` and every other stream's on a branch queue of its own, the captured events
-    ordering them, after what `stream` issued before."""
-
-    def __init__(self, fake, capture: _Capture):
-        self.fake, self.capture = fake, capture
-        self.branches = {s: _Queue(fake, random.Random(fake.seed * 7919 + k))
-                         for k, s in enumerate(capture.ops) if s is not capture.origin}
-        for queue in self.branches.values():
-            fake.queues.add(queue)
-            weakref.finalize(self, queue.stop)
-        self.launches = 0
-
-    def launch(self, stream=None):
-        fake = self.fake
-        stream = fake._stream(stream)
-        start = (stream.queue, stream.queue.put(lambda: None, work=False))
-        queues = {s: q for s, q in self.branches.items()}
-        queues[self.capture.origin] = stream.queue
-        for s, queue in queues.items():
-            if s is not self.capture.origin:
-                queue.put(lambda: start[0].wait_for(start[1]), work=False)
-        tickets: dict[int, tuple] = {}
-        cursors = {s: 0 for s in queues}
-        while any(cursors[s] < len(self.capture.ops[s]) for s in queues):
-            progressed = False
-            for s, queue in queues.items():
-                ops = self.capture.ops[s]
-                while cursors[s] < len(ops):
-                    op = ops[cursors[s]]
-                    if op[0] == "wait":
-                        if op[1] not in tickets:
-                            break
-                        target = tickets[op[1]]
-                        queue.put(lambda t=target: t[0].wait_for(t[1]), work=False)
-                    elif op[0] == "record":
-                        tickets[op[1]] = (queue, queue.put(lambda: None, work=False))
-                    else:
-                        queue.put(op[1], op[2])
-                    cursors[s] += 1
-                    progressed = True
-            assert progressed, "the captured graph waits in a cycle"
-        self.launches += 1
 
 
 class FakeCupy(types.ModuleType):
@@ -1021,7 +702,7 @@ def install(kernels: HostKernels, **options) -> FakeCupy:
     cublas_lib.set_stream = fake.cublas_set_stream
     cublas_lib.gemm = fake.cublas_gemm
     cuda._hook_class.cache_clear()
-    cuda._KERNELS.clear()
+    cuda_apply.KERNELS.clear()
     cuda._HANDLE_BYTES.clear()
     return fake
 
@@ -1036,10 +717,10 @@ def installed(monkeypatch, tmp_path_factory, **options) -> Iterator[FakeCupy]:
     monkeypatch.setattr(cublas_lib, "set_stream", fake.cublas_set_stream)
     monkeypatch.setattr(cublas_lib, "gemm", fake.cublas_gemm)
     cuda._hook_class.cache_clear()
-    cuda._KERNELS.clear()
+    cuda_apply.KERNELS.clear()
     monkeypatch.setattr(cuda, "_HANDLE_BYTES", {})
     yield fake
     cuda._hook_class.cache_clear()
-    cuda._KERNELS.clear()
+    cuda_apply.KERNELS.clear()
     fake.drain()
     assert fake.sticky is None, f"a device fault no call reported: {fake.sticky}"

@@ -330,12 +330,12 @@ def test_masked_plans_on_the_cupy_backend_host_stand_in(fake_cupy):
     """Constant fills and reduced joins as generated CUDA C (compiled for the host by g++)."""
     from test_cuda_source import kernel_sources
 
-    from einpage.runtime.backends import cuda
+    from einpage.runtime.backends import cuda, cuda_apply
     graph, _ = attention_graph(N, D, band(10), extra=True)
     arrays = inputs(N, D, seed=5)
     mg = compile_graph(graph, CompileOptions(100_000, block_bytes=BLOCK)).memgraph
     for src in kernel_sources([mg]):
-        cuda._compiled(src)
+        cuda_apply.compiled(src)
     backend = cuda.CupyBackend()
     got = run_streams(mg, arrays, None, backend=backend).outputs
     want = evaluate(graph, arrays)

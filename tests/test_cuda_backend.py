@@ -38,7 +38,7 @@ from einpage.ir.ops import EinsumOp, FillOp
 from einpage.models import llama, resolve
 from einpage.models.generation import greedy
 from einpage.runtime import evaluate, executor
-from einpage.runtime.backends import cuda
+from einpage.runtime.backends import cuda, cuda_apply
 from einpage.runtime.backends.apply_plan import (STATUS_BYTES, MatmulApply, plan_applies,
                                                  slot_bytes, workspace_bytes)
 from einpage.runtime.backends.cuda import CupyBackend, cuda_usable
@@ -62,7 +62,7 @@ def device(request):
         if not GPU:
             pytest.skip("no GPU: no usable CUDA device (cupy missing or no device)")
         cuda._hook_class.cache_clear()
-        cuda._KERNELS.clear()
+        cuda_apply.KERNELS.clear()
         return types.SimpleNamespace(kind="gpu", fake=None)
     return types.SimpleNamespace(kind="host", fake=request.getfixturevalue("fake_cupy"))
 
@@ -70,7 +70,7 @@ def device(request):
 def prepare(mg) -> None:
     """Make every kernel a plan runs (the host stand-in compiles them in one g++ run)."""
     for src in kernel_sources([mg]):
-        cuda._compiled(src)
+        cuda_apply.compiled(src)
 
 
 # ====================================================================== CPU: apply plans, workspace

@@ -147,8 +147,15 @@ def test_every_call_runs_with_the_backends_device_current(two_gpus):
     backend = CupyBackend(device=1)
     got = run_streams(mg, {"tokens": tokens}, weights, backend=backend).outputs
     np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5)
-    assert two_gpus.used[1] > two_gpus.used[0] or two_gpus.sticky is None
+    assert two_gpus.contexts[1] and two_gpus.sticky is None  # the work went to device 1
     assert backend.arena is None
+    # and the stand-in does refuse a launch on device 1's stream while device 0 is current
+    from fake_streams import CUDARuntimeError
+    with two_gpus.cuda.Device(1):
+        stream = two_gpus.cuda.Stream(non_blocking=True)
+        memory = two_gpus.cuda.Memory(256)
+    with two_gpus.cuda.Device(0), pytest.raises(CUDARuntimeError, match="ResourceHandle"):
+        two_gpus.cuda.MemoryPointer(memory, 0).memset_async(0, 256, stream)
 
 
 def test_open_returns_with_its_warm_up_done(fake_cupy):
@@ -307,3 +314,15 @@ def test_decode_steps_replay_one_captured_graph(fake_cupy):
     timed, replays = steps(CupyBackend(), True)  # per-node timing: no graph
     assert replays == 0
     np.testing.assert_allclose(timed, want, rtol=0, atol=1e-5)
+
+
+def test_timing_says_what_the_budget_holds_besides_the_plan(fake_cupy, capsys):
+    """`einpage run --backend cupy --timing` prints the budget's split: the plan's arena, the
+    measured context and handles, cuBLAS's and the applies' workspaces."""
+    from test_cli import cli
+    assert cli("run", "tiny", "--random-weights", "--tokens", "1,2,3", "--backend", "cupy",
+               "--gpu-mem", "400MB", "--timing") == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("device budget"))
+    assert "400.00 MB" in line and "CUDA context and cuBLAS handles" in line
+    assert "kernels compiled in" in out

@@ -23,7 +23,7 @@ from einpage.ir.ops import EinsumOp, FillOp
 from einpage.models import llama
 from einpage.models.config import preset
 from einpage.runtime import kernels
-from einpage.runtime.backends import cuda
+from einpage.runtime.backends import cuda_apply
 from einpage.runtime.backends.apply_plan import plan_applies, plan_kernels
 from einpage.runtime.backends.cuda_source import (COMPUTE_CTYPE, DEVICE_DTYPE, PREAMBLE,
                                                   c_expression,
@@ -137,7 +137,7 @@ def test_generated_kernels_run_on_the_host_as_numpy_computes(fake_cupy):
     def run(kernel, *args, **kwargs):
         """Launch on a stream and wait: the stand-in runs kernels later, as a device does."""
         with stream:
-            cuda._compiled(kernel)(*args, **kwargs)
+            cuda_apply.compiled(kernel)(*args, **kwargs)
         stream.synchronize()
 
     bf = DType.bf16.numpy

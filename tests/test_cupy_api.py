@@ -6,7 +6,7 @@ called with, on a machine without a GPU.
 is bound to CuPy: the modules themselves (`import cupy`, `import cupy as cp`, `from cupy.cuda
 import ...`, `cupy_backends...`), names and attributes assigned from them (`self._cp = cupy`,
 `cp = self._cp`), arguments passed to the backend's own functions and classes (`self.xp` of
-`MatmulOps` is `backend._cp`, the `cublas` parameter of `gemm_call.issue` is `cupy.cuda.cublas`),
+`MatmulOps` is `backend._cp`, a parameter passed `cupy.cuda.cublas` is CuPy's cuBLAS module),
 what they return, and instances of CuPy classes (a `Stream`, its `record()` Event, an ndarray's
 `data` pointer). Each attribute chain reached is then looked up in the installed CuPy and each
 call bound to the callee's signature (from `inspect`, or the first line of a Cython docstring).
@@ -735,18 +735,18 @@ def test_signatures_the_backend_relies_on(cupy):
 
 
 def test_the_backends_kernels_are_cupy_kernels_with_its_options(cupy):
-    """Every kernel of the tiny models' plans, made by the backend's own `_compiled` with the
+    """Every kernel of the tiny models' plans, made by the backend's own `compiled` with the
     real CuPy: CuPy parses its parameters, and it carries `NVRTC_OPTIONS`."""
     import nvrtc
 
-    from einpage.runtime.backends import cuda
+    from einpage.runtime.backends import cuda_apply
     from einpage.runtime.backends.cuda_source import NVRTC_OPTIONS, ElementwiseSource
     sources = {k[0]: v[0] for found in nvrtc.family_kernels().values()
                for k, v in found.items()}
-    cuda._KERNELS.clear()
+    cuda_apply.KERNELS.clear()
     try:
         for src in sources.values():
-            kernel = cuda._compiled(src)
+            kernel = cuda_apply.compiled(src)
             assert isinstance(kernel, (cupy.ElementwiseKernel, cupy.ReductionKernel))
             options = (kernel.kwargs.get("options", ()) if isinstance(src, ElementwiseSource)
                        else kernel.options)
@@ -757,7 +757,7 @@ def test_the_backends_kernels_are_cupy_kernels_with_its_options(cupy):
             assert [(p.name, p.ctype, p.raw, p.is_const) for p in params][:len(ours)] == \
                 [(p.name, p.ctype, p.raw, p.is_const) for p in ours]
     finally:
-        cuda._KERNELS.clear()
+        cuda_apply.KERNELS.clear()
 
 
 def _constants() -> dict[str, tuple[str, int]]:

@@ -67,16 +67,13 @@ from einpage.ir.memgraph import (HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph,
                                  OutputRef, ReadNode, ReloadNode)
 from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.runtime.backends import cublas_lib
-from einpage.runtime.backends.apply_plan import (STATUS_BYTES, CopyApply, KernelApply,
-                                                 MatmulApply, aligned, plan_applies,
+from einpage.runtime.backends.apply_plan import (STATUS_BYTES, aligned, plan_applies,
                                                  workspace_bytes, workspace_for)
 from einpage.runtime.backends.base import (Backend, HostLayout, host_layout, host_view,
                                            staging_view)
+from einpage.runtime.backends.cuda_apply import DeviceApplies
 from einpage.runtime.backends.cuda_memory import Regions, regions
-from einpage.runtime.backends.cuda_source import (DEVICE_DTYPE, NVRTC_OPTIONS, ElementwiseSource,
-                                                  KernelSource, convert_kernel, tag_of)
-from einpage.runtime.backends.gemm_call import gemm_call, matrix
-from einpage.runtime.backends.gemm_plan import MatmulOps, execute_matmul
+from einpage.runtime.backends.cuda_source import DEVICE_DTYPE
 from einpage.runtime.backends.pinned import PinnedWeights
 from einpage.runtime.diskread import DiskReader
 from einpage.runtime.planio import PlanIO, instance_bytes
@@ -144,31 +141,7 @@ def _hook_class():
 
 #: bytes a cuBLAS handle took on each device, measured at this process's first
 _HANDLE_BYTES: dict[int, int] = {}
-_KERNELS: dict[KernelSource, Any] = {}
-_KERNELS_LOCK = threading.Lock()
-
-
-def _compiled(src: KernelSource) -> Any:
-    """The CuPy kernel object for a source, made once per process (CuPy compiles it on the
-    first call for each argument layout and caches the binary on disk)."""
-    kernel = _KERNELS.get(src)
-    if kernel is None:
-        import cupy
-        if isinstance(src, ElementwiseSource):
-            kernel = cupy.ElementwiseKernel(src.in_params, src.out_params, src.operation,
-                                            name=src.name, preamble=src.preamble, no_return=True,
-                                            options=NVRTC_OPTIONS)
-        else:
-            kernel = cupy.ReductionKernel(src.in_params, src.out_params, src.map_expr,
-                                          src.reduce_expr, src.post_map_expr, src.identity,
-                                          name=src.name, reduce_type=src.reduce_type,
-                                          preamble=src.preamble, options=NVRTC_OPTIONS)
-        with _KERNELS_LOCK:
-            kernel = _KERNELS.setdefault(src, kernel)
-    return kernel
-
-
-class CupyBackend(Backend):
+class CupyBackend(DeviceApplies, Backend):
     """Runs a memgraph's stream program on CUDA device `device`. `workspace_bytes`: the device
     bytes reserved for apply slots and status words (default: exactly what the plan needs,
     `apply_plan.workspace_bytes(mg)`). Raises `BackendError` where no GPU is usable."""
@@ -218,6 +191,7 @@ class CupyBackend(Backend):
         self._top = 0                # bump pointer into the workspace slots (compute thread)
         self._warming = False
         self._handle = 0             # the compute thread's cuBLAS handle
+        self._gemm_calls = {}        # MatmulApply -> its cuBLAS call (DeviceApplies)
         self._fixed: dict[int, int] = {}  # activation input node -> its pinned slot
         self._graph = None           # the captured pass (CUDA graph)
 
@@ -622,107 +596,3 @@ class CupyBackend(Backend):
     # ------------------------------------------------------------------ compute
     def run(self, n: ApplyNode) -> None:
         self._apply(n)
-
-    def _apply(self, n: ApplyNode) -> None:
-        plan = self._plans[n.id]
-        self._top = 0
-        try:
-            write = self._array(n.write.tensor, n.write.offset)
-            if isinstance(plan, MatmulApply):
-                a, b = (self._array(r.tensor, r.offset) for r in n.reads)
-                execute_matmul(plan.plan, _DeviceMatmulOps(self, plan), a, b, write)
-            elif isinstance(plan, KernelApply):
-                self._run_kernel(plan, n, write)
-            elif isinstance(plan, CopyApply):
-                self._run_copy(plan, n, write)
-            else:
-                raise PlanError(f"apply %{n.id}: no plan")
-        finally:
-            self._top = 0
-
-    def _view(self, read, shape, strides, offset: int = 0) -> Any:
-        ptr, _ = self._instance(read.tensor, read.offset)
-        tag = self.mg.tensors[read.tensor].dtype.value
-        return self._cp.ndarray(tuple(shape), DEVICE_DTYPE[tag], memptr=ptr + offset,
-                                strides=tuple(strides))
-
-    def _run_kernel(self, plan: KernelApply, n: ApplyNode, write: Any) -> None:
-        cp = self._cp
-        target = write
-        if plan.staged:
-            target = self._temp(write.shape, write.dtype)
-            if n.accumulate:
-                cp.copyto(target, write)
-        args = [self._view(n.reads[v.read], v.shape, v.strides) for v in plan.arrays]
-        args += list(plan.scalars)
-        out = cp.ndarray((target.size,), target.dtype, memptr=target.data) if plan.flat \
-            else target
-        kernel = _compiled(plan.kernel)
-        if plan.axes is not None:
-            kernel(*args, out=out, axis=plan.axes)
-        elif plan.status:
-            status = cp.ndarray((3,), np.int64, memptr=self._at("status", 0))
-            kernel(*args, out, status)
-        else:
-            kernel(*args, out)
-        if plan.staged:
-            cp.copyto(write, target)
-
-    def _run_copy(self, plan: CopyApply, n: ApplyNode, write: Any) -> None:
-        cp = self._cp
-        target = self._temp(write.shape, write.dtype) if plan.staged else write
-        if plan.zero:
-            target.data.memset_async(0, target.nbytes)
-        wdt = write.dtype
-        for p in plan.pieces:
-            read = n.reads[p.src]
-            if p.src_view is None:
-                box = self._view(read, p.src_shape, p.src_strides, p.src_offset)
-                slot = self._temp(p.src_shape, box.dtype)
-                cp.copyto(slot, box)
-                src = cp.ndarray(p.dst_shape, box.dtype, memptr=slot.data)
-            else:
-                src = self._view(read, p.dst_shape, p.src_view, p.src_offset)
-            dst = cp.ndarray(p.dst_shape, wdt, memptr=target.data + p.dst_offset,
-                             strides=p.dst_strides)
-            if p.convert is not None:
-                _compiled(p.convert)(src, dst)
-            else:
-                cp.copyto(dst, src)
-        if plan.staged:
-            if plan.fold is not None:
-                _compiled(plan.fold)(target, write)
-            else:
-                cp.copyto(write, target)
-
-
-class _DeviceMatmulOps(MatmulOps):
-    """`execute_matmul` on the GPU: slots from the workspace, conversions by `copyto` or a
-    generated kernel, the GEMM by cuBLAS GemmEx on the current stream, the apply's epilogue
-    kernel."""
-
-    def __init__(self, backend: CupyBackend, apply: MatmulApply):
-        super().__init__(backend._cp, apply.plan)
-        self.backend, self.apply = backend, apply
-
-    def temp(self, shape, tag):
-        return self.backend._temp(shape, DEVICE_DTYPE[tag])
-
-    def copy(self, dst, src) -> None:
-        if dst.dtype == src.dtype:
-            self.xp.copyto(dst, src)
-        else:
-            _compiled(convert_kernel(tag_of(src.dtype), tag_of(dst.dtype)))(src, dst)
-
-    def matmul(self, lhs, rhs, out) -> None:
-        if self.backend._warming:
-            return  # cuBLAS compiles nothing; the arena holds nothing yet
-        plan = self.plan
-        call = gemm_call(matrix(lhs.shape, lhs.strides, plan.ab_tag),
-                         matrix(rhs.shape, rhs.strides, plan.ab_tag),
-                         matrix(out.shape, out.strides, plan.c_tag))
-        cublas_lib.gemm(self.backend._handle, call, lhs.data.ptr, rhs.data.ptr, out.data.ptr,
-                        plan.alpha, plan.beta)
-
-    def epilogue(self, dst, src) -> None:
-        _compiled(self.apply.epilogue)(src, dst)

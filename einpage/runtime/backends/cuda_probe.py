@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 from einpage.errors import BackendError
 from einpage.ir import scalar
-from einpage.runtime.backends.cuda import _compiled, _unusable_reason
+from einpage.runtime.backends.cuda import _unusable_reason
+from einpage.runtime.backends.cuda_apply import compiled
 from einpage.runtime.backends.cuda_source import DEVICE_DTYPE, join_kernel
 from einpage.runtime.backends import cublas_lib
 from einpage.runtime.backends.gemm_call import gemm_call, matrix
@@ -132,7 +133,7 @@ class CupyProbe:
     def vector_flops(self, n: int = 1 << 24) -> float:
         """FLOP/s of the generated kernel of `x0 + x1` over `n` float32 elements."""
         cp = self._cp
-        add = _compiled(join_kernel(scalar.x(0) + scalar.x(1), ("f32", "f32"), "float", "f32"))
+        add = compiled(join_kernel(scalar.x(0) + scalar.x(1), ("f32", "f32"), "float", "f32"))
         with self._device, self._stream:
             a, b = (cp.random.standard_normal(n, dtype=cp.float32) for _ in range(2))
             y = cp.empty(n, cp.float32)
