@@ -90,7 +90,7 @@ def einsum(spec, join=None, agg=None, dtype="f32") -> EinsumOp:
 
 
 def run(mg, inputs=None, weights=None, order="sequential", poison_freed=True):
-    return NumpyExecutor().run(mg, inputs or {}, weights, order, poison_freed)
+    return NumpyExecutor().run(mg, inputs or {}, weights, order, poison_freed, check=False)
 
 
 def whole_input(p: Plan, name: str, shape, offset: int, dtype="f32", role="activation"):

@@ -39,7 +39,6 @@ ALLOWED = {
     "runners": {"compiler", "runtime", "ir", "models"},
     "calibrate": {"compiler", "runtime", "ir", "predict"},
     "forecast": {"compiler", "models", "ir", "predict"},
-    "compile": {"compiler", "runners"},  # the deprecated shim
     "cli": {"ir", "predict", "compiler", "runtime", "models", "runners", "calibrate",
             "forecast"},
 }
@@ -72,10 +71,6 @@ def _imports(module: str) -> set[str]:
 
 @pytest.mark.parametrize("module", _modules())
 def test_every_module_imports(module):
-    if module == "einpage.compile":
-        with pytest.warns(DeprecationWarning, match="einpage.compiler"):
-            importlib.reload(importlib.import_module(module))
-        return
     importlib.import_module(module)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from einpage.compiler import validate
+from einpage.ir import validate
 from einpage.compiler.lowering import LowerOptions, lower
 from einpage.compiler.resident import working_set
 from einpage.compiler.policies import get_policy

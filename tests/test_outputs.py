@@ -292,9 +292,9 @@ def test_gz_round_trip(capsys, tmp_path, small_plan):
     assert json.loads(capsys.readouterr().out)["nodes"] == len(a.nodes)
 
 
-def test_json_save_is_the_v1_format(small_plan, tmp_path):
+def test_json_save_is_the_v2_format(small_plan, tmp_path):
     data = json.loads(small_plan.read_text())
-    assert data["format"] == "einpage.memgraph" and data["version"] == 1
+    assert data["format"] == "einpage.memgraph" and data["version"] == 2 and "graph" in data
     mg = MemGraph.from_json(data)
     assert mg.to_json()["nodes"] == data["nodes"]
     mg.save(tmp_path / "again.json")

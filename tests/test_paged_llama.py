@@ -167,9 +167,17 @@ def test_plan_json_is_the_documented_format(tmp_path, capsys):
     plan = tmp_path / "p.json"
     _main(capsys, "compile", "tiny", "--gpu-mem", "8KB", "--seq", "4", "-o", str(plan))
     data = json.loads(plan.read_text())
-    assert data["format"] == "einpage.memgraph" and data["version"] == 1
+    assert data["format"] == "einpage.memgraph" and data["version"] == 2
     kinds = {n["kind"] for n in data["nodes"]}
     assert {"input", "reload", "apply", "free"} <= kinds
     for k, n in enumerate(data["nodes"]):
         assert n["id"] == k and all(d < k for d in n["deps"])
+    # provenance (version 2): the graph with its hash; each tensor its block, each apply its
+    # task (and no op of its own), every task once
+    graph = data["graph"]
+    assert graph["hash"].startswith("sha256:") and len(graph["hash"]) == 7 + 64
+    assert sorted(t["block"] for t in data["tensors"]) == list(range(len(graph["blocks"])))
+    applies = [n for n in data["nodes"] if n["kind"] == "apply"]
+    assert all("op" not in n for n in applies)
+    assert sorted(n["task"] for n in applies) == list(range(len(graph["tasks"])))
     assert MemGraph.from_json(data).to_json()["nodes"] == data["nodes"]

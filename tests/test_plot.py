@@ -12,18 +12,20 @@ import sympy
 
 from einpage.cli.dot import MAX_DOT_NODES, to_dot
 from einpage.cli.plot import memory_timeline
-from einpage.compiler import CompileOptions, compile_graph, validate
+from einpage.compiler import CompileOptions, compile_graph
+from einpage.ir import validate
 from einpage.errors import InputError
 from einpage.ir.dtypes import as_dtype
 from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
                                  OutputRef, ReloadNode, TensorInfo)
-from einpage.ir.ops import FillOp
+from einpage.ir.ops import CopyOp, FillOp
 from einpage.models import llama
 from einpage.models.config import preset
 from einpage.predict import get_device, simulate
 
 F32 = as_dtype("f32")
 FILL = FillOp(sympy.Integer(0), (0,))
+NOTHING = CopyOp(())  # reads its blocks and writes zeros: an op that fits any reads
 
 # Every apply takes 1 s (launch overhead, work free); a transfer takes bytes / 1000 s.
 PROFILE = replace(get_device("h100-pcie"), name="test", h2d_bandwidth=1000.0, d2h_bandwidth=1000.0,
@@ -36,7 +38,8 @@ def _t(i, nbytes, name, role):
 
 
 def _apply(i, write, offset, deps, reads=(), frees=(), accumulate=False):
-    return ApplyNode(i, tuple(Access(*r) for r in reads), Access(write, offset), accumulate, FILL,
+    return ApplyNode(i, tuple(Access(*r) for r in reads), Access(write, offset), accumulate,
+                     NOTHING if reads else FILL,
                      tuple(deps), tuple(Access(*f) for f in frees))
 
 

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from einpage.compiler import CompileOptions, compile_graph, validate
+from einpage.compiler import CompileOptions, compile_graph
+from einpage.ir import validate
 from einpage.compiler.tiers import (STAGING_BLOCKS, choose_pinned, host_needs, place_tiers,
                                     with_disk_tier)
 from einpage.errors import BudgetError, PlanError

@@ -8,14 +8,15 @@ import json
 import math
 
 import pytest
+import sympy
 
-from einpage.compiler import ValidationReport, validate
+from einpage.ir import ValidationReport, validate
 from einpage.errors import PlanError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType
 from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
                                  OutputRef, ReloadNode, TensorInfo)
-from einpage.ir.ops import CopyOp, EinsumOp, Piece
+from einpage.ir.ops import CopyOp, EinsumOp, FillOp, Piece
 from einpage.ir.spec import EinsumSpec
 from einpage.runtime.executor import random_topological_order
 
@@ -23,7 +24,9 @@ SHAPE = (8, 8)   # f32: 256 bytes, one ALIGNMENT unit, so offsets are slot numbe
 SLOT = 256
 MATMUL = EinsumOp(EinsumSpec.parse("ij,jk->ik"), scalar.product(2), "sum", DType.f32)
 SCALE = EinsumOp(EinsumSpec.parse("ij->ij"), 2 * scalar.product(1), None, DType.f32)
+MATMUL3 = EinsumOp(EinsumSpec.parse("ij,jk,kl->il"), scalar.product(3), "sum", DType.f32)
 COPY = CopyOp((Piece(0, ((0, 8), (0, 8)), ((0, 8), (0, 8))),))
+FILL = FillOp(sympy.Integer(0), (0, 0))
 
 
 class Plan:
@@ -229,7 +232,7 @@ def test_reuse_across_two_freed_blocks(big_deps, missing):
     p.input(1, "device", SLOT)       # 1
     p.free(0, 0, [0])                # 2
     p.free(1, SLOT, [1])             # 3
-    p.apply([], (2, 0), big_deps, op=COPY)
+    p.apply([], (2, 0), big_deps, op=FILL)
     p.free(2, 0, [4])                # 5
     p.input(0, "device", SLOT, [3, 5])  # 6: inside big's old bytes, after its free
     mg = p.build([(0, "device", SLOT)])
@@ -491,7 +494,7 @@ def chain_plan(layers: int, slots: int = 16, chain_deps: bool = False) -> MemGra
         y = new_tensor(f"x{layer + 1}")
         y_off, reuse = take()
         y_node = p.apply([(x, x_off), (w, w_off), (0, 0)], (y, y_off), [x_node, reload, r_node,
-                                                                         *reuse])
+                                                                         *reuse], op=MATMUL3)
         release(w_off, p.free(w, w_off, [y_node]))
         release(x_off, p.free(x, x_off, [y_node, *x_readers]))
         x, x_off, x_node, x_readers = y, y_off, y_node, []

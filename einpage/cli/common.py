@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -278,3 +279,17 @@ def write_text(path: str, text: str) -> None:
     `OutputError`). See `einpage.outputs`."""
     from einpage.outputs import write_text as write
     write(path, text)
+
+
+def load_plan(path: str):
+    """The one way the CLI reads a plan file: `MemGraph.load`, then `validate` (memory and order,
+    and that it computes the graph it carries). A plan without a graph (version 1) runs with a
+    warning that says what could not be proven. Returns (plan, validation report)."""
+    from einpage.ir import MemGraph, validate
+    mg = MemGraph.load(path)
+    report = validate(mg)
+    if not report.proven:
+        print(f"einpage: warning: {path} is a version 1 plan: it carries no graph, so its memory "
+              "and order were checked but not that it computes its model; compile it again for a "
+              "plan that proves it", file=sys.stderr)
+    return mg, report

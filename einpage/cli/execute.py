@@ -11,6 +11,7 @@ from typing import TextIO
 import numpy as np
 
 from einpage.cli.common import (POLICY_HELP, add_host_args, check_budget, host_budget, check_context, input_from_args,
+                                load_plan,
                                 report_logits, write_text)
 from einpage.cli.outputs import Deferred, OutputPath
 from einpage.errors import InputError
@@ -369,8 +370,6 @@ def _print_rates(s: dict, out: TextIO | None = None) -> None:
 def run_plan(args) -> None:
     """`einpage run plan.json --checkpoint DIR --tokens ...`: execute a saved plan (text input:
     the prompts, padded to the longest, must have the plan's token shape)."""
-    from einpage.compiler import validate
-    from einpage.ir.memgraph import MemGraph
     from einpage.models.checkpoint import Checkpoint
     from einpage.runners import plan_weights
     fixed = [flag for flag, given in (("--gpu-mem", args.gpu_mem), ("--arena", args.arena),
@@ -386,8 +385,7 @@ def run_plan(args) -> None:
         raise InputError("--backend reference runs graphs, not plan files")
     if not args.checkpoint:
         raise InputError("running a plan file needs --checkpoint DIR with its weights")
-    mg = MemGraph.load(args.model)
-    validate(mg)
+    mg, _ = load_plan(args.model)
     want = {t.name: t for t in mg.inputs}
     if mg.meta.get("phase") == "decode" or any(t.role == "cache" for t in mg.inputs):
         raise InputError(f"{args.model} is a decode step: it runs inside a generation, from "

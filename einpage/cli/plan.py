@@ -5,7 +5,8 @@ import json
 import re
 import sys
 
-from einpage.cli.common import (POLICY_HELP, add_device_args, add_host_args, host_budget, check_budget, profile_from_args,
+from einpage.cli.common import (POLICY_HELP, add_device_args, add_host_args, host_budget, check_budget, load_plan,
+                                profile_from_args,
                                 write_text)
 from einpage.cli.outputs import Deferred, OutputPath
 from einpage.cli.report import print_report
@@ -202,13 +203,11 @@ def _s(seconds: float) -> str:
 
 
 def cmd_inspect(args) -> None:
-    from einpage.compiler import PlanReport, validate
-    from einpage.ir.memgraph import MemGraph
+    from einpage.compiler import PlanReport
     from einpage.predict import PROFILES, simulate
-    mg = MemGraph.load(args.plan)
+    mg, valid = load_plan(args.plan)
     saved = mg.meta.get("device")  # the plan's profile, when it is a registered one
     profile = profile_from_args(args, default=saved if saved in PROFILES else None)
-    valid = validate(mg)
     sim = simulate(mg, profile)
     report = PlanReport.of_plan(mg, valid, sim, profile=profile)
     report, written = _write_outputs(args, mg, sim, report)

@@ -59,9 +59,12 @@ def _headline(r: PlanReport, source: str | None) -> str:
     w = r.workload
     if r.compiled is None:
         made = ", ".join(f"{k}={w[k]}" for k in sorted(w))
+        proof = (f"\n  proven to compute its graph {r.graph_hash}" if r.proven else
+                 "\n  not proven to compute a graph: the plan carries none (version 1); its "
+                 "memory and order were checked")
         return (f"einpage plan {source}: {r.nodes} nodes, {r.tensors} tensors, valid; budget "
                 f"{_gb(r.device_bytes)}  (GB = 10^9 bytes)" + (f"\n  made for: {made}"
-                                                                if made else ""))
+                                                                if made else "") + proof)
     if w.get("phase") == "decode":
         where = (f"one decode step at position {w.get('past')} (KV store of "
                  f"{w.get('capacity')} slots)")

@@ -5,7 +5,6 @@
     resident     which weights stay on the device
     lowering     `lower`: simulated execution with two horizons -> MemGraph (victims chosen by
                  `policies`, offsets by `allocator`)
-    validator    `validate`: the plan's rules, checked on the edges alone
     search       the look-ahead windows and resident sets tried, and the fastest kept
     report       `PlanReport`: what a plan needs, moves and is predicted to take
     driver       `compile_graph`: the passes in order
@@ -22,5 +21,4 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "LowerOptions": "lowering", "lower": "lowering",
     "POLICIES": "policies", "Policy": "policies", "get_policy": "policies",
     "Allocator": "allocator", "aligned": "allocator",
-    "ValidationReport": "validator", "validate": "validator",
 })

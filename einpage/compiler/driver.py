@@ -24,7 +24,7 @@ from einpage.compiler.resident import (PassNeeds, choose_resident, everything_fi
                                        memory_lower_bound, min_stream_bytes, pass_needs,
                                        persistent_blocks, working_set)
 from einpage.compiler.tiers import place_tiers
-from einpage.compiler.validator import validate
+from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError
 from einpage.ir.graph import Graph
 from einpage.ir.memgraph import MemGraph
@@ -110,6 +110,8 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             "kv_resident_bytes": figures.kv_resident_bytes, **tiered.choice.to_json(),
             **options.workload}
     mg = replace(mg, meta=MappingProxyType(meta))
+    if valid is not None:
+        vouch(mg, valid)  # the meta is no part of what was proven: runtimes check it no more
     return Compiled(mg, tg, tuple(trials.order),
                     PlanReport.of_plan(mg, valid, tiered.simulation, figures, trials.profile),
                     tiered.simulation)

@@ -330,7 +330,7 @@ class _Lowering:
             deps.update(self.pending.pop(w).deps)
         reads = tuple(Access(b, blocks[b].offset) for b in t.reads)
         nid = self.emit(ApplyNode(self._next_id(), reads, Access(w, ws.offset),
-                                  t.accumulate, t.op, tuple(sorted(deps))))
+                                  t.accumulate, t.op, tuple(sorted(deps)), task=t.id))
         for b in dict.fromkeys(t.reads):
             blocks[b].accesses.append(nid)
             blocks[b].since_write.append(nid)
@@ -393,10 +393,10 @@ class _Lowering:
                 outputs.append(OutputRef(b, "device", self.blocks[b].offset, o.name, o.origin))
             else:
                 outputs.append(OutputRef(b, "host", None, o.name, o.origin))
-        tensors = tuple(TensorInfo(b.id, b.bytes, b.dtype, b.shape, b.name, b.role, b.source)
-                        for b in tg.blocks)
+        tensors = tuple(TensorInfo(b.id, b.bytes, b.dtype, b.shape, b.name, b.role, b.source,
+                                   block=b.id) for b in tg.blocks)
         return MemGraph(self.opt.device_bytes, tensors, tuple(self.nodes), tuple(outputs),
-                        tg.inputs, tg.results)
+                        tg.inputs, tg.results, graph=tg)
 
 
 def lower(tg: TaskGraph, order: list[int], options: LowerOptions) -> MemGraph:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Mapping
 
-from einpage.compiler.validator import ValidationReport
+from einpage.ir.validator import ValidationReport
 from einpage.ir.memgraph import MemGraph
 from einpage.predict.simulator import Simulation
 
@@ -141,6 +141,8 @@ class PlanReport:
     workload: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
     notes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     bound: ProblemBound | None = None              # None: the plan file does not say
+    proven: bool | None = None   # proven to compute its graph (None: not validated)
+    graph_hash: str | None = None  # of the graph it was proven against (a plan read from a file)
 
     @staticmethod
     def of_plan(mg: MemGraph, valid: ValidationReport | None, simulation: Simulation,
@@ -158,7 +160,10 @@ class PlanReport:
                           valid.peak_bytes if valid else mg.high_water(),
                           valid.live_peak_bytes if valid else mg.live_peak(), Traffic.of(mg),
                           simulation, tokens if isinstance(tokens, int) else None, compiled,
-                          MappingProxyType(dict(mg.meta)), bound=bound)
+                          MappingProxyType(dict(mg.meta)), bound=bound,
+                          proven=valid.proven if valid else None,
+                          graph_hash=mg.graph_hash if compiled is None and valid and valid.proven
+                          else None)
 
     @property
     def peak_bytes(self) -> int:
@@ -231,5 +236,6 @@ class PlanReport:
             if c.trials:
                 out["trials"] = [{f.name: getattr(t, f.name) for f in fields(TrialSummary)}
                                  for t in c.trials]
+        out.update(proven=self.proven, graph_hash=self.graph_hash)
         out.update(self.notes)
         return out

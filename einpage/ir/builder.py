@@ -117,6 +117,7 @@ class GraphBuilder:
         if n > 2 and expr == scalar.product(n) and agg in (None, "sum"):
             return self._pairwise(parsed, operands, out_dtype)
         shape = parsed.output_shape([t.shape for t in operands], where="")
+        _check_portable(expr, f"einsum {parsed}: join")
         return self._add(Einsum(parsed, expr, agg), operands, shape, out_dtype)
 
     def _pairwise(self, spec: EinsumSpec, operands: Sequence[Tensor], dtype: DType) -> Tensor:
@@ -148,7 +149,9 @@ class GraphBuilder:
         rank = len(shape)
         if callable(expr) and not isinstance(expr, sympy.Basic):
             expr = expr(*[scalar.index(k) for k in range(rank)])
-        return self._add(Fill(sympy.sympify(expr)), (), shape, dtype)
+        expr = sympy.sympify(expr)
+        _check_portable(expr, "fill")
+        return self._add(Fill(expr), (), shape, dtype)
 
     def gather(self, table: Tensor, ids: Tensor) -> Tensor:
         self._check_tensors("gather", (table, ids))
@@ -202,6 +205,15 @@ class GraphBuilder:
         g.verify()
         check_not_empty(g.nodes, "build")
         return g
+
+
+def _check_portable(expr: sympy.Expr, what: str) -> None:
+    """An expression a plan file could not carry is refused where the model writes it."""
+    problem = scalar.portable(expr)
+    if problem:
+        raise SpecError(f"{what}: {problem}; a plan can carry the functions "
+                        f"{', '.join(sorted(scalar.FUNCTIONS))} and the constants "
+                        f"{', '.join(sorted(scalar.CONSTANTS))}")
 
 
 def _join_expr(join: JoinLike, n: int, what: str) -> sympy.Expr:

@@ -1,11 +1,14 @@
 """The memgraph: every block at an exact byte offset of one device arena, with explicit reload,
-offload and free nodes and dependency edges (DESIGN.md, "MemGraph file format", version 1).
+offload and free nodes and dependency edges (DESIGN.md, "MemGraph file format", versions 1 and
+2). A plan made by the compiler carries the taskgraph it translates (`graph`): each tensor names
+its block, each apply its task, and a version 2 file records that graph with its hash
+(`einpage.ir.provenance`), so that the validator can prove the plan computes it.
 
 Node kinds: `input` (at host, at disk, or at device with an offset), `read` (disk -> a staging
 buffer at `host_offset` of the host arena), `reload` (host -> device; from the staging buffer at
 `host_offset` when it has one), `offload` (device -> host; the device copy stays live), `free`
 (ends a device instance), `apply` (a block op: reads, one write, optionally accumulating). `nodes` is one valid sequential order; the edges
-alone must make every topological order correct (see `einpage.compiler.validator`).
+alone must make every topological order correct (see `einpage.ir.validator`).
 """
 from __future__ import annotations
 
@@ -26,10 +29,14 @@ from einpage.errors import PlanError
 from einpage.outputs import atomic_open
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.ir.ops import BlockOp, op_from_json, op_text
+from einpage.ir.provenance import graph_from_json, graph_hash, graph_json
+from einpage.ir.taskgraph import TaskGraph
 from einpage.ir.tensors import LogicalTensor, Source
 
 FORMAT = "einpage.memgraph"
-VERSION = 1
+#: what `save` writes for a plan with provenance (a plan without one is written as version 1)
+VERSION = 2
+VERSIONS = (1, 2)
 ALIGNMENT = 256
 #: staging buffers in the host arena start at page boundaries (direct I/O needs them)
 HOST_ALIGNMENT = 4096
@@ -44,6 +51,7 @@ class TensorInfo:
     name: str
     role: str = "activation"  # weight | activation | cache | temp
     source: Source | None = None
+    block: int | None = None  # provenance: the block of the plan's graph this tensor is
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +119,7 @@ class ApplyNode:
     op: BlockOp
     deps: tuple[int, ...]
     frees: tuple[Access, ...] = ()
+    task: int | None = None  # provenance: the task of the plan's graph this apply runs
     kind = "apply"
 
 
@@ -156,6 +165,9 @@ class MemGraph:
     meta: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}),
                                        compare=False)  # what the plan was made for; read-only
     host_arena_bytes: int = 0  # the staging buffers of `read` nodes: one host arena
+    #: provenance: the taskgraph this plan translates (None: a plan that does not say, such as a
+    #: version 1 file; the validator then cannot prove what it computes)
+    graph: TaskGraph | None = field(default=None, compare=False, repr=False)
 
     # ------------------------------------------------------------ structure
     def verify(self) -> None:
@@ -169,7 +181,7 @@ class MemGraph:
         - every tensor id a node or an output names exists.
 
         The rules of memory (liveness, overlap, host copies) are the validator's
-        (`einpage.compiler.validate`), which calls this first."""
+        (`einpage.ir.validate`), which calls this first."""
         if not isinstance(self.device_bytes, int) or self.device_bytes <= 0:
             raise PlanError(f"device_bytes is {self.device_bytes!r}, expected a positive int")
         if not isinstance(self.host_arena_bytes, int) or self.host_arena_bytes < 0:
@@ -218,6 +230,16 @@ class MemGraph:
                 text = repr(self.nodes[k])
             lines.append(f"{'>' if k == node_id else ' '} {text}")
         return "\n".join(lines)
+
+    @cached_property
+    def graph_hash(self) -> str | None:
+        """The hash of the plan's graph (`einpage.ir.provenance`); None without one."""
+        if self.graph is None:
+            return None
+        with _bulk():
+            section = graph_json(self.graph, _op_json)
+        return graph_hash(section, [_logical_json(t) for t in self.inputs],
+                          [_logical_json(t) for t in self.results])
 
     # ------------------------------------------------------------ summaries
     def count(self, kind: str) -> int:
@@ -316,16 +338,26 @@ class MemGraph:
 
     # ------------------------------------------------------------ JSON
     def to_json(self) -> dict:
+        """Version 2 with the plan's graph; version 1 for a plan without one."""
         host = {"host_arena_bytes": self.host_arena_bytes} if self.host_arena_bytes else {}
+        graph = {}
+        inputs = [_logical_json(t) for t in self.inputs]
+        results = [_logical_json(t) for t in self.results]
+        if self.graph is not None:
+            section = graph_json(self.graph, _op_json)
+            graph = {"graph": {"hash": graph_hash(section, inputs, results), **section}}
+        proven = self.graph is not None
         return {
-            "format": FORMAT, "version": VERSION, "device_bytes": self.device_bytes, **host,
+            "format": FORMAT, "version": VERSION if proven else 1,
+            "device_bytes": self.device_bytes, **host,
             "tensors": [_tensor_json(t) for t in self.tensors],
-            "nodes": [_node_json(n) for n in self.nodes],
+            "nodes": [_node_json(n, proven) for n in self.nodes],
             "outputs": [{"tensor": o.tensor, "at": o.at, "offset": o.offset, "name": o.name,
                          "origin": list(o.origin)} for o in self.outputs],
-            "inputs": [_logical_json(t) for t in self.inputs],
-            "results": [_logical_json(t) for t in self.results],
+            "inputs": inputs,
+            "results": results,
             "meta": dict(self.meta),
+            **graph,
         }
 
     def save(self, path: str | Path) -> None:
@@ -353,26 +385,40 @@ class MemGraph:
             raise PlanError(f"not an einpage plan (format is "
                             f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r}, "
                             f"expected {FORMAT!r})")
-        if data.get("version") != VERSION:
-            raise PlanError(f"plan version {data.get('version')!r} is not supported "
-                            f"(this einpage reads version {VERSION})")
+        version = data.get("version")
+        if version not in VERSIONS:
+            raise PlanError(f"plan version {version!r} is not supported (this einpage reads "
+                            f"versions {', '.join(map(str, VERSIONS))})")
+        _refuse_unbuilt(data)
         where = "plan"
         try:
+            inputs_json, results_json = data.get("inputs", []), data.get("results", [])
+            inputs = tuple(_logical_from(t) for t in inputs_json)
+            results = tuple(_logical_from(t) for t in results_json)
+            graph = None
+            if version >= 2:
+                if "graph" not in data:
+                    raise PlanError("a version 2 plan carries its graph, but this one has no "
+                                    "'graph'")
+                graph = graph_from_json(data["graph"], inputs, results, inputs_json,
+                                        results_json, _op_from)
+            where = "plan tensors"
             tensors = tuple(_tensor_from(t) for t in data["tensors"])
             nodes = []
             for k, n in enumerate(data["nodes"]):
                 where = f"plan node {k}"
-                nodes.append(_node_from(n))
+                nodes.append(_node_from(n, graph))
             where = "plan outputs"
             outputs = tuple(OutputRef(int(o["tensor"]), o["at"], _opt_int(o.get("offset")),
                                       str(o.get("name", "")),
                                       tuple(int(v) for v in o.get("origin", ())))
                             for o in data["outputs"])
-            inputs = tuple(_logical_from(t) for t in data.get("inputs", ()))
-            results = tuple(_logical_from(t) for t in data.get("results", ()))
-            return MemGraph(int(data["device_bytes"]), tensors, tuple(nodes), outputs, inputs,
-                            results, MappingProxyType(dict(data.get("meta", {}))),
-                            int(data.get("host_arena_bytes", 0)))
+            mg = MemGraph(int(data["device_bytes"]), tensors, tuple(nodes), outputs, inputs,
+                          results, MappingProxyType(dict(data.get("meta", {}))),
+                          int(data.get("host_arena_bytes", 0)), graph)
+            if graph is not None:  # checked against its content by `graph_from_json`
+                mg.__dict__["graph_hash"] = data["graph"]["hash"]
+            return mg
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -380,7 +426,7 @@ class MemGraph:
 
     @staticmethod
     def load(path: str | Path) -> "MemGraph":
-        """Read a plan file: JSON (DESIGN.md, version 1) or the same JSON gzip-compressed (told
+        """Read a plan file: JSON (DESIGN.md, version 1 or 2) or the same JSON gzip-compressed (told
         apart by its first bytes, whatever the name). Every failure is one `PlanError` naming
         the file: missing, unreadable, a corrupt or truncated gzip stream, not JSON, not a
         plan."""
@@ -466,9 +512,31 @@ def _opt_int(v):
     return None if v is None else int(v)
 
 
+def _refuse_unbuilt(data: dict) -> None:
+    """Version 2 capabilities this reader knows of but cannot run yet, refused by name rather
+    than misread (DESIGN.md, "Version 2")."""
+    what = None
+    if "rank" in data or "world" in data:
+        what = "several ranks (rank, world)"
+    elif any(isinstance(t, dict) and "storage" in t for t in data.get("tensors", ())):
+        what = "storage formats (a tensor's storage)"
+    else:
+        for n in data.get("nodes", ()):
+            if isinstance(n, dict) and ("on" in n or "guard" in n):
+                what = "placement (an apply's on or guard)"
+                break
+            if isinstance(n, dict) and n.get("kind") in ("send", "recv"):
+                what = "several ranks (send, recv)"
+                break
+    if what is not None:
+        raise PlanError(f"the plan uses {what}, which this einpage does not run")
+
+
 def _tensor_json(t: TensorInfo) -> dict:
     out = {"id": t.id, "bytes": t.bytes, "dtype": t.dtype.value, "shape": list(t.shape),
            "name": t.name, "role": t.role}
+    if t.block is not None:
+        out["block"] = t.block
     if t.source is not None:
         out["source"] = {"input": t.source.input, "origin": list(t.source.origin),
                          "full_shape": list(t.source.full_shape),
@@ -485,7 +553,7 @@ def _tensor_from(d: dict) -> TensorInfo:
     dtype = d["dtype"]
     return TensorInfo(int(d["id"]), int(d["bytes"]), _DTYPES.get(dtype) or as_dtype(dtype),
                       tuple(map(int, d["shape"])), str(d.get("name", "")),
-                      str(d.get("role", "activation")), source)
+                      str(d.get("role", "activation")), source, _opt_int(d.get("block")))
 
 
 _DTYPES = {d.value: d for d in DType}  # a plan's dtype names, looked up without an Enum call
@@ -504,7 +572,9 @@ def _access(d: dict) -> Access:
     return Access(int(d["tensor"]), int(d["offset"]))
 
 
-def _node_json(n: MemNode) -> dict:
+def _node_json(n: MemNode, proven: bool) -> dict:
+    """A node's JSON; in a plan with its graph (`proven`) an apply names its task instead of
+    carrying its op."""
     out: dict = {"id": n.id, "kind": n.kind}
     if isinstance(n, InputNode):
         out.update(tensor=n.tensor, at=n.at)
@@ -514,8 +584,11 @@ def _node_json(n: MemNode) -> dict:
         out.update(reads=[{"tensor": a.tensor, "offset": a.offset} for a in n.reads],
                    write={"tensor": n.write.tensor, "offset": n.write.offset},
                    accumulate=n.accumulate,
-                   frees=[{"tensor": a.tensor, "offset": a.offset} for a in n.frees],
-                   op=_op_json(n.op))
+                   frees=[{"tensor": a.tensor, "offset": a.offset} for a in n.frees])
+        if proven:
+            out["task"] = n.task
+        else:
+            out["op"] = _op_json(n.op)
     elif isinstance(n, ReadNode):
         out.update(tensor=n.tensor, host_offset=n.host_offset)
     else:
@@ -526,14 +599,26 @@ def _node_json(n: MemNode) -> dict:
     return out
 
 
-def _node_from(d: dict) -> MemNode:
+def _node_from(d: dict, graph: TaskGraph | None) -> MemNode:
     kind, nid, deps = d["kind"], int(d["id"]), tuple(map(int, d.get("deps", ())))
     if kind == "input":
         return InputNode(nid, int(d["tensor"]), str(d["at"]), _opt_int(d.get("offset")), deps)
     if kind == "apply":
+        task = None
+        if graph is None:
+            op = _op_from(d["op"])
+        else:  # version 2: the op is the task's
+            if "op" in d:
+                raise ValueError("a version 2 apply takes its op from its task; this one "
+                                 "carries an op of its own")
+            task = int(d["task"])
+            if not 0 <= task < len(graph.tasks):
+                raise ValueError(f"task {task} out of range (the graph has "
+                                 f"{len(graph.tasks)} tasks)")
+            op = graph.tasks[task].op
         return ApplyNode(nid, tuple(map(_access, d["reads"])), _access(d["write"]),
-                         bool(d["accumulate"]), _op_from(d["op"]), deps,
-                         tuple(map(_access, d.get("frees", ()))))
+                         bool(d["accumulate"]), op, deps,
+                         tuple(map(_access, d.get("frees", ()))), task)
     if kind == "read":
         return ReadNode(nid, int(d["tensor"]), int(d["host_offset"]), deps)
     if kind == "reload":

@@ -99,8 +99,20 @@ def to_text(expr: sympy.Expr) -> str:
     return sympy.sstr(expr, order="lex")
 
 
-_NAMES = {"Piecewise", "exp", "log", "cos", "sin", "sqrt", "Max", "Min", "Abs", "oo", "pi", "E",
-          "True", "False", "And", "Or", "Not", "Eq", "Ne"}
+#: The one vocabulary of expressions: every function a join or fill may use, by the name `to_text`
+#: prints for it, and the constants and truth values it may print. The graph builder holds each
+#: expression to it (`portable`: it must print within it and read back as itself) and the plan
+#: reader parses nothing else (`from_text`), so a model cannot write what a plan cannot carry.
+#: (Comparisons print as `<`, `>=`, ...; `&`, `|`, `~` as themselves; `Eq`, `Ne` by name.) The
+#: kernels translate every entry: NumPy through `numpy_function`, CUDA in
+#: `einpage.runtime.backends.cuda_source` (a test holds both to this list).
+FUNCTIONS = {"exp": sympy.exp, "log": sympy.log, "cos": sympy.cos, "sin": sympy.sin,
+             "sqrt": sympy.sqrt, "Abs": sympy.Abs, "Max": sympy.Max, "Min": sympy.Min,
+             "Piecewise": sympy.Piecewise, "Eq": sympy.Eq, "Ne": sympy.Ne, "And": sympy.And,
+             "Or": sympy.Or, "Not": sympy.Not}
+CONSTANTS = {"oo": sympy.oo, "pi": sympy.pi, "E": sympy.E, "True": sympy.true,
+             "False": sympy.false}
+_NAMES = set(FUNCTIONS) | set(CONSTANTS)
 # Numbers first, so the exponent of `1.0e-6` is not read as a name `e`.
 _TOKEN = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[A-Za-z_][A-Za-z_0-9]*")
 _SYMBOL = re.compile(r"[xi][0-9]+|[A-Z]")
@@ -113,6 +125,23 @@ def from_text(text: str) -> sympy.Expr:
         if name not in _NAMES and not _SYMBOL.fullmatch(name):
             raise ValueError(f"expression {text!r}: unknown name {name!r}")
     return _parse(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def portable(expr: sympy.Expr) -> str | None:
+    """Why a plan file could not carry `expr` (a name outside the vocabulary, or text that does
+    not parse back over the same symbols), or None when it can. (Floats print with 15 digits, so
+    a constant may read back rounded in its last bit.)"""
+    text = to_text(expr)
+    try:
+        back = from_text(text)
+    except ValueError as exc:
+        return str(exc)
+    except Exception as exc:  # SymPy's parser on text it printed itself
+        return f"expression {text!r} does not parse back ({type(exc).__name__}: {exc})"
+    if {str(v) for v in back.free_symbols} != {str(v) for v in expr.free_symbols}:
+        return f"expression {text!r} reads back as {to_text(back)!r}"
+    return None
 
 
 def _names(text: str) -> list[str]:

@@ -21,6 +21,7 @@ from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
                                  OutputRef, ReadNode, ReloadNode)
 from einpage.ir.tensors import WeightSource
+from einpage.ir.validator import checked
 from einpage.runtime.blockops import apply_into
 from einpage.runtime.planio import PlanIO, arena_view
 
@@ -73,9 +74,9 @@ def random_topological_order(mg: MemGraph, seed: int) -> list[int]:
 
 def run(mg: MemGraph, inputs: Mapping[str, np.ndarray] | None = None,
         weights: WeightSource | None = None, order: str | int = "sequential",
-        poison_freed: bool = True) -> dict[str, np.ndarray]:
+        poison_freed: bool = True, check: bool = True) -> dict[str, np.ndarray]:
     """`NumpyExecutor().run(...)`: execute `mg` once and return its outputs by name."""
-    return NumpyExecutor().run(mg, inputs, weights, order, poison_freed)
+    return NumpyExecutor().run(mg, inputs, weights, order, poison_freed, check)
 
 
 class NumpyExecutor:
@@ -84,14 +85,20 @@ class NumpyExecutor:
 
     def run(self, mg: MemGraph, inputs: Mapping[str, np.ndarray] | None = None,
             weights: WeightSource | None = None, order: str | int = "sequential",
-            poison_freed: bool = True) -> dict[str, np.ndarray]:
+            poison_freed: bool = True, check: bool = True) -> dict[str, np.ndarray]:
         """Execute `mg`: activation and cache inputs by logical name from `inputs`, weights from
         `weights(name)` (the whole logical array; only the blocks the plan reads are sliced out,
         before any dtype conversion). Returns the logical outputs by name, assembled from their
         output blocks, shapes and dtypes as in `mg.results`.
 
+        The plan is validated first (`einpage.ir.validator.checked`: once per plan object; a plan
+        the compiler made in this process was validated there). `check=False` runs it unchecked:
+        for harnesses that study what a broken plan does (`bench/mutants.py`).
+
         Raises InputError for a missing or mis-shaped input, CheckpointError for a mis-shaped
-        weight, PlanError (naming the node) for a plan that cannot run."""
+        weight, PlanError (naming the node) for a plan that is invalid or cannot run."""
+        if check:
+            checked(mg)
         self.mg = mg
         self.poison_freed = poison_freed
         self.io = PlanIO(mg, inputs, weights)

@@ -40,6 +40,7 @@ import numpy as np
 from einpage.errors import EinpageError, ExecutionError, Interrupted
 from einpage.ir.memgraph import InputNode, MemGraph, MemNode
 from einpage.ir.tensors import WeightSource
+from einpage.ir.validator import checked
 from einpage.runtime.backends.base import Backend
 from einpage.runtime.measured import Measured, Span
 from einpage.runtime.planio import PlanIO
@@ -57,10 +58,11 @@ class StreamRun:
 
 def run_streams(mg: MemGraph, inputs: Mapping[str, np.ndarray] | None = None,
                 weights: WeightSource | None = None, backend: Backend | str = "threads",
-                program: StreamProgram | None = None, timing: bool = True) -> StreamRun:
+                program: StreamProgram | None = None, timing: bool = True,
+                check: bool = True) -> StreamRun:
     """Execute `mg` once on `backend` (a `Backend` or a registered name) and return its outputs
     by name with the measured pass. `timing` off spares the CUDA backend two events per node."""
-    with StreamSession(mg, weights, backend, program, timing) as session:
+    with StreamSession(mg, weights, backend, program, timing, check=check) as session:
         return session.run(inputs or {})
 
 
@@ -71,11 +73,14 @@ class StreamSession:
     released) before it reaches the caller. A session dropped without `close` ends its threads
     when it is collected. With `graphs` (the default), `timing` off and a backend that can
     (`Backend.can_capture`: CUDA graphs on cupy), the second pass is captured and every pass
-    from then on is one replay of it: one launch, no Python per node."""
+    from then on is one replay of it: one launch, no Python per node. The plan is validated
+    first (`einpage.ir.validator.checked`), unless `check` is off (see `NumpyExecutor.run`)."""
 
     def __init__(self, mg: MemGraph, weights: WeightSource | None = None,
                  backend: Backend | str = "threads", program: StreamProgram | None = None,
-                 timing: bool = True, graphs: bool = True):
+                 timing: bool = True, graphs: bool = True, check: bool = True):
+        if check:
+            checked(mg)
         if isinstance(backend, str):
             from einpage.runtime.backends import make_backend
             backend = make_backend(backend)

@@ -64,15 +64,16 @@ everything is found (see `_Ancestry`).
 """
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_right
 from dataclasses import dataclass
 
 from einpage.errors import PlanError
 from einpage.ir.memgraph import (ALIGNMENT, HOST_ALIGNMENT, ApplyNode, FreeNode, InputNode,
                                  MemGraph, MemNode, OffloadNode, ReadNode, ReloadNode)
+from einpage.ir.translation import check_ops, prove
 
-__all__ = ["ValidationReport", "validate"]
-
+__all__ = ["ValidationReport", "validate", "checked", "vouch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,9 @@ class ValidationReport:
     reads: int = 0            # disk -> host staging reads (the disk tier)
     read_bytes: int = 0
     host_arena_bytes: int = 0
+    #: proven to compute the graph the plan carries (`einpage.ir.translation`); False for a plan
+    #: without one (a version 1 file): its memory and order were checked, its computation not
+    proven: bool = False
 
     def __str__(self) -> str:
         return (f"valid memgraph: {self.nodes} nodes, {self.instances} instances, peak "
@@ -99,14 +103,43 @@ class ValidationReport:
                 f"reload {self.reloads}x {self.reload_bytes} B, offload {self.offloads}x "
                 f"{self.offload_bytes} B"
                 + (f", read {self.reads}x {self.read_bytes} B through a host arena of "
-                   f"{self.host_arena_bytes} B" if self.reads else ""))
+                   f"{self.host_arena_bytes} B" if self.reads else "")
+                + ("; proven to compute its graph" if self.proven else
+                   "; not proven to compute a graph (the plan carries none)"))
+
+
+#: where a plan remembers its report (`MemGraph` is frozen; `dataclasses.replace` makes a new
+#: plan, which must be checked again)
+_REPORT = "_validation_report"
 
 
 def validate(mg: MemGraph) -> ValidationReport:
     """Check every invariant of the module docstring; raise `PlanError` at the first broken one
-    (rule 1 over the whole plan first, then the others node by node, then the outputs)."""
+    (rule 1 over the whole plan first, then the others node by node, then the outputs). Then
+    that every apply fits its op and, where the plan carries its graph, that it computes it
+    (`einpage.ir.translation`). The plan remembers the report (`checked`)."""
     mg.verify()
-    return _Checker(mg).run()
+    report = _Checker(mg).run()
+    check_ops(mg)
+    if mg.graph is not None:
+        prove(mg)
+        report = dataclasses.replace(report, proven=True)
+    vouch(mg, report)
+    return report
+
+
+def checked(mg: MemGraph) -> ValidationReport:
+    """The report of `mg`: remembered from an earlier `validate` of this very plan object (the
+    compiler's, in this process), else `validate(mg)`. Every runtime calls it before it runs a
+    plan."""
+    report = mg.__dict__.get(_REPORT)
+    return report if report is not None else validate(mg)
+
+
+def vouch(mg: MemGraph, report: ValidationReport) -> None:
+    """Remember `report` as `mg`'s: for its maker, who validated an equal plan in this process
+    (the compiler validates, then attaches the plan's meta, which no rule reads)."""
+    mg.__dict__[_REPORT] = report
 
 
 # ---------------------------------------------------------------------------------- helpers
