@@ -89,6 +89,25 @@ def _file(name: str, content: str | bytes | None):
     return setup
 
 
+def _plan_json(change: Callable[[dict], None]):
+    """The world's prefill plan at `{tmp}/bad.json`, its JSON changed."""
+    def setup(tmp: Path, world: dict) -> None:
+        data = json.loads(world["plan"].read_text())
+        change(data)
+        (tmp / "bad.json").write_text(json.dumps(data))
+    return setup
+
+
+def _swap_first_reads(data: dict) -> None:
+    """The first apply reading two distinct tensors of one shape reads them the other way round:
+    memory and shapes still agree, only the plan's graph shows the wrong block."""
+    shape = {t["id"]: t["shape"] for t in data["tensors"]}
+    n = next(n for n in data["nodes"] if n["kind"] == "apply" and len(n["reads"]) == 2
+             and n["reads"][0]["tensor"] != n["reads"][1]["tensor"]
+             and shape[n["reads"][0]["tensor"]] == shape[n["reads"][1]["tensor"]])
+    n["reads"].reverse()
+
+
 def _text_ckpt(change: Callable[[Path], None]):
     """A copy of the world's text checkpoint at `{tmp}/ckpt`, changed."""
     def setup(tmp: Path, world: dict) -> None:
@@ -314,6 +333,15 @@ CASES = [
     C("inspect-empty", "inspect {tmp}/bad.json", "bad.json",
       _file("bad.json", '{"format": "einpage.memgraph", "version": 1}')),
     C("inspect-missing", "inspect {tmp}/absent.json", "absent.json"),
+    C("plan-graph-edited", "run {tmp}/bad.json --checkpoint {ckpt} --tokens 1,2,3",
+      "the graph section (or the plan's inputs or results) was edited or damaged",
+      _plan_json(lambda d: d["graph"]["tasks"].pop())),
+    C("inspect-plan-read-of-another-block", "inspect {tmp}/bad.json", "but task",
+      _plan_json(_swap_first_reads)),
+    C("inspect-plan-storage-format", "inspect {tmp}/bad.json",
+      "the plan uses storage formats (a tensor's storage), which this einpage does not run",
+      _plan_json(lambda d: d["tensors"][0].__setitem__("storage", {"format": "q4_0"}))),
+    C("compile-zero-budget", "compile tiny --gpu-mem 0 --seq 4", "must be positive"),
 
     # --- device profiles (test_cli_predict, issue 16)
     C("unknown-device", "compile tiny --gpu-mem 1MB --seq 4 --device h100", "unknown device"),
@@ -387,6 +415,8 @@ CASES = [
       "no such prompt file", needs="text"),
     C("prompt-file-a-directory", "generate {text} --prompt-file {tmp}/p.txt --max-new-tokens 2",
       "cannot read prompt file", _file("p.txt", None), needs="text"),
+    C("prompt-not-utf8", "run {text} --prompt caf\udce9",
+      "the prompt is not valid UTF-8 text (byte 0xe9 at character 3)", needs="text"),
     C("prompt-empty", "run {text} --prompt=", "--prompt is empty", needs="text"),
     C("second-prompt-empty", "run {text} --prompt a --prompt=", "--prompt 2 is empty",
       needs="text"),

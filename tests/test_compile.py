@@ -114,7 +114,38 @@ def test_budget_below_a_task_says_what_it_needs():
     graph = g.build()
     with pytest.raises(BudgetError) as err:
         compile_graph(graph, CompileOptions(1000, block_bytes=1 << 20))
-    assert err.value.needed > 1000 and "smallest budget" in str(err.value)
+    assert err.value.needed > 1000 and "at least" in str(err.value)
+
+
+@pytest.mark.parametrize("budget", [0, -5, 255])
+def test_a_budget_below_one_block_is_a_budget_error(budget):
+    g = GraphBuilder()
+    g.output("y", g.einsum("a->a", g.input("x", (4,), "f64")))
+    with pytest.raises(BudgetError, match="at least 256 bytes"):
+        compile_graph(g.build(), CompileOptions(budget))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=random_graphs(), block=st.sampled_from([256, 1024, 4096]),
+       share=st.sampled_from([0.25, 0.5, 0.75, 0.9, 0.99]),
+       policy=st.sampled_from(["reuse-distance", "lru"]))
+def test_the_smallest_budget_is_real(case, block, share, policy):
+    """The report's largest task at a block size is a budget that compiles at that block size
+    (the smallest workable: below it one task cannot be placed); below it, the error's figure
+    is a real lower bound, says "at least", and (where it is the largest task's) compiles."""
+    graph = case[0]
+    probe = compile_graph(graph, CompileOptions(1 << 30, block_bytes=block, validate=False))
+    least = probe.report.compiled.largest_task_bytes
+    compile_graph(graph, CompileOptions(max(least, 256), policy=policy, block_bytes=block))
+    below = max(256, int(least * share))
+    if below >= least:
+        return
+    with pytest.raises(BudgetError) as err:
+        compile_graph(graph, CompileOptions(below, policy=policy, block_bytes=block))
+    e = err.value
+    assert e.needed > e.available == below and "at least" in str(e), str(e)
+    assert e.needed <= least
+    compile_graph(graph, CompileOptions(e.needed, policy=policy, block_bytes=block))
 
 
 def test_policy_none_fails_when_weights_do_not_fit():

@@ -247,10 +247,12 @@ def test_an_output_missing_or_twice(plan):
 
 
 # ---------------------------------------------------------------- ops fit their operands
-def _t(shape, tid=0):
+def _t(shape, tid=0, dtype=DType.f32):
+    """A tensor of `shape`; a trailing dtype name in `shape` sets its dtype."""
     from einpage.ir.memgraph import TensorInfo
-    n = int(np.prod(shape)) * 4
-    return TensorInfo(tid, n, DType.f32, tuple(shape), f"t{tid}")
+    if shape and isinstance(shape[-1], str):
+        shape, dtype = shape[:-1], DType(shape[-1])
+    return TensorInfo(tid, int(np.prod(shape)) * dtype.itemsize, dtype, tuple(shape), f"t{tid}")
 
 
 MATMUL = EinsumOp(EinsumSpec.parse("ij,jk->ik"), scalar.product(2), "sum", DType.f32)
@@ -265,6 +267,7 @@ MATMUL = EinsumOp(EinsumSpec.parse("ij,jk->ik"), scalar.product(2), "sum", DType
     (GatherOp(0), [(10, 4), (3,)], (3, 4), None),
     (GatherOp(0), [(10, 4), (3,)], (3, 5), "that gather makes [3, 4]"),
     (GatherOp(0), [(10, 4)], (3, 4), "a gather reads (table, ids)"),
+    (GatherOp(0), [(10, 4), (3, "f32")], (3, 4), "ids are integers"),
     (CopyOp((Piece(0, ((0, 2), (0, 2)), ((0, 2), (0, 2))),)), [(2, 2)], (2, 2), None),
     (CopyOp((Piece(1, ((0, 2), (0, 2)), ((0, 2), (0, 2))),)), [(2, 2)], (2, 2),
      "reads operand 1"),
@@ -275,7 +278,9 @@ MATMUL = EinsumOp(EinsumSpec.parse("ij,jk->ik"), scalar.product(2), "sum", DType
     (CopyOp((), view=(5,)), [], (2, 2), "another number of elements"),
 ])
 def test_op_misfit(op, reads, write, problem):
-    got = op_misfit(op, [_t(s, k) for k, s in enumerate(reads)], _t(write, 9))
+    ids = DType.i64 if isinstance(op, GatherOp) else DType.f32  # a gather's ids: integers
+    got = op_misfit(op, [_t(s, k, ids if k == 1 else DType.f32) for k, s in enumerate(reads)],
+                    _t(write, 9))
     assert (got is None) if problem is None else (problem in got), got
 
 

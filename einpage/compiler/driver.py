@@ -27,7 +27,7 @@ from einpage.compiler.tiers import place_tiers
 from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError
 from einpage.ir.graph import Graph
-from einpage.ir.memgraph import MemGraph
+from einpage.ir.memgraph import ALIGNMENT, MemGraph
 from einpage.ir.taskgraph import TaskGraph
 from einpage.predict.cost import task_seconds
 from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
@@ -78,6 +78,11 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     windows and resident sets by simulated makespan), validate and report `graph` for the budget.
     Where the pass streams and its activations are small (`FINER`), a finer partition is
     searched too and the faster plan kept."""
+    if not isinstance(options.device_bytes, int) or options.device_bytes < ALIGNMENT:
+        raise BudgetError(f"budget {options.device_bytes!r} bytes is too small: a plan needs a "
+                          f"device arena of at least {ALIGNMENT} bytes (one aligned block), "
+                          "and in practice its largest task's blocks", ALIGNMENT,
+                          options.device_bytes if isinstance(options.device_bytes, int) else 0)
     t0 = time.perf_counter()
     block = options.block_bytes or max(4096, int(options.device_bytes * options.block_fraction))
     planned = _plan(graph, options, block)
@@ -174,8 +179,8 @@ def _check_largest_task(needs: PassNeeds, device_bytes: int, block: int) -> None
     if needs.max_working_set > device_bytes:
         raise BudgetError(f"budget {format_size(device_bytes)} is too small: one task "
                           f"needs {format_size(needs.max_working_set)} at once with blocks cut for "
-                          f"{format_size(block)} working sets; the smallest budget that could "
-                          f"work at this block size is {format_size(needs.max_working_set)}",
+                          f"{format_size(block)} working sets: at least "
+                          f"{format_size(needs.max_working_set)} at this block size",
                           needs.max_working_set, device_bytes)
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from einpage.compiler.allocator import Allocation, Allocator, aligned
 from einpage.compiler.policies import Candidate, Group, Policy
 from einpage.errors import BudgetError
-from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
-                                 OutputRef, ReloadNode, TensorInfo)
+from einpage.ir.memgraph import (ALIGNMENT, Access, ApplyNode, FreeNode, InputNode, MemGraph,
+                                 OffloadNode, OutputRef, ReloadNode, TensorInfo)
 from einpage.ir.ops import op_text
 from einpage.ir.taskgraph import TaskGraph
 from einpage.ir.tensors import PERSISTENT_ROLES
@@ -279,13 +279,20 @@ class _Lowering:
                     f"({format_size(need_all - ws)}) must stay on the device with task {t.id} "
                     f"({op_text(t.op)}, {format_size(ws)}); it needs at least "
                     f"{format_size(need_all)}", need_all, self.opt.device_bytes)
-            raise BudgetError(
-                f"budget {format_size(self.opt.device_bytes)} is too small: task "
-                f"{t.id} ({op_text(t.op)}) needs {format_size(ws)} at once beside "
-                f"{format_size(self.resident_bytes)} of resident weights and could not be "
-                f"placed; no budget below {format_size(self.resident_bytes + ws)} can hold "
-                f"them",
-                self.resident_bytes + ws, self.opt.device_bytes)
+            budget = self.opt.device_bytes
+            least = self.resident_bytes + ws
+            if least > budget:
+                why = (f"needs {format_size(ws)} at once beside {format_size(self.resident_bytes)} "
+                       f"of resident weights: at least {format_size(least)}")
+            else:  # the sum fits, its placement did not: what had to stay cut the free room
+                held = sum(blocks[b].size for b in self.live if b not in own)
+                least = budget + ALIGNMENT
+                why = (f"needs {format_size(ws)} at once, and beside the "
+                       f"{format_size(held)} that had to stay (resident weights and blocks "
+                       f"in flight) no contiguous room was left: it needs at least "
+                       f"{format_size(least)}, likely a little more")
+            raise BudgetError(f"budget {format_size(budget)} is too small: task {t.id} "
+                              f"({op_text(t.op)}) {why}", least, budget)
         return got
 
     def _try_all(self, need: list[int]):

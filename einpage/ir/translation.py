@@ -9,10 +9,11 @@ top of that, this module proves:
 
 1. **Ops fit their operands** (every plan, version 1 too): an einsum reads as many blocks as its
    spec has operands, each of the spec's rank, every index one size wherever it appears, and
-   writes the output's shape (in any dtype: the op computes in its own and casts); a fill reads nothing and has an origin per write
-   dimension; a gather reads (table, ids) and writes `ids.shape + table.shape[1:]`; every copy
-   piece reads a block the apply has, and its boxes lie inside their blocks (the write viewed as
-   `view`, which holds the write's elements) and hold as many elements as each other.
+   writes the output's shape (in any dtype: the op computes in its own and casts); a fill reads
+   nothing and has an origin per write dimension; a gather reads (table, integer ids) and writes
+   `ids.shape + table.shape[1:]`; every copy piece reads a block the apply has, and its boxes lie
+   inside their blocks (the write viewed as `view`, which holds the write's elements) and hold as
+   many elements as each other.
 
 With the graph (`MemGraph.graph`, a `TaskGraph` whose own invariants `TaskGraph.verify` holds):
 
@@ -72,6 +73,8 @@ def op_misfit(op, reads: Sequence[TensorInfo], write: TensorInfo) -> str | None:
         if not table.shape or tuple(write.shape) != want:
             return (f"writes {_t(write)} from table {_t(table)} and ids {_t(ids)}; that gather "
                     f"makes {list(want)}")
+        if ids.dtype.is_float:
+            return f"reads ids {_t(ids)}: ids are integers"
         return None
     if isinstance(op, CopyOp):
         return _copy_misfit(op, reads, write)

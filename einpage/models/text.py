@@ -102,6 +102,14 @@ class TextCodec:
         """The ids of `text`, special tokens added by the rule of the module docstring."""
         if not isinstance(text, str):
             raise InputError(f"a prompt must be text, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a command line's undecodable bytes (surrogates)
+            bad = text[exc.start]
+            byte = (f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF
+                    else f"U+{ord(bad):04X}")
+            raise InputError(f"the prompt is not valid UTF-8 text ({byte} at character "
+                             f"{exc.start})") from None
         if self._add is None:
             return list(self._tok.encode(text, add_special_tokens=True).ids)
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
