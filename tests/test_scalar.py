@@ -180,3 +180,18 @@ def test_equalities_round_trip_through_plan_text():
                  sympy.Piecewise((0, sympy.Ne(i0, i1)), (1, True))):
         text = to_text(expr)
         assert to_text(from_text(text)) == text
+
+
+def test_and_or_over_operands_of_two_shapes():
+    """`And` / `Or` print as `logical_and.reduce((a, b))`, which needs one shape: a join's
+    broadcast operands and a fill's open index grids are brought to it first (found by
+    bench/fuzz_plans.py)."""
+    x0, x1 = scalar.x(0), scalar.x(1)
+    join = sympy.Piecewise((x0 * x1, sympy.And(x0 > 0, x1 > 0)), (0, True))
+    a, b = np.array([[1.0], [-1.0]]), np.array([2.0, -2.0, 3.0])
+    np.testing.assert_array_equal(scalar.join_function(join, 2)(a, b),
+                                  [[2.0, 0.0, 3.0], [0.0, 0.0, 0.0]])
+    i0, i1 = scalar.index(0), scalar.index(1)
+    fill = sympy.Piecewise((1, sympy.Or(i0 > 0, i1 > 1)), (0, True))
+    np.testing.assert_array_equal(scalar.evaluate_fill(fill, (0, 0), (2, 3), np.float32),
+                                  [[0, 0, 1], [1, 1, 1]])

@@ -69,7 +69,7 @@ def add_commands(sub) -> None:
 
 
 
-def _lookahead(text: str | None) -> dict:
+def lookahead_options(text: str | None) -> dict:
     """`--lookahead`: bytes, seconds of predicted compute, or auto."""
     if text is None:
         return {}
@@ -84,7 +84,7 @@ def _lookahead(text: str | None) -> dict:
                          "(30ms, 0.5s) or auto") from None
 
 
-def _graph(args):
+def graph_from_args(args):
     """(config, bound graph, checkpoint sources, tokens per pass, workload) of the plan asked
     for."""
     from einpage.models import llama, resolve
@@ -136,14 +136,14 @@ def cmd_compile(args) -> None:
         if over:
             print(f"einpage: warning: {over}", file=sys.stderr)
         return _generation_report(args, profile, device_bytes)
-    cfg, graph, sources, tokens, workload = _graph(args)
+    cfg, graph, sources, tokens, workload = graph_from_args(args)
     progress = Progress(enabled=False if args.quiet else None)
     host_bytes, host_source = host_budget(args)
     options = CompileOptions(
         device_bytes=device_bytes, policy=args.policy, device=profile,
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         sources=sources, workload={**workload, "host_budget": host_source},
-        progress=progress, host_bytes=host_bytes, **_lookahead(args.lookahead))
+        progress=progress, host_bytes=host_bytes, **lookahead_options(args.lookahead))
     try:
         compiled = compile_graph(graph, options)
     finally:
@@ -177,7 +177,7 @@ def _generation_report(args, profile, device_bytes: int) -> None:
     options = CompileOptions(
         device_bytes=device_bytes, policy=args.policy, device=profile, host_bytes=host_bytes,
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
-        **_lookahead(args.lookahead))
+        **lookahead_options(args.lookahead))
     seq = DEFAULT_SEQ if args.seq is None else args.seq
     f = forecast_generation(cfg, args.batch, seq, args.max_new_tokens, options)
     if args.json:

@@ -109,7 +109,7 @@ def graph_from_json(section: dict, inputs: tuple[LogicalTensor, ...],
 
 
 def _ints(values) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
+    return tuple(map(int, values))
 
 
 def _source_json(s: Source | None):

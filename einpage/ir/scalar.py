@@ -76,7 +76,12 @@ def numpy_function(expr: sympy.Expr, arg_names: tuple[str, ...]) -> Callable[...
     args = [sympy.Symbol(n) for n in arg_names]
     # Symbols carry assumptions; rebuild the expression over plain symbols of the same names.
     plain = expr.xreplace({s: sympy.Symbol(s.name) for s in expr.free_symbols})
-    return sympy.lambdify(args, plain, modules="numpy")
+    fn = sympy.lambdify(args, plain, modules="numpy")
+    if plain.has(sympy.And, sympy.Or):
+        # printed as `logical_and.reduce((a, b))`, which needs operands of one shape: a join's
+        # broadcast operands and a fill's open index grids are brought to it first
+        return lambda *values: fn(*np.broadcast_arrays(*values))
+    return fn
 
 
 def join_function(join: sympy.Expr, n: int) -> Callable[..., np.ndarray]:
