@@ -334,7 +334,7 @@ CASES = [
       _file("bad.json", '{"format": "einpage.memgraph", "version": 1}')),
     C("inspect-missing", "inspect {tmp}/absent.json", "absent.json"),
     C("plan-graph-edited", "run {tmp}/bad.json --checkpoint {ckpt} --tokens 1,2,3",
-      "the graph section (or the plan's inputs or results) was edited or damaged",
+      "the graph section (or the plan's inputs or results) was damaged or edited",
       _plan_json(lambda d: d["graph"]["tasks"].pop())),
     C("inspect-plan-read-of-another-block", "inspect {tmp}/bad.json", "but task",
       _plan_json(_swap_first_reads)),

@@ -95,7 +95,7 @@ def test_an_edited_graph_is_refused(plan, tmp_path, capsys, edit):
     path.write_text(json.dumps(data))
     with pytest.raises(PlanError, match="hash"):
         MemGraph.load(path)
-    assert_one_line_error(capsys, cli("inspect", path), "edited or damaged")
+    assert_one_line_error(capsys, cli("inspect", path), "damaged or edited")
 
 
 def _as_version_1(plan) -> dict:
@@ -343,3 +343,72 @@ def test_every_function_of_the_vocabulary_runs_on_both_kernels(name):
     assert scalar.portable(expr) is None
     assert np.isfinite(scalar.join_function(expr, 1)(np.array([1.5]))).all()
     assert cuda_source.c_expression(expr, "float")
+
+
+# ---------------------------------------------------------------- found in review
+def test_a_tensor_with_another_role_or_name_is_refused(plan):
+    """Runtimes act on a tensor's role (preloading inputs, the KV store): it must be its
+    block's, or a plan could preload an activation once and reuse its bytes."""
+    k = next(t.id for t in plan.tensors if t.name.startswith("x"))
+    for change in ({"role": "weight"}, {"name": "w1[0,0]"}):
+        tensors = list(plan.tensors)
+        tensors[k] = dataclasses.replace(tensors[k], **change)
+        with pytest.raises(PlanError, match="but its block"):
+            prove(dataclasses.replace(plan, tensors=tuple(tensors)))
+
+
+def test_inputs_and_results_are_the_graphs(plan):
+    r0 = plan.results[0]
+    with pytest.raises(PlanError, match="inputs or results are not its graph's"):
+        prove(dataclasses.replace(plan, results=(dataclasses.replace(r0, dtype=DType.i64),)))
+
+
+def test_only_graph_inputs_enter_by_an_input_node(plan):
+    t = next(n.write.tensor for n in _applies(plan))
+    from einpage.ir.memgraph import InputNode
+    bad = dataclasses.replace(plan, nodes=(InputNode(0, t, "host"),) + plan.nodes[1:])
+    with pytest.raises(PlanError, match="computed by the graph, not one of its inputs"):
+        prove(bad)
+
+
+def test_a_plan_of_lists_is_refused(plan):
+    """A validated plan must not change under its report: its sequences are tuples."""
+    with pytest.raises(PlanError, match="nodes is a list, expected a tuple"):
+        validate(dataclasses.replace(plan, nodes=list(plan.nodes)))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d.__setitem__("tensors", 5),
+    lambda d: d.__setitem__("nodes", None),
+    lambda d: d["tensors"][0].__setitem__("block", 0.5),
+    lambda d: next(n for n in d["nodes"] if n["kind"] == "apply").__setitem__("task", 1e400),
+    lambda d: d["graph"]["blocks"][0].__setitem__(3, "f99"),
+    lambda d: d["graph"]["ops"][0].__setitem__("spec", "ab->c"),
+    lambda d: d["graph"]["ops"][0].__setitem__("join", "x0 +* ("),
+    lambda d: d["graph"]["tasks"][0].__setitem__(5, 0.9),
+    lambda d: d["graph"].__setitem__("blocks", 5),
+], ids=["tensors", "nodes", "block-float", "task-inf", "dtype", "spec", "join", "op-float",
+        "blocks"])
+def test_malformed_version_2_is_one_plan_error(plan, edit):
+    from einpage.ir.provenance import graph_hash
+    data = json.loads(json.dumps(plan.to_json()))
+    edit(data)
+    if isinstance(data.get("graph"), dict):  # hashed anew: the reader must still refuse it
+        data["graph"]["hash"] = graph_hash(data["graph"], data["inputs"], data["results"])
+    with pytest.raises(PlanError):
+        MemGraph.from_json(data)
+
+
+def test_tiling_of_results():
+    from einpage.ir.translation import _tiling_misfit
+    assert _tiling_misfit([((0, 0), (2, 4)), ((2, 0), (2, 4))], (4, 4)) is None
+    assert "twice" in _tiling_misfit([((0, 0), (2, 4)), ((0, 0), (2, 4))], (2, 4))
+    assert "cells" in _tiling_misfit([((0, 0), (2, 4))], (4, 4))
+    assert "include" in _tiling_misfit([((0, 0), (2, 4)), ((2, 0), (0, 4))], (2, 4))
+    assert _tiling_misfit([((0,), (0,))], (0,)) is None
+    assert "spans a cut" in _tiling_misfit([((0, 0), (2, 4)), ((1, 0), (3, 4))], (4, 4))
+
+
+def test_a_numpy_integer_budget_compiles():
+    assert compile_graph(_graph(), CompileOptions(np.int64(16 << 10), block_bytes=2048)
+                         ).memgraph.device_bytes == 16 << 10

@@ -8,6 +8,7 @@ Each pass is a function of the pass before; the search (`einpage.compiler.search
 taskgraph once per candidate and keeps the fastest plan."""
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -25,7 +26,7 @@ from einpage.compiler.resident import (PassNeeds, choose_resident, everything_fi
                                        persistent_blocks, working_set)
 from einpage.compiler.tiers import place_tiers
 from einpage.ir.validator import validate, vouch
-from einpage.errors import BudgetError
+from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
 from einpage.ir.memgraph import ALIGNMENT, MemGraph
 from einpage.ir.taskgraph import TaskGraph
@@ -78,11 +79,15 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     windows and resident sets by simulated makespan), validate and report `graph` for the budget.
     Where the pass streams and its activations are small (`FINER`), a finer partition is
     searched too and the faster plan kept."""
-    if not isinstance(options.device_bytes, int) or options.device_bytes < ALIGNMENT:
-        raise BudgetError(f"budget {options.device_bytes!r} bytes is too small: a plan needs a "
-                          f"device arena of at least {ALIGNMENT} bytes (one aligned block), "
+    if not isinstance(options.device_bytes, numbers.Integral):
+        raise PlanError(f"device_bytes is {options.device_bytes!r}, expected an int")
+    if options.device_bytes < ALIGNMENT:
+        raise BudgetError(f"budget {int(options.device_bytes)} bytes is too small: a plan needs "
+                          f"a device arena of at least {ALIGNMENT} bytes (one aligned block), "
                           "and in practice its largest task's blocks", ALIGNMENT,
-                          options.device_bytes if isinstance(options.device_bytes, int) else 0)
+                          int(options.device_bytes))
+    if not isinstance(options.device_bytes, int):
+        options = replace(options, device_bytes=int(options.device_bytes))
     t0 = time.perf_counter()
     block = options.block_bytes or max(4096, int(options.device_bytes * options.block_fraction))
     planned = _plan(graph, options, block)

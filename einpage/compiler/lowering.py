@@ -286,7 +286,7 @@ class _Lowering:
                        f"of resident weights: at least {format_size(least)}")
             else:  # the sum fits, its placement did not: what had to stay cut the free room
                 held = sum(blocks[b].size for b in self.live if b not in own)
-                least = budget + ALIGNMENT
+                least = (budget // ALIGNMENT + 1) * ALIGNMENT  # the next aligned budget
                 why = (f"needs {format_size(ws)} at once, and beside the "
                        f"{format_size(held)} that had to stay (resident weights and blocks "
                        f"in flight) no contiguous room was left: it needs at least "

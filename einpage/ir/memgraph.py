@@ -17,6 +17,7 @@ import gzip
 import json
 import math
 import threading
+import tokenize
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -25,7 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, Union
 
-from einpage.errors import PlanError
+from einpage.errors import EinpageError, PlanError
 from einpage.outputs import atomic_open
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.ir.ops import BlockOp, op_from_json, op_text
@@ -174,6 +175,7 @@ class MemGraph:
         """Check the structure every reader of a plan relies on; raise `PlanError` naming the
         first broken rule (and showing the nodes around it). Invariants:
 
+        - its sequences are tuples (a plan is immutable, so a validation report stays true);
         - `device_bytes` is a positive int; `host_arena_bytes` a non-negative int;
         - `tensors[k].id == k`; every shape entry is a non-negative int; a tensor's `bytes` is
           `prod(shape) * dtype.itemsize`;
@@ -182,6 +184,10 @@ class MemGraph:
 
         The rules of memory (liveness, overlap, host copies) are the validator's
         (`einpage.ir.validate`), which calls this first."""
+        for name in ("tensors", "nodes", "outputs", "inputs", "results"):
+            if not isinstance(getattr(self, name), tuple):  # a report must outlive no change
+                raise PlanError(f"{name} is a {type(getattr(self, name)).__name__}, expected a "
+                                "tuple (a plan is immutable)")
         if not isinstance(self.device_bytes, int) or self.device_bytes <= 0:
             raise PlanError(f"device_bytes is {self.device_bytes!r}, expected a positive int")
         if not isinstance(self.host_arena_bytes, int) or self.host_arena_bytes < 0:
@@ -361,7 +367,8 @@ class MemGraph:
         }
 
     def save(self, path: str | Path) -> None:
-        """Write the plan to `path`: compact JSON (DESIGN.md, version 1), gzip-compressed when
+        """Write the plan to `path`: compact JSON (DESIGN.md; version 2 with its graph, else
+        version 1), gzip-compressed when
         the name ends in `.gz` (about 10x smaller; `load` reads both, by content). Whole or not
         at all: a temporary file beside `path` renamed into place (`einpage.outputs`); a
         failure (no such directory, a full disk, a file-size limit) is an `OutputError`."""
@@ -389,9 +396,9 @@ class MemGraph:
         if version not in VERSIONS:
             raise PlanError(f"plan version {version!r} is not supported (this einpage reads "
                             f"versions {', '.join(map(str, VERSIONS))})")
-        _refuse_unbuilt(data)
         where = "plan"
         try:
+            _refuse_unbuilt(data)
             inputs_json, results_json = data.get("inputs", []), data.get("results", [])
             inputs = tuple(_logical_from(t) for t in inputs_json)
             results = tuple(_logical_from(t) for t in results_json)
@@ -401,7 +408,7 @@ class MemGraph:
                     raise PlanError("a version 2 plan carries its graph, but this one has no "
                                     "'graph'")
                 graph = graph_from_json(data["graph"], inputs, results, inputs_json,
-                                        results_json, _op_from)
+                                        results_json, _op_from, MALFORMED)
             where = "plan tensors"
             tensors = tuple(_tensor_from(t) for t in data["tensors"])
             nodes = []
@@ -421,7 +428,7 @@ class MemGraph:
             return mg
         except PlanError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except MALFORMED as exc:
             raise PlanError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
 
     @staticmethod
@@ -454,6 +461,11 @@ class MemGraph:
             except PlanError as exc:
                 raise PlanError(f"{path}: {exc}") from None
 
+
+#: what reading a malformed plan raises before it is turned into one `PlanError`: Python's own
+#: errors on wrong types and values, numbers too big for an int, a bad dtype, spec or expression
+MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
+             SyntaxError, tokenize.TokenError, EinpageError)
 
 #: `save`'s gzip level for a `.gz` name: zlib's default (level 9 is slower for ~5% less)
 GZIP_LEVEL = 6
@@ -512,16 +524,26 @@ def _opt_int(v):
     return None if v is None else int(v)
 
 
+def _strict_int(v):
+    """A provenance index of the file: None or a JSON integer (never a float truncated)."""
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+        raise TypeError(f"{v!r} is not an integer")
+    return v
+
+
 def _refuse_unbuilt(data: dict) -> None:
     """Version 2 capabilities this reader knows of but cannot run yet, refused by name rather
     than misread (DESIGN.md, "Version 2")."""
     what = None
+    tensors, nodes = data.get("tensors", ()), data.get("nodes", ())
+    if not isinstance(tensors, list) or not isinstance(nodes, list):
+        raise TypeError("tensors and nodes are lists")
     if "rank" in data or "world" in data:
         what = "several ranks (rank, world)"
-    elif any(isinstance(t, dict) and "storage" in t for t in data.get("tensors", ())):
+    elif any(isinstance(t, dict) and "storage" in t for t in tensors):
         what = "storage formats (a tensor's storage)"
     else:
-        for n in data.get("nodes", ()):
+        for n in nodes:
             if isinstance(n, dict) and ("on" in n or "guard" in n):
                 what = "placement (an apply's on or guard)"
                 break
@@ -553,7 +575,7 @@ def _tensor_from(d: dict) -> TensorInfo:
     dtype = d["dtype"]
     return TensorInfo(int(d["id"]), int(d["bytes"]), _DTYPES.get(dtype) or as_dtype(dtype),
                       tuple(map(int, d["shape"])), str(d.get("name", "")),
-                      str(d.get("role", "activation")), source, _opt_int(d.get("block")))
+                      str(d.get("role", "activation")), source, _strict_int(d.get("block")))
 
 
 _DTYPES = {d.value: d for d in DType}  # a plan's dtype names, looked up without an Enum call
@@ -611,7 +633,7 @@ def _node_from(d: dict, graph: TaskGraph | None) -> MemNode:
             if "op" in d:
                 raise ValueError("a version 2 apply takes its op from its task; this one "
                                  "carries an op of its own")
-            task = int(d["task"])
+            task = _strict_int(d["task"])
             if not 0 <= task < len(graph.tasks):
                 raise ValueError(f"task {task} out of range (the graph has "
                                  f"{len(graph.tasks)} tasks)")

@@ -10,8 +10,10 @@ provenance): the taskgraph the lowering translated, with a hash.
 Tensor `k` of the plan names its block (`"block": b`), every `apply` its task (`"task": t`) and
 takes its op from it (a version 2 apply carries no `op` of its own: one truth per task). The hash
 is SHA-256 over the canonical JSON (sorted keys, no spaces) of the section without `hash`, plus
-the plan's `inputs` and `results`: a reader recomputes it and refuses a section that was edited
-or damaged, and two plans of one graph show the same hash (`einpage inspect`).
+the plan's `inputs` and `results`: a reader recomputes it and refuses a section damaged (or edited
+without recomputing it), and two plans of one graph show the same hash (`einpage inspect`). It
+guards integrity and gives a graph an identity to compare; it is no signature (anyone may edit the
+graph and hash it anew, and the plan is then proven against that graph).
 
 What the validator proves with it is in `einpage.ir.translation`.
 """
@@ -64,41 +66,45 @@ def graph_hash(section: dict, inputs: list, results: list) -> str:
 
 def graph_from_json(section: dict, inputs: tuple[LogicalTensor, ...],
                     results: tuple[LogicalTensor, ...], inputs_json: list, results_json: list,
-                    op_from) -> TaskGraph:
+                    op_from, malformed: tuple[type, ...]) -> TaskGraph:
     """The taskgraph of a `graph` section, after checking its hash; `op_from(data)` parses an op.
-    Raises `PlanError` naming what is wrong."""
+    Raises `PlanError` naming what is wrong (for every exception of `malformed`)."""
     if not isinstance(section, dict):
         raise PlanError(f"plan graph: expected an object, got {type(section).__name__}")
     want = section.get("hash")
     got = graph_hash(section, inputs_json, results_json)
     if want != got:
         raise PlanError(f"plan graph: its hash is {want!r}, but its content hashes to {got}: "
-                        "the graph section (or the plan's inputs or results) was edited or "
-                        "damaged")
-    where = "plan graph"
+                        "the graph section (or the plan's inputs or results) was damaged or "
+                        "edited")
+    where = "plan graph ops"
     try:
         ops = []
         for k, d in enumerate(section["ops"]):
             where = f"plan graph op {k}"
             ops.append(op_from(d))
+        where = "plan graph blocks"
         blocks = []
         for k, (node, origin, shape, dtype, role, name, source) in enumerate(section["blocks"]):
             where = f"plan graph block {k}"
-            blocks.append(Block(k, int(node), _ints(origin), _ints(shape), as_dtype(dtype),
+            blocks.append(Block(k, _int(node), _ints(origin), _ints(shape), as_dtype(dtype),
                                 str(role), str(name), _source_from(source)))
+        where = "plan graph tasks"
         tasks = []
         for k, (node, stage, reads, write, accumulate, op) in enumerate(section["tasks"]):
             where = f"plan graph task {k}"
-            if not 0 <= int(op) < len(ops):
+            if not 0 <= _int(op) < len(ops):
                 raise ValueError(f"op index {op} out of range (the graph has {len(ops)} ops)")
-            tasks.append(Task(k, _ints(reads), int(write), bool(accumulate), ops[int(op)],
-                              int(node), int(stage)))
+            if not isinstance(accumulate, (bool, int)):
+                raise TypeError(f"accumulate is {accumulate!r}, expected 0 or 1")
+            tasks.append(Task(k, _ints(reads), _int(write), bool(accumulate), ops[op],
+                              _int(node), _int(stage)))
         where = "plan graph outputs"
         outputs = tuple(OutputBlock(int(b), str(name), _ints(origin))
                         for b, name, origin in section["outputs"])
     except PlanError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except malformed as exc:
         raise PlanError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
     tg = TaskGraph(tuple(blocks), tuple(tasks), outputs, inputs, results)
     try:
@@ -108,8 +114,15 @@ def graph_from_json(section: dict, inputs: tuple[LogicalTensor, ...],
     return tg
 
 
+def _int(value) -> int:
+    """An int of the file: a JSON integer (a float or a string is malformed, not truncated)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
 def _ints(values) -> tuple[int, ...]:
-    return tuple(map(int, values))
+    return tuple(map(_int, values))
 
 
 def _source_json(s: Source | None):

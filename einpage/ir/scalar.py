@@ -106,7 +106,7 @@ def to_text(expr: sympy.Expr) -> str:
 
 #: The one vocabulary of expressions: every function a join or fill may use, by the name `to_text`
 #: prints for it, and the constants and truth values it may print. The graph builder holds each
-#: expression to it (`portable`: it must print within it and read back as itself) and the plan
+#: expression to it (`portable`: it must print within it and parse back) and the plan
 #: reader parses nothing else (`from_text`), so a model cannot write what a plan cannot carry.
 #: (Comparisons print as `<`, `>=`, ...; `&`, `|`, `~` as themselves; `Eq`, `Ne` by name.) The
 #: kernels translate every entry: NumPy through `numpy_function`, CUDA in

@@ -18,7 +18,8 @@ top of that, this module proves:
 With the graph (`MemGraph.graph`, a `TaskGraph` whose own invariants `TaskGraph.verify` holds):
 
 2. **Tensors are blocks**: each tensor names a distinct block of the graph and has its shape,
-   dtype and checkpoint source.
+   dtype, role, name and checkpoint source; the plan's inputs and results are the graph's, and
+   only blocks of graph inputs enter by an `input` or a `read`.
 3. **Applies are tasks**: each task runs exactly once, as an `apply` that names it, reads the
    tensors of the task's blocks in the task's order, writes the tensor of its block,
    accumulates exactly when the task does, and runs the task's op.
@@ -38,7 +39,7 @@ import math
 from typing import Sequence
 
 from einpage.errors import PlanError
-from einpage.ir.memgraph import ApplyNode, MemGraph, TensorInfo
+from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph, ReadNode, TensorInfo
 from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, op_text
 from einpage.ir.taskgraph import TaskGraph
 
@@ -135,7 +136,13 @@ def prove(mg: MemGraph) -> None:
     """Rules 2-5: `mg` computes `mg.graph`. Call after the memory validator passed."""
     tg = mg.graph
     assert tg is not None
+    if (mg.inputs, mg.results) != (tg.inputs, tg.results):
+        raise PlanError("the plan's inputs or results are not its graph's")
     by_block = _tensor_blocks(mg, tg)
+    for n in mg.nodes:  # what enters from outside is an input of the graph
+        if isinstance(n, (InputNode, ReadNode)) and tg.blocks[mg.tensors[n.tensor].block].source is None:
+            raise mg.error(n.id, f"node %{n.id} ({n.kind}): %t{n.tensor} ({_name(mg, n.tensor)}) "
+                                 "is computed by the graph, not one of its inputs")
     writers = tg.writers
     ran: list[int | None] = [None] * len(tg.tasks)
     version: dict[int, int] = {}  # tensor -> apply writes so far
@@ -191,6 +198,9 @@ def _tensor_blocks(mg: MemGraph, tg: TaskGraph) -> dict[int, int]:
         if (tuple(t.shape), t.dtype) != (tuple(blk.shape), blk.dtype):
             raise PlanError(f"tensor %t{t.id} ({t.name}) is {t.dtype}{list(t.shape)}, but its "
                             f"block {b} ({blk.name}) is {blk.dtype}{list(blk.shape)}")
+        if (t.role, t.name) != (blk.role, blk.name):  # runtimes act on a tensor's role
+            raise PlanError(f"tensor %t{t.id} is {t.name!r} ({t.role}), but its block {b} is "
+                            f"{blk.name!r} ({blk.role})")
         if t.source != blk.source:
             raise PlanError(f"tensor %t{t.id} ({t.name}) comes from {_src(t.source)}, but its "
                             f"block {b} ({blk.name}) comes from {_src(blk.source)}")
@@ -268,21 +278,24 @@ def _tiling_misfit(boxes: list, shape: tuple[int, ...]) -> str | None:
     """Why `boxes` ((origin, extent) pairs) are not a grid tiling `shape`, or None."""
     if not boxes:
         return "are missing" if math.prod(shape) else None
+    if not math.prod(shape):
+        return None  # an empty result: any (empty) blocks cover it
     cuts = [set() for _ in shape]
     for origin, extent in boxes:
         if len(origin) != len(shape) or len(extent) != len(shape):
             return f"have {len(origin)} dimensions"
         for d, (a, n) in enumerate(zip(origin, extent)):
-            if not 0 <= a <= a + n <= shape[d]:
+            if n <= 0 or not 0 <= a < a + n <= shape[d]:
                 return f"include [{a}, {a + n}) in dimension {d} of {shape[d]}"
             cuts[d].update((a, a + n))
     grid = [sorted(c | {0, shape[d]}) for d, c in enumerate(cuts)]
+    at = [{cut: k for k, cut in enumerate(g)} for g in grid]
     cells = set()
     for origin, extent in boxes:
         cell = []
         for d, (a, n) in enumerate(zip(origin, extent)):
-            k = grid[d].index(a)
-            if grid[d][k + 1] != a + n and n:
+            k = at[d][a]
+            if grid[d][k + 1] != a + n:
                 return f"are no grid: [{a}, {a + n}) spans a cut in dimension {d}"
             cell.append(k)
         if tuple(cell) in cells:
