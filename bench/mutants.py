@@ -356,6 +356,41 @@ def change_source(p: Plan, rng):
     return out, f"tensor %t{k}: source input {old} -> {src['input']}"
 
 
+ROLES = ("weight", "activation", "cache", "temp")
+
+
+def change_role(p: Plan, rng):
+    """A tensor takes another role (what runtimes act on: preloading, the KV store) or another
+    tensor's name."""
+    out = clone(p.data)
+    k = int(rng.integers(len(out["tensors"])))
+    t = out["tensors"][k]
+    if rng.integers(2):
+        old, t["role"] = t["role"], _choice(rng, [r for r in ROLES if r != t["role"]])
+        return out, f"tensor %t{k}: role {old} -> {t['role']}"
+    names = sorted({u["name"] for u in out["tensors"]} - {t["name"]})
+    if not names:
+        return None
+    old, t["name"] = t["name"], _choice(rng, names)
+    return out, f"tensor %t{k}: name {old} -> {t['name']}"
+
+
+def input_computed(p: Plan, rng):
+    """An `input` node names a computed block of as many bytes instead of its graph input."""
+    out = clone(p.data)
+    inputs = [n for n in out["nodes"] if n["kind"] == "input"]
+    n = _choice(rng, inputs)
+    if n is None:
+        return None
+    size = p.mg.tensors[n["tensor"]].bytes
+    computed = [t.id for t in p.mg.tensors if t.source is None and t.bytes == size]
+    k = _choice(rng, computed)
+    if k is None:
+        return None
+    old, n["tensor"] = n["tensor"], k
+    return out, f"node %{n['id']} (input): %t{old} -> %t{k}"
+
+
 def change_task(p: Plan, rng):
     """An apply names another task (of as many reads where one is), or two applies swap
     theirs (each task still runs once)."""
@@ -561,6 +596,8 @@ MUTATIONS: dict[str, Callable] = {
     "change a tensor's shape": change_shape,
     "change a tensor's dtype": change_dtype,
     "change an input block's source": change_source,
+    "change a tensor's role or name": change_role,
+    "input a computed block": input_computed,
     "change an apply's task": change_task,
     "change a tensor's block": change_block,
     "edit the graph section": edit_graph,
