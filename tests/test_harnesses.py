@@ -16,6 +16,7 @@ if str(BENCH) not in sys.path:
 
 import fuzz_plans  # noqa: E402
 import mutants  # noqa: E402
+import mutations  # noqa: E402
 from einpage.compiler.policies import POLICIES  # noqa: E402
 
 #: a seed whose first graphs give every mutation class mutants (disk reads and summation
@@ -55,7 +56,7 @@ def test_every_harmful_mutant_is_rejected():
     assert tally.over_strict == []  # every relisting in a topological order is accepted
     for cls, row in tally.rows.items():
         assert row["mutants"] >= 8, cls
-    control = tally.rows[mutants.CONTROL]
+    control = tally.rows[mutations.CONTROL]
     assert control["equivalent_accepted"] == control["mutants"]
     assert sum(row["harmful"] for row in tally.rows.values()) > 0
 

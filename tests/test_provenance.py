@@ -1,4 +1,5 @@
-"""Plans that prove what they compute (DESIGN.md, "Version 2", provenance; `einpage.ir.translation`).
+"""Plans that prove what they compute (DESIGN.md, "Version 2", provenance;
+`einpage.ir.translation`).
 
 A compiled plan carries its taskgraph: each tensor names its block, each apply its task. The
 validator proves the plan computes that graph, and each rule is shown refusing a plan that breaks

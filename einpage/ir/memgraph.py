@@ -30,7 +30,7 @@ from einpage.errors import EinpageError, PlanError
 from einpage.outputs import atomic_open
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.ir.ops import BlockOp, op_from_json, op_text
-from einpage.ir.provenance import graph_from_json, graph_hash, graph_json
+from einpage.ir.provenance import graph_from_json, graph_hash, graph_json, json_int
 from einpage.ir.taskgraph import TaskGraph
 from einpage.ir.tensors import LogicalTensor, Source
 
@@ -524,11 +524,9 @@ def _opt_int(v):
     return None if v is None else int(v)
 
 
-def _strict_int(v):
-    """A provenance index of the file: None or a JSON integer (never a float truncated)."""
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-        raise TypeError(f"{v!r} is not an integer")
-    return v
+def _opt_index(v):
+    """None, or a provenance index (`json_int`)."""
+    return None if v is None else json_int(v)
 
 
 def _refuse_unbuilt(data: dict) -> None:
@@ -537,7 +535,7 @@ def _refuse_unbuilt(data: dict) -> None:
     what = None
     tensors, nodes = data.get("tensors", ()), data.get("nodes", ())
     if not isinstance(tensors, list) or not isinstance(nodes, list):
-        raise TypeError("tensors and nodes are lists")
+        raise TypeError("tensors and nodes must be lists")
     if "rank" in data or "world" in data:
         what = "several ranks (rank, world)"
     elif any(isinstance(t, dict) and "storage" in t for t in tensors):
@@ -575,7 +573,7 @@ def _tensor_from(d: dict) -> TensorInfo:
     dtype = d["dtype"]
     return TensorInfo(int(d["id"]), int(d["bytes"]), _DTYPES.get(dtype) or as_dtype(dtype),
                       tuple(map(int, d["shape"])), str(d.get("name", "")),
-                      str(d.get("role", "activation")), source, _strict_int(d.get("block")))
+                      str(d.get("role", "activation")), source, _opt_index(d.get("block")))
 
 
 _DTYPES = {d.value: d for d in DType}  # a plan's dtype names, looked up without an Enum call
@@ -633,7 +631,7 @@ def _node_from(d: dict, graph: TaskGraph | None) -> MemNode:
             if "op" in d:
                 raise ValueError("a version 2 apply takes its op from its task; this one "
                                  "carries an op of its own")
-            task = _strict_int(d["task"])
+            task = json_int(d["task"])
             if not 0 <= task < len(graph.tasks):
                 raise ValueError(f"task {task} out of range (the graph has "
                                  f"{len(graph.tasks)} tasks)")

@@ -87,18 +87,18 @@ def graph_from_json(section: dict, inputs: tuple[LogicalTensor, ...],
         blocks = []
         for k, (node, origin, shape, dtype, role, name, source) in enumerate(section["blocks"]):
             where = f"plan graph block {k}"
-            blocks.append(Block(k, _int(node), _ints(origin), _ints(shape), as_dtype(dtype),
-                                str(role), str(name), _source_from(source)))
+            blocks.append(Block(k, json_int(node), _ints(origin), _ints(shape),
+                                as_dtype(dtype), str(role), str(name), _source_from(source)))
         where = "plan graph tasks"
         tasks = []
         for k, (node, stage, reads, write, accumulate, op) in enumerate(section["tasks"]):
             where = f"plan graph task {k}"
-            if not 0 <= _int(op) < len(ops):
+            if not 0 <= json_int(op) < len(ops):
                 raise ValueError(f"op index {op} out of range (the graph has {len(ops)} ops)")
-            if not isinstance(accumulate, (bool, int)):
+            if not isinstance(accumulate, int):  # 0, 1, true or false
                 raise TypeError(f"accumulate is {accumulate!r}, expected 0 or 1")
-            tasks.append(Task(k, _ints(reads), _int(write), bool(accumulate), ops[op],
-                              _int(node), _int(stage)))
+            tasks.append(Task(k, _ints(reads), json_int(write), bool(accumulate), ops[op],
+                              json_int(node), json_int(stage)))
         where = "plan graph outputs"
         outputs = tuple(OutputBlock(int(b), str(name), _ints(origin))
                         for b, name, origin in section["outputs"])
@@ -114,15 +114,16 @@ def graph_from_json(section: dict, inputs: tuple[LogicalTensor, ...],
     return tg
 
 
-def _int(value) -> int:
-    """An int of the file: a JSON integer (a float or a string is malformed, not truncated)."""
+def json_int(value) -> int:
+    """An index a plan file gives: a JSON integer (a float or a string is malformed, never
+    truncated)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{value!r} is not an integer")
     return value
 
 
 def _ints(values) -> tuple[int, ...]:
-    return tuple(map(_int, values))
+    return tuple(map(json_int, values))
 
 
 def _source_json(s: Source | None):

@@ -138,9 +138,10 @@ def prove(mg: MemGraph) -> None:
     assert tg is not None
     if (mg.inputs, mg.results) != (tg.inputs, tg.results):
         raise PlanError("the plan's inputs or results are not its graph's")
-    by_block = _tensor_blocks(mg, tg)
+    _check_tensors(mg, tg)
     for n in mg.nodes:  # what enters from outside is an input of the graph
-        if isinstance(n, (InputNode, ReadNode)) and tg.blocks[mg.tensors[n.tensor].block].source is None:
+        entering = isinstance(n, (InputNode, ReadNode))
+        if entering and tg.blocks[mg.tensors[n.tensor].block].source is None:
             raise mg.error(n.id, f"node %{n.id} ({n.kind}): %t{n.tensor} ({_name(mg, n.tensor)}) "
                                  "is computed by the graph, not one of its inputs")
     writers = tg.writers
@@ -157,7 +158,8 @@ def prove(mg: MemGraph) -> None:
                                      f"{b}), but task {t.id} reads block {t.reads[k]} there")
             have, want = version.get(a.tensor, 0), len(writers[b])
             if have != want:
-                raise mg.error(n.id, f"node %{n.id} (apply): reads %t{a.tensor} ({_name(mg, a.tensor)}) "
+                raise mg.error(n.id, f"node %{n.id} (apply): reads %t{a.tensor} "
+                                     f"({_name(mg, a.tensor)}) "
                                      f"after {have} of the {want} tasks that write its block "
                                      f"{b}: {_chain(tg, b, ran)}")
         w = mg.tensors[n.write.tensor].block
@@ -180,20 +182,22 @@ def prove(mg: MemGraph) -> None:
         raise PlanError(f"task {t.id} ({op_text(t.op)} -> block {t.write}, "
                         f"{tg.blocks[t.write].name}) of the plan's graph never runs"
                         + (f" ({len(missing)} tasks do not)" if len(missing) > 1 else ""))
-    _check_outputs(mg, tg, by_block, version)
+    _check_outputs(mg, tg, version)
 
 
-def _tensor_blocks(mg: MemGraph, tg: TaskGraph) -> dict[int, int]:
-    """Rule 2; returns block -> tensor."""
-    out: dict[int, int] = {}
+def _check_tensors(mg: MemGraph, tg: TaskGraph) -> None:
+    """Rule 2: each tensor a distinct block of the graph, with its shape, dtype, role, name and
+    source."""
+    tensor_of: dict[int, int] = {}  # block -> the tensor that is it
     for t in mg.tensors:
         b = t.block
         if not isinstance(b, int) or not 0 <= b < len(tg.blocks):
             raise PlanError(f"tensor %t{t.id} ({t.name}): names block {b!r}, but the plan's "
                             f"graph has blocks 0..{len(tg.blocks) - 1}")
-        if b in out:
-            raise PlanError(f"tensor %t{t.id} ({t.name}): block {b} is tensor %t{out[b]} already")
-        out[b] = t.id
+        if b in tensor_of:
+            raise PlanError(f"tensor %t{t.id} ({t.name}): block {b} is tensor %t{tensor_of[b]} "
+                            "already")
+        tensor_of[b] = t.id
         blk = tg.blocks[b]
         if (tuple(t.shape), t.dtype) != (tuple(blk.shape), blk.dtype):
             raise PlanError(f"tensor %t{t.id} ({t.name}) is {t.dtype}{list(t.shape)}, but its "
@@ -204,7 +208,6 @@ def _tensor_blocks(mg: MemGraph, tg: TaskGraph) -> dict[int, int]:
         if t.source != blk.source:
             raise PlanError(f"tensor %t{t.id} ({t.name}) comes from {_src(t.source)}, but its "
                             f"block {b} ({blk.name}) comes from {_src(blk.source)}")
-    return out
 
 
 def _src(s) -> str:
@@ -240,8 +243,7 @@ def _chain(tg: TaskGraph, b: int, ran: list) -> str:
             f"have not run" if pending else "a write of it ran twice")
 
 
-def _check_outputs(mg: MemGraph, tg: TaskGraph, by_block: dict[int, int],
-                   version: dict[int, int]) -> None:
+def _check_outputs(mg: MemGraph, tg: TaskGraph, version: dict[int, int]) -> None:
     want = {(o.block, o.name, tuple(o.origin)) for o in tg.outputs}
     seen = set()
     for o in mg.outputs:
