@@ -363,3 +363,16 @@ def test_the_null_backend_runs_a_plan_and_reads_nothing():
             assert not run.outputs["logits"].any()
             assert len(run.measured.spans) == len(session.program.steps)
     assert read == []  # no weight was asked for
+
+
+def test_spans_start_at_the_earliest_stamp():
+    """A copy queue may begin before the compute queue's origin mark: the pass then starts
+    at its earliest node, never at a negative time."""
+    from types import SimpleNamespace
+
+    from einpage.runtime.stream_executor import _spans
+    mg = SimpleNamespace(nodes=[SimpleNamespace(tensor=0)] * 2,
+                         tensors=[SimpleNamespace(bytes=64)])
+    backend = SimpleNamespace(seconds=lambda a, b: b - a)
+    spans = _spans(mg, backend, 1.0, {"h2d": [(0, 0.5, 2.0)], "compute": [(1, 1.5, 3.0)]})
+    assert [(s.node, s.start, s.end) for s in spans] == [(0, 0.0, 1.5), (1, 1.0, 2.5)]

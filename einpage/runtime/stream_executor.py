@@ -241,13 +241,18 @@ def _store_blocks(mg: MemGraph) -> dict[str, list[tuple[int, tuple, tuple, int |
 
 def _spans(mg: MemGraph, backend: Backend, origin: Any,
            stamps: dict[str, list[tuple[int, Any, Any]]]) -> tuple[Span, ...]:
-    """Every timed node of a pass, from its queue's stamps, in order of start."""
+    """Every timed node of a pass, from its queue's stamps, in order of start. Time zero is the
+    origin stamped on the compute queue, or the earliest start before it: the queues are not
+    ordered after the origin, so a copy queue may begin a hair earlier."""
     spans = []
     for q, marks in stamps.items():
         for nid, a, b in marks:
             nbytes = mg.tensors[mg.nodes[nid].tensor].bytes if q != "compute" else 0
             spans.append(Span(nid, q, backend.seconds(origin, a), backend.seconds(origin, b),
                               nbytes))
+    early = min((s.start for s in spans), default=0.0)
+    if early < 0:
+        spans = [Span(s.node, s.queue, s.start - early, s.end - early, s.nbytes) for s in spans]
     return tuple(sorted(spans, key=lambda s: (s.start, s.node)))
 
 
