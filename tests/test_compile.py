@@ -193,45 +193,55 @@ def _fake_trial(makespan: float, compute: float, spill: int = 0):
     return Trial(None, frozenset(), None, sim, spill, 0)
 
 
-@pytest.mark.parametrize("makespans, probed, best", [
-    # falls as fewer weights stay resident: probe the middle, walk down while it improves
-    ((5.0, 4.5, 4.0, 3.5, 3.6), [2, 3, 4], 3),
-    # best at the middle: both neighbours are worse
-    ((5.0, 4.5, 4.0, 4.2, 4.4), [2, 3, 1], 2),
-    # best between the first plan and the middle (the first spills, 3/4 does not)
-    ((5.0, 3.5, 4.0, 4.2, 4.4), [2, 3, 1], 1),
-    # rises as fewer stay: the middle is worse than the first, the best is before it
-    ((3.0, 3.1, 3.3, 3.6, 4.0), [2, 1], 0),
+@pytest.mark.parametrize("makespans, known, probed, best", [
+    # falls along the grid: probe the start, walk up while it improves
+    ((5.0, 4.5, 4.0, 3.5, 3.6), {}, [2, 3, 4], 3),
+    # best at the start: both neighbours are worse
+    ((5.0, 4.5, 4.0, 4.2, 4.4), {}, [2, 3, 1], 2),
+    # best between a known plan and the start
+    ((5.0, 3.5, 4.0, 4.2, 4.4), {}, [2, 3, 1, 0], 1),
+    # a known plan (the first one, at 0) beats the start: the best lies towards it
+    ((3.0, 3.1, 3.3, 3.6, 4.0), {0}, [2, 1], 0),
 ])
-def test_resident_search_finds_the_best_share_of_a_unimodal_makespan(makespans, probed, best):
-    from einpage.compiler.search import RESIDENT_SHARES, search_resident
+def test_climb_finds_the_best_point_of_a_unimodal_makespan(makespans, known, probed, best):
+    from einpage.compiler.search import climb
     calls = []
 
-    def trial_at(share):
-        i = RESIDENT_SHARES.index(share)
+    def trial_at(i):
         calls.append(i)
         return _fake_trial(makespans[i], 1.0)
 
-    search_resident(trial_at, _fake_trial(makespans[0], 1.0))
+    climb(len(makespans), 2, trial_at, {i: _fake_trial(makespans[i], 1.0) for i in known})
     assert calls == probed
-    assert min([0, *calls], key=lambda i: makespans[i]) == best
+    assert min([*known, *calls], key=lambda i: makespans[i]) == best
 
 
-def test_resident_search_stops_at_compute_time_unless_the_plan_spills():
-    from einpage.compiler.search import RESIDENT_SHARES, search_resident
+def test_climb_stops_at_compute_time_unless_the_plan_spills():
+    from einpage.compiler.search import climb
 
     def search(makespans, spills):
         calls = []
 
-        def trial_at(share):
-            i = RESIDENT_SHARES.index(share)
+        def trial_at(i):
             calls.append(i)
             return _fake_trial(makespans[i], 2.0, spills[i])
 
-        search_resident(trial_at, _fake_trial(makespans[0], 2.0, spills[0]))
+        climb(len(makespans), 2, trial_at)
         return calls
 
-    # the middle runs at its compute time and spills nothing: nothing can beat it by 0.5%
+    # the start runs at its compute time and spills nothing: nothing can beat it by 0.5%
     assert search((5.0, 4.0, 2.001, 2.0, 2.0), (1, 0, 0, 0, 0)) == [2]
     # ... but a plan at compute time that spills is no reason to stop
-    assert search((5.0, 4.0, 2.001, 2.0, 2.0), (1, 0, 1, 0, 0)) == [2, 3]
+    assert search((5.0, 4.0, 2.001, 1.99, 1.99), (1, 0, 1, 0, 0)) == [2, 3]
+
+
+def test_search_room_probes_the_room_grid_from_its_start():
+    from einpage.compiler.search import ROOM_SHARES, ROOM_START, search_room
+    shares = []
+
+    def trial_at(share):
+        shares.append(share)
+        return _fake_trial(1.0 + abs(share - 0.2), 1.0)  # best at 0.2 of the budget
+
+    search_room(trial_at)
+    assert shares[0] == ROOM_START and 0.2 in shares and set(shares) <= set(ROOM_SHARES)

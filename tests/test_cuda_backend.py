@@ -449,8 +449,8 @@ def test_decode_session_keeps_kv_rows_in_place(device):
     cfg, weights = resolve("tiny", random_weights=True, seed=5)
     prompt = np.array([[4, 8, 15, 16, 23], [42, 1, 2, 3, 5]]) % cfg.vocab
     graph = decode_step_graph(cfg, 2, 8)
-    for divisor in (3, 4, 6, 8):
-        compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // divisor))
+    for divisor in (1, 1.5, 2, 3, 4, 6, 8):
+        compiled = compile_graph(graph, CompileOptions(int(cfg.weight_bytes() / divisor)))
         c = compiled.report.compiled
         if 0 < c.kv_resident_bytes < c.kv_bytes:
             break

@@ -94,8 +94,8 @@ def _mixed_budget(cfg, batch, capacity):
     """A budget under which the decode plan keeps some KV blocks on the device and streams
     others (and streams weights)."""
     graph = generation.decode_step_graph(cfg, batch, capacity)
-    for divisor in (3, 4, 5, 6, 8, 10, 12, 16):
-        budget = cfg.weight_bytes() // divisor
+    for divisor in (1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12, 16):
+        budget = int(cfg.weight_bytes() / divisor)
         c = compile_graph(graph, CompileOptions(budget)).report.compiled
         if 0 < c.kv_resident_bytes < c.kv_bytes and c.streamed_weight_bytes > 0:
             return budget

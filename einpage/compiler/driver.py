@@ -22,9 +22,10 @@ from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.policies import Policy, Residency, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
 from einpage.compiler.resident import (PassNeeds, choose_resident, everything_fits,
-                                       memory_lower_bound, min_stream_bytes, pass_needs,
-                                       persistent_blocks, working_set)
-from einpage.compiler.tiers import place_tiers
+                                       memory_lower_bound, min_stream_bytes, paced_resident,
+                                       pass_needs, persistent_blocks, weights_first,
+                                       working_set)
+from einpage.compiler.tiers import Tiered, place_tiers
 from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
@@ -32,7 +33,7 @@ from einpage.ir.memgraph import ALIGNMENT, MemGraph
 from einpage.ir.taskgraph import TaskGraph
 from einpage.predict.cost import task_seconds
 from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
-from einpage.predict.simulator import Simulation
+from einpage.predict.simulator import Simulation, simulate
 from einpage.units import format_size
 
 
@@ -109,6 +110,8 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     tg, trials = planned.tg, planned.trials
     best = trials.best()
     tiered = place_tiers(best.memgraph, best.simulation, options.host_bytes, trials.profile)
+    if tiered.choice.disk_bytes and planned.needs.kv_bytes:
+        tiered, best = _weights_first(planned, best, tiered, options)
     mg = tiered.memgraph
     valid = validate(mg) if options.validate else None
     figures = _figures(planned, best, rungs, _default_lookahead(trials, best, options), options,
@@ -125,6 +128,31 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     return Compiled(mg, tg, tuple(trials.order),
                     PlanReport.of_plan(mg, valid, tiered.simulation, figures, trials.profile),
                     tiered.simulation)
+
+
+def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
+                   options: CompileOptions) -> tuple[Tiered, search.Trial]:
+    """Where the host budget sends weights to disk and the pass reads a KV store: the same
+    resident bytes with weights kept before KV blocks (`resident.weights_first`) also lowered
+    and tiered, and the faster plan kept with its trial (the device-side search weighs the link
+    alone, where a resident KV block and a resident weight save the same bytes)."""
+    trials, tg = planned.trials, planned.tg
+    room = sum(aligned(tg.blocks[b].bytes) for b in best.resident)
+    resident = weights_first(tg, trials.order, room, trials.base.task_seconds,
+                             max(1, (options.device_bytes - room) // 2))
+    if resident == best.resident:
+        return tiered, best
+    try:
+        mg, resident = search.lower_shrinking(tg, trials.order, replace(
+            trials.base, resident=resident, lookahead_seconds=best.window))
+    except BudgetError:
+        return tiered, best
+    sim = simulate(mg, trials.profile)
+    other = place_tiers(mg, sim, options.host_bytes, trials.profile)
+    if other.simulation.makespan_s >= tiered.simulation.makespan_s:
+        return tiered, best
+    return other, replace(best, resident=resident, memgraph=mg, simulation=sim,
+                          live_peak=mg.live_peak())
 
 
 class _Rung(NamedTuple):
@@ -170,9 +198,10 @@ def _plan(graph: Graph, options: CompileOptions, block: int) -> _Planned:
     seconds = tuple(task_seconds(profile, tg))
     trials = search.Trials(tg, order, _lower_options(options, policy, fits, seconds), profile,
                            options.progress)
-    _search(trials, options, needs, residency, seconds)
     rung = _Rung(block, needs.max_working_set, min_stream_bytes(tg, order, options.device_bytes),
                  sum(seconds))
+    _search(trials, options, needs, residency, seconds,
+            max(rung.compute_s, rung.min_stream_bytes / profile.h2d_bandwidth))
     return _Planned(tg, needs, fits, trials, rung)
 
 
@@ -200,25 +229,31 @@ def _lower_options(options: CompileOptions, policy: Policy, fits: bool,
 
 
 def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
-            residency: Residency, seconds: tuple[float, ...]) -> None:
-    """The first plan with the policy's resident weights; if it spills activations or compute
-    waits, shares of the resident room (and every weight, where they fit) weighed by makespan;
-    then the other look-ahead windows with the best resident set."""
+            residency: Residency, seconds: tuple[float, ...], bound_s: float) -> None:
+    """The first plan with the policy's resident weights; if it spills activations or runs
+    below RESIDENT_SEARCH_BELOW of the partition's bound (`bound_s`), every weight (where they
+    fit) and paced resident sets leaving the pass more or less room beside its activation
+    peak (`search.search_room`), weighed by makespan; then the other look-ahead windows with
+    the best resident set."""
     tg, order = trials.tg, trials.order
     windows = search.windows(options.auto_lookahead, options.lookahead_seconds, sum(seconds),
                              len(tg.tasks))
     resident, room = residency.blocks, residency.room
     first = trials.run(resident, windows[0])
     if room > 0 and (first.spill_bytes > 0
-                     or first.simulation.efficiency < search.RESIDENT_SEARCH_BELOW):
+                     or bound_s < search.RESIDENT_SEARCH_BELOW * first.simulation.makespan_s):
         # The resident weights crowd the activations (they spill) or the prefetch (compute
-        # waits): weigh fewer or more resident weights against the streaming, by makespan.
+        # waits), or the streaming starts late (no layer is resident before the first streamed
+        # one) or bunches up: weigh other resident sets against the streaming, by makespan.
         everything = persistent_blocks(tg)
         if needs.persistent_bytes + needs.max_working_set <= options.device_bytes:
             trials.try_run(everything, windows[0])
-        search.search_resident(
-            lambda share: trials.run(choose_resident(tg, order, int(room * share)), windows[0]),
-            first)
+        # Paced resident sets (the streaming spread over the compute, the first blocks and
+        # the large ones resident) leaving the pass a share of the budget beside its peak.
+        budget = options.device_bytes
+        search.search_room(lambda share: trials.run(paced_resident(
+            tg, order, int(budget - needs.activation_peak - share * budget), seconds,
+            max(1, int(share * budget / 2))), windows[0]))
         resident = trials.best().resident
     for window in windows[1:]:
         trials.run(resident, window)

@@ -23,7 +23,8 @@ the bottom of the arena as `input at device` and never freed or evicted.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 from einpage.compiler.allocator import Allocation, Allocator, aligned
 from einpage.compiler.policies import Candidate, Group, Policy
@@ -90,6 +91,7 @@ class _Lowering:
             self.group_until.setdefault(g.end, []).append(g)
             self.group_of_stage[g.stage] = g
         self.pinned_groups: set[int] = set()  # stages whose group is pinned now or was
+        self.written_back: dict[int, int] = {}  # output block -> the free after its write-back
         resident_bytes = sum(self.blocks[b].size for b in opt.resident)
         if resident_bytes > opt.device_bytes:
             raise BudgetError(f"resident weights need {format_size(resident_bytes)}, more than the "
@@ -362,6 +364,7 @@ class _Lowering:
                     self._free(b, st.accesses)
                 elif self.opt.outputs_to_host:
                     self._evict(b)  # final: offload it (the d2h engine hides it) and free
+                    self.written_back[b] = len(self.nodes) - 1
 
     # ------------------------------------------------------------ driver
     def run(self) -> MemGraph:
@@ -393,17 +396,46 @@ class _Lowering:
 
     def finish(self) -> MemGraph:
         tg = self.tg
+        nodes, at = _keep_idle_outputs(self.nodes, self.written_back)
         outputs = []
         for o in tg.outputs:
             b = o.block
-            if self.blocks[b].offset is not None:
-                outputs.append(OutputRef(b, "device", self.blocks[b].offset, o.name, o.origin))
+            offset = self.blocks[b].offset if b not in at else at[b]
+            if offset is not None:
+                outputs.append(OutputRef(b, "device", offset, o.name, o.origin))
             else:
                 outputs.append(OutputRef(b, "host", None, o.name, o.origin))
         tensors = tuple(TensorInfo(b.id, b.bytes, b.dtype, b.shape, b.name, b.role, b.source,
                                    block=b.id) for b in tg.blocks)
-        return MemGraph(self.opt.device_bytes, tensors, tuple(self.nodes), tuple(outputs),
+        return MemGraph(self.opt.device_bytes, tensors, tuple(nodes), tuple(outputs),
                         tg.inputs, tg.results, graph=tg)
+
+
+def _keep_idle_outputs(nodes: list, written_back: dict[int, int]) -> tuple[list, dict[int, int]]:
+    """Undo the write-backs that freed bytes no later node took: an output written back as soon
+    as it was final (`outputs_to_host`) to make room, where the room was never used (no node
+    depends on the free that followed its offload), stays on the device to the end instead, as
+    outputs do in a pass that fits, and the pass ends without copying it. Returns the nodes
+    (renumbered) and where each output kept this way lies."""
+    users = Counter(d for n in nodes for d in n.deps)
+    drop: set[int] = set()
+    at: dict[int, int] = {}
+    for b, fid in written_back.items():
+        oid = fid - 1  # _evict emits the offload right before the free, which alone waits on it
+        if users[fid] == 0 and nodes[oid].kind == "offload" and users[oid] == 1:
+            drop.update((oid, fid))
+            at[b] = nodes[fid].offset
+    if not drop:
+        return nodes, at
+    cut = min(drop)  # the nodes before the first one dropped keep their ids and deps
+    new_id = {k: k for k in range(cut)}
+    out = nodes[:cut]
+    for n in nodes[cut:]:
+        if n.id in drop:
+            continue
+        new_id[n.id] = len(out)
+        out.append(replace(n, id=len(out), deps=tuple(new_id[d] for d in n.deps)))
+    return out, at
 
 
 def lower(tg: TaskGraph, order: list[int], options: LowerOptions) -> MemGraph:

@@ -11,7 +11,7 @@ overlaps compute throughout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from einpage.compiler.allocator import aligned
 from einpage.ir.taskgraph import TaskGraph
@@ -158,3 +158,69 @@ def choose_resident(tg: TaskGraph, order: list[int], budget: int) -> frozenset[i
             chosen.add(b.id)
             used += size
     return frozenset(chosen)
+
+
+def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequence[float],
+                   largest: int, roles: frozenset[str] = PERSISTENT_ROLES) -> frozenset[int]:
+    """Persistent blocks to keep resident within `budget` bytes, the streamed ones paced by the
+    pass's predicted compute time (`seconds`: each task's, by task id) rather than by bytes.
+
+    Let T be the pass's compute time, t(b) the compute before block b's first use and
+    S = (persistent bytes) - budget the bytes that must stream. Walking the blocks in order of
+    first use, b streams while the bytes streamed so far, b included, stay within S * t(b) / T
+    (half a block of slack): the link then carries the same share of S through every stretch of
+    the compute, never more than it could have fetched by then. So the first blocks stay
+    resident (t = 0: nothing could have been fetched, and compute starts at once while the link
+    fetches what follows), and streamed blocks are spread evenly in time, not in bytes: a layer
+    that computes long hides more streaming than one that computes briefly. Blocks above
+    `largest` bytes stay resident (their prefetch would need that much room free at once, which
+    the pass near its activation peak does not have: the lm_head of an 8B model is 1 GB); if the
+    walk streams less than S, it is walked again with a proportionally faster pace, and what
+    still exceeds `budget` streams from the end. Only blocks of `roles` are candidates."""
+    first: dict[int, int] = {}
+    for p, tid in enumerate(order):
+        for b in tg.tasks[tid].reads:
+            first.setdefault(b, p)
+    clock = [0.0]
+    for tid in order:
+        clock.append(clock[-1] + seconds[tid])
+    total = clock[-1]
+    blocks = sorted((b for b in tg.input_blocks if b.role in roles),
+                    key=lambda b: (first.get(b.id, len(order)), b.id))
+    sizes = [aligned(b.bytes) for b in blocks]
+    at = [clock[first.get(b.id, len(order))] for b in blocks]
+    must = sum(sizes) - max(0, budget)
+    if must <= 0:
+        return frozenset(b.id for b in blocks)
+    rate = must / total if total > 0 else float("inf")
+    for _ in range(8):
+        streamed, kept = 0, []
+        for b, size, t in zip(blocks, sizes, at):
+            if streamed < must and size <= largest and streamed + size <= rate * t + size / 2:
+                streamed += size
+            else:
+                kept.append((b.id, size))
+        if streamed >= must or rate == float("inf"):
+            break
+        rate *= must / max(streamed, 1)
+    used = sum(size for _, size in kept)
+    chosen = dict(kept)
+    for b, size in reversed(kept):
+        if used <= budget:
+            break
+        del chosen[b]
+        used -= size
+    return frozenset(chosen)
+
+
+def weights_first(tg: TaskGraph, order: list[int], budget: int, seconds: Sequence[float],
+                  largest: int) -> frozenset[int]:
+    """A paced resident set of `budget` bytes that keeps weights before KV-store blocks: for a
+    host budget that cannot hold every streamed block. The runtime keeps the whole KV store in
+    host memory whichever blocks the device holds, so a resident KV block saves link bytes only,
+    while a resident weight saves the same link bytes and its place in host memory too, which
+    would otherwise be read from disk."""
+    weights = paced_resident(tg, order, budget, seconds, largest, frozenset({"weight"}))
+    used = sum(aligned(tg.blocks[b].bytes) for b in weights)
+    return weights | paced_resident(tg, order, budget - used, seconds, largest,
+                                    frozenset({"cache"}))

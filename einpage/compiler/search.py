@@ -1,7 +1,8 @@
 """The compiler's search: which look-ahead window and which resident weights make the fastest
 plan. Each candidate is a `Trial`: one lowering, simulated on the device profile; `Trials`
-keeps them and drops the plans that can no longer win. `search_resident` probes shares of the
-resident room; `best` picks the winner (least makespan, then least traffic, then least memory)."""
+keeps them and drops the plans that can no longer win. `search_room` probes how much of the
+budget a paced resident set leaves to the pass (`climb`: a unimodal search on a grid); `best` picks the winner (least makespan, then least
+traffic, then least memory)."""
 from __future__ import annotations
 
 import functools
@@ -22,10 +23,13 @@ from einpage.units import format_size
 AUTO_SHARES = (1 / 512, 1 / 128, 1 / 32, 1 / 8)
 AUTO_MAX_TASKS = 50_000
 AUTO_TOLERANCE = 0.005  # makespans within 0.5% of the best count as equal; the least peak wins
-# When the first plan spills activations or its efficiency is below RESIDENT_SEARCH_BELOW, shares
-# of the resident room on this grid are searched as well (and every weight, where they all fit).
-RESIDENT_SHARES = (1, 3 / 4, 1 / 2, 1 / 4, 0)
-RESIDENT_SEARCH_BELOW = 0.98
+# When the first plan spills activations or runs below RESIDENT_SEARCH_BELOW of the problem's
+# bound at its partition (compute, or the bytes no plan can avoid streaming), paced
+# resident sets (`resident.paced_resident`) leaving these shares of the budget to the pass beside
+# its activation peak are searched as well, from ROOM_START (and every weight, where they fit).
+RESIDENT_SEARCH_BELOW = 0.97
+ROOM_SHARES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45)
+ROOM_START = 0.05
 
 
 @dataclass(frozen=True)
@@ -91,21 +95,26 @@ class Trials:
         return best(self.items)
 
 
-def search_resident(trial_at: Callable[[float], Trial], first: Trial) -> None:
-    """Search the share of the resident room on the RESIDENT_SHARES grid, from the first plan
-    (share 1). The makespan falls as fewer resident weights leave the pass more room, until the
-    extra streaming binds: it is taken as unimodal in the share. Probe the middle; if it beats
-    the first plan the best share may lie on either side of it, else it lies before it. Then
-    climb to the better neighbour while that improves, and stop once a plan spills nothing and
-    runs within AUTO_TOLERANCE of its compute time (the same for every share, unlike the h2d
-    term of each plan's own bound, so no other share can beat it by more than the tolerance):
-    two or three lowerings instead of five."""
-    shares = RESIDENT_SHARES
-    seen = {0: first}
+def search_room(trial_at: Callable[[float], Trial]) -> None:
+    """Search the room a paced resident set leaves for the pass beside its activation peak, as
+    a share of the budget on the ROOM_SHARES grid (`resident.paced_resident`): little room
+    streams the fewest bytes but leaves the prefetch none to work ahead in; much room the
+    reverse. Unimodal like the resident share: start at ROOM_START and `climb`."""
+    climb(len(ROOM_SHARES), ROOM_SHARES.index(ROOM_START), lambda i: trial_at(ROOM_SHARES[i]))
+
+
+def climb(count: int, start: int, trial_at: Callable[[int], Trial],
+          seen: dict[int, Trial] | None = None) -> None:
+    """Minimise the makespan over grid points 0..count-1, taken as unimodal: probe `start`; if
+    a point in `seen` (known already) beats it, climb towards it, else probe both neighbours
+    and climb to the better while that improves by more than AUTO_TOLERANCE. Stop once a plan spills nothing and runs
+    within AUTO_TOLERANCE of its compute time (the same for every point, unlike the h2d term of
+    each plan's own bound, so no other point can beat it by more than the tolerance)."""
+    seen = dict(seen or {})
 
     def makespan(i: int) -> float:
         if i not in seen:
-            seen[i] = trial_at(shares[i])
+            seen[i] = trial_at(i)
         return seen[i].simulation.makespan_s
 
     def done(i: int) -> bool:
@@ -113,12 +122,18 @@ def search_resident(trial_at: Callable[[float], Trial], first: Trial) -> None:
         return (t.spill_bytes == 0
                 and t.simulation.makespan_s <= (1 + AUTO_TOLERANCE) * t.simulation.compute_s)
 
-    i = len(shares) // 2
-    steps = (1, -1) if makespan(i) < makespan(0) else (-1,)
+    i = start
+    makespan(i)
+    known = [j for j in seen if j != i and makespan(j) < makespan(i)]
+    if known:  # a point known already beats the start: the best lies towards it
+        j = min(known, key=makespan)
+        steps: tuple[int, ...] = (1 if j > i else -1,)
+    else:
+        steps = (1, -1)
     while not done(i):
         for step in steps:
             j = i + step
-            if 0 <= j < len(shares) and makespan(j) < makespan(i):
+            if 0 <= j < count and makespan(j) < makespan(i) * (1 - AUTO_TOLERANCE):
                 i, steps = j, (step,)  # unimodal: keep going this way
                 break
         else:

@@ -1,0 +1,95 @@
+"""Which persistent blocks stay on the device: the paced resident set, weights before the KV
+store, and the search over the room they leave (einpage.compiler.resident, .search)."""
+from __future__ import annotations
+
+import pytest
+
+from einpage.compiler import CompileOptions, compile_graph
+from einpage.compiler.allocator import aligned
+from einpage.compiler.order import memory_aware_order
+from einpage.compiler.partitioner import PartitionOptions, partition
+from einpage.compiler.resident import paced_resident, weights_first
+from einpage.ir import GraphBuilder
+from einpage.ir.validator import validate
+from einpage.predict.cost import task_seconds
+from einpage.predict.devices import get_device
+
+
+def _chain(layers: int = 8, kv: bool = False, n: int = 64):
+    """x @ w0 @ w1 ... (each weight one block); with `kv`, each layer also reads a cache block."""
+    g = GraphBuilder()
+    x = g.input("x", (n, n))
+    for layer in range(layers):
+        w = g.input(f"w{layer}", (n, n), role="weight")
+        x = g.einsum("ab,bc->ac", x, w)
+        if kv:
+            c = g.input(f"cache{layer}", (n, n), role="cache")
+            x = g.einsum("ab,bc->ac", x, c)
+    g.output("y", x)
+    tg = partition(g.build(), PartitionOptions(1 << 20))
+    order = memory_aware_order(tg)
+    return tg, order, tuple(task_seconds(get_device("h100-pcie"), tg))
+
+
+def _first_use(tg, order):
+    first = {}
+    for p, tid in enumerate(order):
+        for b in tg.tasks[tid].reads:
+            first.setdefault(b, p)
+    return first
+
+
+def _bytes(tg, blocks):
+    return sum(aligned(tg.blocks[b].bytes) for b in blocks)
+
+
+@pytest.mark.parametrize("keep", [0, 1, 3, 5, 8])
+def test_paced_resident_keeps_the_first_blocks_and_streams_what_must_stream(keep):
+    tg, order, seconds = _chain()
+    weights = sorted((b.id for b in tg.input_blocks if b.role == "weight"),
+                     key=_first_use(tg, order).get)
+    size = aligned(tg.blocks[weights[0]].bytes)
+    chosen = paced_resident(tg, order, keep * size, seconds, largest=size)
+    assert _bytes(tg, chosen) <= keep * size
+    assert len(chosen) == keep  # streams exactly what the budget leaves out
+    if 0 < keep < len(weights):
+        assert weights[0] in chosen  # nothing could have been fetched before the first use
+    if 1 < keep < len(weights) - 1:
+        streamed = [b for b in weights if b not in chosen]
+        # spread over the pass: not bunched at its end
+        assert min(weights.index(b) for b in streamed) < len(weights) - len(streamed)
+
+
+def test_paced_resident_keeps_blocks_too_large_to_prefetch():
+    tg, order, seconds = _chain()
+    weights = sorted((b.id for b in tg.input_blocks if b.role == "weight"),
+                     key=_first_use(tg, order).get)
+    size = aligned(tg.blocks[weights[0]].bytes)
+    assert paced_resident(tg, order, 4 * size, seconds, largest=size - 1) == frozenset(
+        weights[:4])  # none may stream by pace: the budget alone sends the last ones
+
+
+def test_weights_first_keeps_weights_before_the_kv_store():
+    tg, order, seconds = _chain(kv=True)
+    weights = {b.id for b in tg.input_blocks if b.role == "weight"}
+    cache = {b.id for b in tg.input_blocks if b.role == "cache"}
+    size = aligned(tg.blocks[min(weights)].bytes)
+    chosen = weights_first(tg, order, (len(weights) + 2) * size, seconds, largest=size)
+    assert weights <= chosen and len(chosen & cache) == 2
+    chosen = weights_first(tg, order, 3 * size, seconds, largest=size)
+    assert len(chosen) == 3 and chosen <= weights
+
+
+def test_a_paged_plan_leaves_its_last_output_on_the_device():
+    """The output's write-back is dropped where no later block takes its bytes: the pass ends
+    without that copy, and the plan still validates."""
+    g = GraphBuilder()
+    x = g.input("x", (64, 64))
+    for layer in range(8):
+        x = g.einsum("ab,bc->ac", x, g.input(f"w{layer}", (64, 64), role="weight"))
+    g.output("y", x)
+    compiled = compile_graph(g.build(), CompileOptions(4 * 16384 + 4096, block_bytes=1 << 20))
+    mg = compiled.memgraph
+    assert compiled.report.traffic.reload_count > 0  # it streams
+    assert [o.at for o in mg.outputs] == ["device"] and mg.count("offload") == 0
+    assert validate(mg).proven  # raises if it is not a valid plan
