@@ -126,6 +126,15 @@ def pass_reserve(needs: PassNeeds) -> int:
     return needs.activation_peak + needs.max_working_set + 2 * needs.max_task_weights
 
 
+def first_reads(tg: TaskGraph, order: list[int]) -> dict[int, int]:
+    """Each block some task reads -> the position in `order` of the first task that reads it."""
+    first: dict[int, int] = {}
+    for p, tid in enumerate(order):
+        for b in tg.tasks[tid].reads:
+            first.setdefault(b, p)
+    return first
+
+
 def choose_resident(tg: TaskGraph, order: list[int], budget: int) -> frozenset[int]:
     """Persistent blocks (weights, KV) to keep resident within `budget` bytes, spread evenly over
     the pass.
@@ -135,10 +144,7 @@ def choose_resident(tg: TaskGraph, order: list[int], budget: int) -> frozenset[i
     blocks are interleaved with resident ones from the first layer to the last: the host->device
     engine has work from the start of the pass to its end while resident layers compute, instead
     of idling through a resident head (or the compute stream idling through a streamed tail)."""
-    first = {}
-    for p, tid in enumerate(order):
-        for b in tg.tasks[tid].reads:
-            first.setdefault(b, p)
+    first = first_reads(tg, order)
     weights = sorted((b for b in tg.input_blocks if b.role in PERSISTENT_ROLES),
                      key=lambda b: (first.get(b.id, len(order)), b.id))
     total = sum(aligned(b.bytes) for b in weights)
@@ -177,10 +183,7 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
     the pass near its activation peak does not have: the lm_head of an 8B model is 1 GB); if the
     walk streams less than S, it is walked again with a proportionally faster pace, and what
     still exceeds `budget` streams from the end. Only blocks of `roles` are candidates."""
-    first: dict[int, int] = {}
-    for p, tid in enumerate(order):
-        for b in tg.tasks[tid].reads:
-            first.setdefault(b, p)
+    first = first_reads(tg, order)
     clock = [0.0]
     for tid in order:
         clock.append(clock[-1] + seconds[tid])
