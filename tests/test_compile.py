@@ -211,9 +211,37 @@ def test_climb_finds_the_best_point_of_a_unimodal_makespan(makespans, known, pro
         calls.append(i)
         return _fake_trial(makespans[i], 1.0)
 
-    climb(len(makespans), 2, trial_at, {i: _fake_trial(makespans[i], 1.0) for i in known})
+    stop = climb(len(makespans), 2, trial_at,
+                 {i: _fake_trial(makespans[i], 1.0) for i in known})
     assert calls == probed
     assert min([*known, *calls], key=lambda i: makespans[i]) == best
+    if not known:
+        assert stop == best  # the point it returns is the best it probed
+
+
+@pytest.mark.parametrize("makespans", [
+    (5.0, 4.5, 4.0, 3.5, 3.6), (5.0, 4.5, 4.0, 4.2, 4.4), (5.0, 3.5, 4.0, 4.2, 4.4),
+    (3.0, 3.1, 3.3, 3.6, 4.0), (4.0, 4.0, 4.0, 4.0, 4.0)])
+@pytest.mark.parametrize("slack", [0.0, 0.3, 1.0])
+def test_a_lower_bound_skips_probes_but_not_the_path(makespans, slack):
+    """`bound_at` is a true lower bound (the makespan less `slack`): a neighbour it rules out
+    is not lowered, and the climb stops at the same point as without it."""
+    from einpage.compiler.search import climb
+
+    def run(bound_at):
+        calls = []
+
+        def trial_at(i):
+            calls.append(i)
+            return _fake_trial(makespans[i], 1.0)
+
+        return climb(len(makespans), 2, trial_at, bound_at=bound_at), calls
+
+    plain, every = run(None)
+    bounded, some = run(lambda i: makespans[i] - slack)
+    assert bounded == plain and set(some) <= set(every)
+    if slack == 0.0:  # an exact bound: only the points the climb moves to are lowered
+        assert all(makespans[j] < makespans[i] for i, j in zip(some, some[1:]))
 
 
 def test_climb_stops_at_compute_time_unless_the_plan_spills():
@@ -243,5 +271,5 @@ def test_search_room_probes_the_room_grid_from_its_start():
         shares.append(share)
         return _fake_trial(1.0 + abs(share - 0.2), 1.0)  # best at 0.2 of the budget
 
-    search_room(trial_at)
+    assert search_room(trial_at) == 0.2
     assert shares[0] == ROOM_START and 0.2 in shares and set(shares) <= set(ROOM_SHARES)

@@ -93,3 +93,29 @@ def test_a_paged_plan_leaves_its_last_output_on_the_device():
     assert compiled.report.traffic.reload_count > 0  # it streams
     assert [o.at for o in mg.outputs] == ["device"] and mg.count("offload") == 0
     assert validate(mg).proven  # raises if it is not a valid plan
+
+
+def test_a_finer_partition_tries_only_what_won_the_coarser_one(monkeypatch):
+    """A streaming pass with small activations is also partitioned finer (`driver.FINER`); the
+    finer partition lowers the policy's set and the coarser partition's winner, not the whole
+    search again (each probe is a lowering)."""
+    from einpage.compiler import search
+    g = GraphBuilder()
+    x = g.input("x", (8, 2048))
+    for layer in range(8):
+        x = g.einsum("ab,bc->ac", x, g.input(f"w{layer}", (2048, 2048), role="weight"))
+    g.output("y", x)
+    runs: dict[int, int] = {}
+    real = search.Trials.run
+
+    def run(self, resident, window):
+        runs[len(self.tg.tasks)] = runs.get(len(self.tg.tasks), 0) + 1
+        return real(self, resident, window)
+
+    monkeypatch.setattr(search.Trials, "run", run)
+    compiled = compile_graph(g.build(), CompileOptions(device_bytes=80 << 20))
+    coarse, *finer = sorted(runs)  # a finer partition has more tasks
+    assert finer, runs  # the ladder was climbed
+    assert runs[coarse] >= 3  # searched: the policy's set and paced sets
+    assert all(runs[n] <= 2 for n in finer), runs
+    assert validate(compiled.memgraph).proven

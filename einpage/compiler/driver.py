@@ -102,7 +102,7 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             if planned.rung.block != rungs[-1].block:  # searched no further: bound only
                 rungs.append(_rung(graph, options, block))
                 continue
-            finer = _plan(graph, options, block)
+            finer = _plan(graph, options, block, planned.won)
             rungs.append(finer.rung)
             best = planned.trials.best().simulation.makespan_s
             if finer.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
@@ -165,12 +165,19 @@ class _Rung(NamedTuple):
     compute_s: float
 
 
+class _Won(NamedTuple):
+    """What won a partition's search: a paced resident set leaving the pass `share` of the
+    budget as room, or (None) the policy's own set or every weight."""
+    share: float | None
+
+
 class _Planned(NamedTuple):
     tg: TaskGraph
     needs: PassNeeds
     fits: bool            # everything stays on the device: nothing streams
     trials: search.Trials
     rung: _Rung
+    won: _Won             # which resident set won its search
 
 
 def _rung(graph: Graph, options: CompileOptions, block: int) -> _Rung:
@@ -183,9 +190,10 @@ def _rung(graph: Graph, options: CompileOptions, block: int) -> _Rung:
                  sum(seconds))
 
 
-def _plan(graph: Graph, options: CompileOptions, block: int) -> _Planned:
+def _plan(graph: Graph, options: CompileOptions, block: int,
+          coarser: _Won | None = None) -> _Planned:
     """Partition for `block`-byte working sets, order, choose the resident set, and search the
-    lowerings."""
+    lowerings (or, given what won on a `coarser` partition of the same pass, try that alone)."""
     policy = get_policy(options.policy)
     profile = options.device or get_device(DEFAULT_DEVICE)
     tg = partition(graph, PartitionOptions(block, options.cuts, options.sources,
@@ -200,9 +208,9 @@ def _plan(graph: Graph, options: CompileOptions, block: int) -> _Planned:
                            options.progress)
     rung = _Rung(block, needs.max_working_set, min_stream_bytes(tg, order, options.device_bytes),
                  sum(seconds))
-    _search(trials, options, needs, residency, seconds,
-            max(rung.compute_s, rung.min_stream_bytes / profile.h2d_bandwidth))
-    return _Planned(tg, needs, fits, trials, rung)
+    won = _search(trials, options, needs, residency, seconds,
+                  max(rung.compute_s, rung.min_stream_bytes / profile.h2d_bandwidth), coarser)
+    return _Planned(tg, needs, fits, trials, rung, won)
 
 
 def _key(trial: search.Trial) -> tuple[float, int]:
@@ -229,19 +237,48 @@ def _lower_options(options: CompileOptions, policy: Policy, fits: bool,
 
 
 def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
-            residency: Residency, seconds: tuple[float, ...], bound_s: float) -> None:
+            residency: Residency, seconds: tuple[float, ...], bound_s: float,
+            coarser: _Won | None = None) -> _Won:
     """The first plan with the policy's resident weights; if it spills activations or runs
     below RESIDENT_SEARCH_BELOW of the partition's bound (`bound_s`), every weight (where they
-    fit) and paced resident sets leaving the pass more or less room beside its activation
-    peak (`search.search_room`), weighed by makespan; then the other look-ahead windows with
-    the best resident set."""
+    fit) and paced resident sets leaving the pass more or less room beside its activation peak
+    (`search.search_room`), weighed by makespan; then the other look-ahead windows with the best
+    resident set. Given what won on a `coarser` partition of the same pass, only the policy's
+    set and that winner are tried instead of the search (a finer partition moves the optimum
+    little, and each probe is a lowering). Returns what won."""
     tg, order = trials.tg, trials.order
     windows = search.windows(options.auto_lookahead, options.lookahead_seconds, sum(seconds),
                              len(tg.tasks))
-    resident, room = residency.blocks, residency.room
-    first = trials.run(resident, windows[0])
-    if room > 0 and (first.spill_bytes > 0
-                     or bound_s < search.RESIDENT_SEARCH_BELOW * first.simulation.makespan_s):
+    budget = options.device_bytes
+    shares: dict[frozenset, float] = {}  # a paced trial's resident set -> its room share
+    sets: dict[float, frozenset] = {}    # room share -> its paced resident set
+    read = {b for t in tg.tasks for b in t.reads}
+    persistent = {b for b in persistent_blocks(tg) if b in read}
+    streamed_all = sum(tg.blocks[b].bytes for b in persistent)
+
+    def paced_set(at: float) -> frozenset:
+        if at not in sets:
+            sets[at] = paced_resident(tg, order, int(budget - needs.activation_peak - at * budget),
+                                      seconds, max(1, int(at * budget / 2)))
+        return sets[at]
+
+    def paced(at: float) -> search.Trial:
+        trial = trials.run(paced_set(at), windows[0])
+        shares.setdefault(trial.resident, at)
+        return trial
+
+    def bound(at: float) -> float:
+        """No plan of `at`'s set beats its compute or the link time of the persistent bytes
+        it leaves off the device."""
+        kept = sum(tg.blocks[b].bytes for b in paced_set(at) if b in persistent)
+        return max(sum(seconds), (streamed_all - kept) / trials.profile.h2d_bandwidth)
+
+    first = trials.run(residency.blocks, windows[0])
+    if coarser is not None:
+        if residency.room > 0 and coarser.share is not None:
+            paced(coarser.share)
+    elif residency.room > 0 and (first.spill_bytes > 0 or bound_s < search.RESIDENT_SEARCH_BELOW
+                                 * first.simulation.makespan_s):
         # The resident weights crowd the activations (they spill) or the prefetch (compute
         # waits), or the streaming starts late (no layer is resident before the first streamed
         # one) or bunches up: weigh other resident sets against the streaming, by makespan.
@@ -250,13 +287,11 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
             trials.try_run(everything, windows[0])
         # Paced resident sets (the streaming spread over the compute, the first blocks and
         # the large ones resident) leaving the pass a share of the budget beside its peak.
-        budget = options.device_bytes
-        search.search_room(lambda share: trials.run(paced_resident(
-            tg, order, int(budget - needs.activation_peak - share * budget), seconds,
-            max(1, int(share * budget / 2))), windows[0]))
-        resident = trials.best().resident
+        search.search_room(paced, bound)
+    resident = trials.best().resident
     for window in windows[1:]:
         trials.run(resident, window)
+    return _Won(shares.get(trials.best().resident))
 
 
 def _default_lookahead(trials: search.Trials, best: search.Trial,

@@ -27,7 +27,7 @@ AUTO_TOLERANCE = 0.005  # makespans within 0.5% of the best count as equal; the 
 # bound at its partition (compute, or the bytes no plan can avoid streaming), paced
 # resident sets (`resident.paced_resident`) leaving these shares of the budget to the pass beside
 # its activation peak are searched as well, from ROOM_START (and every weight, where they fit).
-RESIDENT_SEARCH_BELOW = 0.97
+RESIDENT_SEARCH_BELOW = 0.96
 ROOM_SHARES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45)
 ROOM_START = 0.05
 
@@ -95,21 +95,31 @@ class Trials:
         return best(self.items)
 
 
-def search_room(trial_at: Callable[[float], Trial]) -> None:
+def search_room(trial_at: Callable[[float], Trial],
+                bound_at: Callable[[float], float] | None = None) -> float:
     """Search the room a paced resident set leaves for the pass beside its activation peak, as
     a share of the budget on the ROOM_SHARES grid (`resident.paced_resident`): little room
     streams the fewest bytes but leaves the prefetch none to work ahead in; much room the
-    reverse. Unimodal like the resident share: start at ROOM_START and `climb`."""
-    climb(len(ROOM_SHARES), ROOM_SHARES.index(ROOM_START), lambda i: trial_at(ROOM_SHARES[i]))
+    reverse. Unimodal like the resident share: start at ROOM_START and `climb` (`bound_at`: a
+    lower bound on a share's makespan, to skip probes that cannot move the climb). Returns the
+    best share probed."""
+    best = climb(len(ROOM_SHARES), ROOM_SHARES.index(ROOM_START),
+                 lambda i: trial_at(ROOM_SHARES[i]),
+                 bound_at=None if bound_at is None else lambda i: bound_at(ROOM_SHARES[i]))
+    return ROOM_SHARES[best]
 
 
 def climb(count: int, start: int, trial_at: Callable[[int], Trial],
-          seen: dict[int, Trial] | None = None) -> None:
+          seen: dict[int, Trial] | None = None,
+          bound_at: Callable[[int], float] | None = None) -> int:
     """Minimise the makespan over grid points 0..count-1, taken as unimodal: probe `start`; if
     a point in `seen` (known already) beats it, climb towards it, else probe both neighbours
     and climb to the better while that improves by more than AUTO_TOLERANCE. Stop once a plan spills nothing and runs
     within AUTO_TOLERANCE of its compute time (the same for every point, unlike the h2d term of
-    each plan's own bound, so no other point can beat it by more than the tolerance)."""
+    each plan's own bound, so no other point can beat it by more than the tolerance). A
+    neighbour whose lower bound (`bound_at`) already misses the improvement is not probed: the
+    climb takes the same path with fewer lowerings. Returns the point it stopped at: the best
+    it probed on its way."""
     seen = dict(seen or {})
 
     def makespan(i: int) -> float:
@@ -133,11 +143,17 @@ def climb(count: int, start: int, trial_at: Callable[[int], Trial],
     while not done(i):
         for step in steps:
             j = i + step
-            if 0 <= j < count and makespan(j) < makespan(i) * (1 - AUTO_TOLERANCE):
+            if not 0 <= j < count:
+                continue
+            goal = makespan(i) * (1 - AUTO_TOLERANCE)
+            if j not in seen and bound_at is not None and bound_at(j) >= goal:
+                continue
+            if makespan(j) < goal:
                 i, steps = j, (step,)  # unimodal: keep going this way
                 break
         else:
-            return
+            return i
+    return i
 
 
 def windows(auto: bool, seconds: float | None, compute_s: float,
