@@ -23,8 +23,8 @@ from einpage.compiler.policies import Policy, Residency, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
 from einpage.compiler.resident import (PassNeeds, choose_resident, everything_fits,
                                        memory_lower_bound, min_stream_bytes, paced_resident,
-                                       pass_needs, persistent_blocks, weights_first,
-                                       working_set)
+                                       pass_needs, persistent_blocks, streamed_bytes,
+                                       weights_first, working_set)
 from einpage.compiler.tiers import Tiered, place_tiers
 from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError, PlanError
@@ -252,9 +252,6 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
     budget = options.device_bytes
     shares: dict[frozenset, float] = {}  # a paced trial's resident set -> its room share
     sets: dict[float, frozenset] = {}    # room share -> its paced resident set
-    read = {b for t in tg.tasks for b in t.reads}
-    persistent = {b for b in persistent_blocks(tg) if b in read}
-    streamed_all = sum(tg.blocks[b].bytes for b in persistent)
 
     def paced_set(at: float) -> frozenset:
         if at not in sets:
@@ -270,8 +267,8 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
     def bound(at: float) -> float:
         """No plan of `at`'s set beats its compute or the link time of the persistent bytes
         it leaves off the device."""
-        kept = sum(tg.blocks[b].bytes for b in paced_set(at) if b in persistent)
-        return max(sum(seconds), (streamed_all - kept) / trials.profile.h2d_bandwidth)
+        return max(sum(seconds),
+                   streamed_bytes(tg, paced_set(at)) / trials.profile.h2d_bandwidth)
 
     first = trials.run(residency.blocks, windows[0])
     if coarser is not None:

@@ -94,11 +94,16 @@ def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int) -> int:
     at p must come back before its last use. The device holds at most `device_bytes` at p, so the
     resident bytes are at most `device_bytes - (A(p) - spilled)`, and the bytes copied in are at
     least `(P - resident) + spilled >= P + A(p) - device_bytes`, at the p where A peaks."""
-    read = {b for t in tg.tasks for b in t.reads}
-    persistent = sum(b.bytes for b in tg.input_blocks
-                     if b.role in PERSISTENT_ROLES and b.id in read)
     produced = produced_peak(tg, order, outputs_stay=False, size=int)
-    return max(0, persistent + produced - device_bytes)
+    return max(0, streamed_bytes(tg) + produced - device_bytes)
+
+
+def streamed_bytes(tg: TaskGraph, resident: frozenset[int] = frozenset()) -> int:
+    """The raw bytes of the persistent blocks that some task reads and `resident` leaves off the
+    device: each crosses the link at least once per pass."""
+    read = {b for t in tg.tasks for b in t.reads}
+    return sum(b.bytes for b in tg.input_blocks
+               if b.role in PERSISTENT_ROLES and b.id in read and b.id not in resident)
 
 
 def memory_lower_bound(tg: TaskGraph, resident: frozenset[int]) -> int:

@@ -67,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 from bisect import bisect_right
 from dataclasses import dataclass
+from typing import Callable
 
 from einpage.errors import PlanError
 from einpage.ir.memgraph import (ALIGNMENT, HOST_ALIGNMENT, ApplyNode, FreeNode, InputNode,
@@ -318,6 +319,25 @@ class _Checker:
             host_arena_bytes=self.mg.host_arena_bytes)
 
     # ------------------------------------------------------------ messages
+    def _occupy(self, arena: _Arena, node, inst: _Instance, doing: Callable[[], str],
+                live: Callable[[_Instance], str], held: Callable[[_Instance], str],
+                ended: str, edge: str) -> None:
+        """Make `inst` the occupant of its bytes in `arena` (the device arena or host staging):
+        each previous occupant must have ended, and the node that ended it (`ended` its bytes)
+        must be an ancestor of `node`, the `edge`-reuse edge. `doing` says what `node` does;
+        `live` and `held` name a previous occupant: the messages of the two failures, formatted
+        only on failure (this runs once per instance of a plan of millions of nodes)."""
+        previous = arena.claim(inst.offset, inst.offset + inst.nbytes, inst)
+        for occ in previous:
+            if occ.ender is None:
+                self._fail(node, f"{doing()}, which overlaps {live(occ)}")
+        missing = self.ancestry.missing([occ.ender for occ in previous], node.id)
+        if missing:
+            occ = next(o for o in previous if o.ender == missing[0])
+            self._fail(node, f"{doing()}, bytes last held by {held(occ)}, but "
+                             f"{self._kind(occ.ender)}, which {ended} them, is not an ancestor "
+                             f"(a missing {edge}-reuse edge)")
+
     def _fail(self, node: MemNode, message: str):
         raise self.mg.error(node.id, f"node %{node.id} ({node.kind}): {message}")
 
@@ -397,20 +417,11 @@ class _Checker:
             self._fail(node, f"creates a new instance of {self._name(t)}, but the end of its "
                              f"previous instance, {self._kind(ended)}, is not an ancestor")
         inst = _Instance(self.instances, t, offset, nbytes, node.id)
-        previous = self.arena.claim(offset, offset + nbytes, inst)
-        for occ in previous:
-            if occ.ender is None:
-                self._fail(node, f"writes {self._name(t)} at [{offset}, {offset + nbytes}), which "
-                                 f"overlaps live {self._name(occ.tensor)} at [{occ.offset}, "
-                                 f"{occ.offset + occ.nbytes}) (created by "
-                                 f"{self._kind(occ.creator)})")
-        missing = self.ancestry.missing([occ.ender for occ in previous], node.id)
-        if missing:
-            occ = next(o for o in previous if o.ender == missing[0])
-            self._fail(node, f"writes {self._name(t)} at [{offset}, {offset + nbytes}), bytes last "
-                             f"held by {self._name(occ.tensor)} {_at(occ.offset)}, but "
-                             f"{self._kind(occ.ender)}, which freed them, is not an ancestor "
-                             f"(a missing memory-reuse edge)")
+        self._occupy(self.arena, node, inst,
+                     lambda: f"writes {self._name(t)} at [{offset}, {offset + nbytes})",
+                     lambda o: f"live {self._name(o.tensor)} at [{o.offset}, "
+                               f"{o.offset + o.nbytes}) (created by {self._kind(o.creator)})",
+                     lambda o: f"{self._name(o.tensor)} {_at(o.offset)}", "freed", "memory")
         self.live[t] = inst
         self.instances += 1
         return inst
@@ -474,19 +485,12 @@ class _Checker:
                              "yet consumed")
         inst = _Instance(self.buffers, t, at, nbytes, node.id)
         self.buffers += 1
-        previous = self.host_arena.claim(at, at + nbytes, inst)
-        for occ in previous:
-            if occ.ender is None:
-                self._fail(node, f"reads {self._name(t)} into host [{at}, {at + nbytes}), which "
-                                 f"overlaps the live staging buffer of {self._name(occ.tensor)} "
-                                 f"at [{occ.offset}, {occ.offset + occ.nbytes}) (filled by "
-                                 f"{self._kind(occ.creator)})")
-        missing = self.ancestry.missing([occ.ender for occ in previous], node.id)
-        if missing:
-            occ = next(o for o in previous if o.ender == missing[0])
-            self._fail(node, f"reads {self._name(t)} into host [{at}, {at + nbytes}), bytes last "
-                             f"held by {self._name(occ.tensor)}, but {self._kind(occ.ender)}, "
-                             "which consumed them, is not an ancestor (a missing host-reuse edge)")
+        self._occupy(self.host_arena, node, inst,
+                     lambda: f"reads {self._name(t)} into host [{at}, {at + nbytes})",
+                     lambda o: f"the live staging buffer of {self._name(o.tensor)} at "
+                               f"[{o.offset}, {o.offset + o.nbytes}) (filled by "
+                               f"{self._kind(o.creator)})",
+                     lambda o: self._name(o.tensor), "consumed", "host")
         self.staged[t] = inst
         self.traffic["read"][0] += 1
         self.traffic["read"][1] += nbytes
