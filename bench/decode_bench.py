@@ -19,7 +19,7 @@ import time
 
 from einpage.compiler import CompileOptions, compile_graph
 from einpage.forecast import forecast_generation
-from einpage.models import llama
+from einpage.models import llama, schema
 from einpage.models.config import preset
 from einpage.predict import get_device
 
@@ -56,7 +56,7 @@ def flexgen(models, batches, devices, budget: int) -> list[dict]:
 def llama7b_b16(budget: int) -> dict:
     cfg = preset("llama-7b")
     graph = llama.decode_graph(cfg).bind(B=16, C=2048)
-    sources = {name: llama.hf_tensor(name) for name in llama.weight_shapes(cfg)}
+    sources = {name: schema.hf_tensor(name) for name in schema.weight_shapes(cfg)}
     t0 = time.perf_counter()
     compiled = compile_graph(graph, CompileOptions(budget, sources=sources))
     wall = time.perf_counter() - t0

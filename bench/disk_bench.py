@@ -31,7 +31,7 @@ import numpy as np
 
 from einpage.compiler import CompileOptions, compile_graph
 from einpage.forecast import forecast_generation
-from einpage.models import llama, resolve
+from einpage.models import llama, resolve, schema
 from einpage.models.config import preset
 from einpage.predict import get_device, with_overrides
 
@@ -53,7 +53,7 @@ def tiers(report) -> dict:
 def predict_rows(models, hosts, disks, devices, gpu: int):
     for model in models:
         cfg = preset(model)
-        sources = {name: llama.hf_tensor(name) for name in llama.weight_shapes(cfg)}
+        sources = {name: schema.hf_tensor(name) for name in schema.weight_shapes(cfg)}
         graph = llama.prefill_graph(cfg).bind(B=1, S=2048)
         for device in devices:
             for host in hosts:

@@ -15,7 +15,7 @@ import time
 
 from einpage.compiler import CompileOptions, compile_graph
 from einpage.forecast import forecast_generation
-from einpage.models import llama
+from einpage.models import llama, schema
 from einpage.models.config import preset
 from einpage.predict import get_device
 
@@ -27,7 +27,7 @@ FAMILY_PRESETS = ("llama3.1-8b", "llama3.1-70b", "llama3.2-1b", "llama3.2-3b", "
 def prefill_row(model: str, budget: int, seq: int, profile) -> dict:
     cfg = preset(model)
     graph = llama.prefill_graph(cfg).bind(B=1, S=seq)
-    sources = {name: llama.hf_tensor(name) for name in llama.weight_shapes(cfg)}
+    sources = {name: schema.hf_tensor(name) for name in schema.weight_shapes(cfg)}
     t0 = time.perf_counter()
     c = compile_graph(graph, CompileOptions(budget, device=profile, sources=sources))
     wall = time.perf_counter() - t0

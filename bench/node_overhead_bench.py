@@ -49,7 +49,7 @@ import numpy as np
 
 from einpage.compiler import CompileOptions, compile_graph
 from einpage.ir.memgraph import InputNode, MemGraph
-from einpage.models import llama, resolve
+from einpage.models import llama, resolve, schema
 from einpage.runtime.backends.null import NullBackend
 from einpage.runtime.stream_executor import StreamSession
 from einpage.runtime.streams import QUEUES, StreamProgram, compile_streams
@@ -71,7 +71,7 @@ def compiled_plan(name: str, cache: Path) -> MemGraph:
     cfg, _ = resolve(model)
     graph = (llama.prefill_graph(cfg).bind(B=batch, S=size) if phase == "prefill"
              else llama.decode_graph(cfg).bind(B=batch, C=size))
-    sources = {w: llama.hf_tensor(w) for w in llama.weight_shapes(cfg)}
+    sources = {w: schema.hf_tensor(w) for w in schema.weight_shapes(cfg)}
     t0 = time.perf_counter()
     mg = compile_graph(graph, CompileOptions(BUDGET, sources=sources)).memgraph
     print(f"# compiled {name} in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from einpage.compiler import CompileOptions, Compiled, compile_graph
 from einpage.errors import InputError
-from einpage.models import llama
+from einpage.models import llama, schema
 from einpage.models.config import LlamaConfig
 from einpage.models.kvstore import GRANULE, bucket_steps
 from einpage.predict import DEFAULT_DEVICE, get_device
@@ -109,7 +109,7 @@ def forecast_generation(cfg: LlamaConfig, batch: int, prompt: int, new_tokens: i
     if batch < 1 or prompt < 1 or new_tokens < 1:
         raise InputError(f"a generation needs batch, prompt and new tokens of at least 1, got "
                          f"{batch}, {prompt} and {new_tokens}")
-    sources = {name: llama.hf_tensor(name) for name in llama.weight_shapes(cfg)}
+    sources = {name: schema.hf_tensor(name) for name in schema.weight_shapes(cfg)}
     base = {"model": cfg.name, "batch": batch, "dtype": cfg.dtype.value}
 
     def compile_for(graph, **workload) -> Compiled:

@@ -198,11 +198,11 @@ def plan_weights(mg: MemGraph, checkpoint) -> WeightSource:
     was compiled from (`meta["weights_dtype"]`), in that dtype. A `CheckpointError` names the
     first tensor that differs."""
     from einpage.errors import CheckpointError
-    from einpage.models import llama
+    from einpage.models import schema
     planned = {t.name: t for t in mg.inputs if t.role == "weight"}
     sources = {t.source.input: t.source.checkpoint for t in mg.tensors
                if t.source is not None and t.source.input in planned}
-    model = llama.weight_shapes(checkpoint.config)
+    model = schema.weight_shapes(checkpoint.config)
     made_for = mg.meta.get("weights_dtype")
     where = checkpoint.directory
     for name, want in planned.items():  # in the plan's order: the first that differs is named

@@ -339,8 +339,16 @@ CASES = [
     C("inspect-plan-read-of-another-block", "inspect {tmp}/bad.json", "but task",
       _plan_json(_swap_first_reads)),
     C("inspect-plan-storage-format", "inspect {tmp}/bad.json",
-      "the plan uses storage formats (a tensor's storage), which this einpage does not run",
+      "the plan uses storage format 'q3_k', which this einpage does not run",
+      _plan_json(lambda d: d["tensors"][0].__setitem__(
+          "storage", {"format": "q3_k", "group": 256, "span": 1}))),
+    C("inspect-plan-storage-malformed", "inspect {tmp}/bad.json", "expected {format, group, span}",
       _plan_json(lambda d: d["tensors"][0].__setitem__("storage", {"format": "q4_0"}))),
+    C("inspect-plan-storage-size", "inspect {tmp}/bad.json", "cannot be stored as q8_0",
+      _plan_json(lambda d: d["tensors"][0].__setitem__(
+          "storage", {"format": "q8_0", "group": 32, "span": 1}))),
+    C("compile-quantize-unknown", "compile tiny --gpu-mem 1MB --seq 4 --quantize q2",
+      "invalid choice: 'q2'"),
     C("compile-zero-budget", "compile tiny --gpu-mem 0 --seq 4", "must be positive"),
 
     # --- device profiles (test_cli_predict, issue 16)

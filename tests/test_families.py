@@ -22,7 +22,7 @@ from checkpoints import write_safetensors
 from einpage.compiler import CompileOptions
 from einpage.errors import CheckpointError, ModelError
 from einpage.ir.dtypes import DType
-from einpage.models import generation, llama, resolve
+from einpage.models import generation, llama, resolve, schema
 from einpage.models.config import PRESETS, preset
 from einpage.runners import PlanRunner
 from einpage.runtime import reference
@@ -275,21 +275,21 @@ def test_family_preset_parameters(name, billions, active):
     assert abs(cfg.parameters / 1e9 - billions) <= 0.01, cfg.parameters
     assert abs(cfg.active_parameters / 1e9 - active) <= 0.01
     graph = llama.prefill_graph(cfg)
-    shapes = llama.weight_shapes(cfg)
+    shapes = schema.weight_shapes(cfg)
     assert sum(int(np.prod(s)) for s in shapes.values()) == cfg.parameters
     assert {n.op.name for n in graph.inputs if n.op.name != "tokens"} == set(shapes)
 
 
 def test_family_tensor_names():
-    assert llama.hf_tensor("layers.2.bq") == "model.layers.2.self_attn.q_proj.bias"
-    assert llama.hf_tensor("layers.0.k_norm") == "model.layers.0.self_attn.k_norm.weight"
-    assert llama.hf_tensor("layers.1.router") == "model.layers.1.block_sparse_moe.gate.weight"
-    assert (llama.hf_tensor("layers.1.experts.7.w_up")
+    assert schema.hf_tensor("layers.2.bq") == "model.layers.2.self_attn.q_proj.bias"
+    assert schema.hf_tensor("layers.0.k_norm") == "model.layers.0.self_attn.k_norm.weight"
+    assert schema.hf_tensor("layers.1.router") == "model.layers.1.block_sparse_moe.gate.weight"
+    assert (schema.hf_tensor("layers.1.experts.7.w_up")
             == "model.layers.1.block_sparse_moe.experts.7.w3.weight")
     qwen3 = preset("qwen3-8b")
-    assert llama.hf_shape(qwen3, "layers.0.wq") == (4096, 4096)   # 32 heads x 128
-    assert llama.hf_shape(qwen3, "layers.0.q_norm") == (128,)
-    assert llama.hf_shape(preset("qwen2.5-7b"), "layers.0.bk") == (512,)
+    assert schema.hf_shape(qwen3, "layers.0.wq") == (4096, 4096)   # 32 heads x 128
+    assert schema.hf_shape(qwen3, "layers.0.q_norm") == (128,)
+    assert schema.hf_shape(preset("qwen2.5-7b"), "layers.0.bk") == (512,)
     assert PRESETS["mistral-7b"].window(31) == 4096
 
 

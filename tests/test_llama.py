@@ -11,7 +11,7 @@ from checkpoints import write_checkpoint
 from einpage.errors import CheckpointError, InputError, ModelError
 from einpage.ir.dtypes import DType
 from einpage.ir.graph import Role
-from einpage.models import generation, llama, resolve
+from einpage.models import generation, llama, resolve, schema
 from einpage.models.config import PRESETS, preset
 from einpage.models.kvstore import KVStore
 from einpage.runtime import reference
@@ -96,7 +96,7 @@ def test_config_from_checkpoint(checkpoint):
                                     rope_theta=500.0, rms_eps=1e-5)))
     assert (cfg.heads, cfg.kv_heads, cfg.group, cfg.head_dim) == (4, 1, 4, 8)
     assert cfg.tied and cfg.rope_theta == 500.0 and cfg.rms_eps == 1e-5
-    assert "lm_head" not in llama.weight_shapes(cfg)
+    assert "lm_head" not in schema.weight_shapes(cfg)
 
 
 def test_bf16_checkpoint_runs_in_f32(checkpoint, record_error):
@@ -264,7 +264,7 @@ def test_large_graphs_build_and_verify(name):
     # the weight inputs are exactly the model's parameters
     weights = [node for node in bound.inputs if node.op.role is Role.weight]
     assert sum(int(np.prod(node.shape)) for node in weights) == cfg.parameters
-    assert {node.op.name: node.shape for node in weights} == llama.weight_shapes(cfg)
+    assert {node.op.name: node.shape for node in weights} == schema.weight_shapes(cfg)
 
     decode = llama.decode_graph(cfg)
     assert {s.name for s in decode.symbols} == {"B", "C"}
@@ -280,12 +280,12 @@ def test_large_graphs_build_and_verify(name):
 
 def test_hf_tensor_names_and_shapes():
     cfg = preset("llama2-70b")
-    assert llama.hf_tensor("layers.3.wq") == "model.layers.3.self_attn.q_proj.weight"
-    assert llama.hf_tensor("layers.0.w_down") == "model.layers.0.mlp.down_proj.weight"
-    assert llama.hf_shape(cfg, "layers.0.wq") == (8192, 8192)
-    assert llama.hf_shape(cfg, "layers.0.wk") == (1024, 8192)
-    assert llama.hf_shape(cfg, "layers.0.wo") == (8192, 8192)
-    assert llama.hf_shape(cfg, "layers.0.w_up") == (28672, 8192)
+    assert schema.hf_tensor("layers.3.wq") == "model.layers.3.self_attn.q_proj.weight"
+    assert schema.hf_tensor("layers.0.w_down") == "model.layers.0.mlp.down_proj.weight"
+    assert schema.hf_shape(cfg, "layers.0.wq") == (8192, 8192)
+    assert schema.hf_shape(cfg, "layers.0.wk") == (1024, 8192)
+    assert schema.hf_shape(cfg, "layers.0.wo") == (8192, 8192)
+    assert schema.hf_shape(cfg, "layers.0.w_up") == (28672, 8192)
 
 
 # ------------------------------------------------------------------ resolve and token checks

@@ -137,10 +137,10 @@ def test_version_2_capabilities_not_built_are_named(plan, field, value, what):
         MemGraph.from_json(data)
 
 
-def test_storage_and_placement_are_named(plan):
+def test_placement_and_unknown_storage_formats_are_named(plan):
     data = plan.to_json()
-    data["tensors"][0]["storage"] = {"format": "q4_0", "group": 32}
-    with pytest.raises(PlanError, match="storage formats"):
+    data["tensors"][0]["storage"] = {"format": "q3_k", "group": 256, "span": 1}
+    with pytest.raises(PlanError, match="storage format 'q3_k', which this einpage does not run"):
         MemGraph.from_json(data)
     data = plan.to_json()
     next(n for n in data["nodes"] if n["kind"] == "apply")["on"] = "host"

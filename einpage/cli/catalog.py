@@ -29,8 +29,10 @@ def cmd_models(args) -> None:
     and shapes."""
     from einpage.ir.dtypes import DType
     from einpage.models.config import PRESETS
+    from einpage.models.schema import quantized
     print(f"{'name':<14} {'family':<8} {'params':>9} {'active':>8} {'f16 weights':>12} "
-          f"{'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} {'vocab':>7}  notes")
+          f"{'q8_0':>10} {'q4_0':>10} {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} "
+          f"{'vocab':>7}  notes")
     for cfg in PRESETS.values():
         notes = []
         if cfg.rope_scaling:
@@ -49,7 +51,10 @@ def cmd_models(args) -> None:
             notes.append(f"head_dim {cfg.head_dim}")
         line = (f"{cfg.name:<14} {cfg.family:<8} {_billions(cfg.parameters):>9} "
               f"{_billions(cfg.active_parameters):>8} "
-              f"{format_size(cfg.weight_bytes(DType.f16)):>12} {cfg.layers:>6} {cfg.hidden:>6} "
+              f"{format_size(cfg.weight_bytes(DType.f16)):>12} "
+              f"{format_size(quantized(cfg, 'q8_0').weight_bytes(DType.f16)):>10} "
+              f"{format_size(quantized(cfg, 'q4_0').weight_bytes(DType.f16)):>10} "
+              f"{cfg.layers:>6} {cfg.hidden:>6} "
               f"{cfg.heads:>5} {cfg.kv_heads:>3} {cfg.vocab:>7}  {', '.join(notes)}")
         print(line.rstrip())
 

@@ -193,6 +193,15 @@ HOST_MARGIN_SHARE = 0.10
 HOST_MARGIN_MIN = 2 * 10**9
 
 
+def add_quantize_arg(p) -> None:
+    from einpage.ir.storage import FORMATS, WRITABLE
+    p.add_argument("--quantize", choices=WRITABLE,
+                   help="keep every matrix weight in a block format, quantized block by block "
+                        "as the plan reads it (rounded as GGUF's quantizer rounds): " +
+                        "; ".join(f"{n} {FORMATS[n].bits:g} bits ({FORMATS[n].layout})"
+                                  for n in WRITABLE))
+
+
 def add_host_args(p) -> None:
     p.add_argument("--cpu-mem", help="host memory budget: weight blocks kept in (pinned) host "
                                      "memory, offloaded blocks, the KV store and the staging "

@@ -10,8 +10,8 @@ from typing import TextIO
 
 import numpy as np
 
-from einpage.cli.common import (POLICY_HELP, add_host_args, check_budget, host_budget, check_context, input_from_args,
-                                load_plan,
+from einpage.cli.common import (POLICY_HELP, add_host_args, add_quantize_arg, check_budget,
+                                check_context, host_budget, input_from_args, load_plan,
                                 report_logits, write_text)
 from einpage.cli.outputs import Deferred, OutputPath
 from einpage.errors import InputError
@@ -51,6 +51,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="allow a --gpu-mem above the memory of --device (a warning)")
     add_host_args(p)
+    add_quantize_arg(p)
     p.add_argument("--policy", help=POLICY_HELP + "; needs --gpu-mem")
     p.add_argument("--backend", default="auto", choices=("auto", "numpy", "threads", "cupy",
                                                           "reference"),
@@ -174,7 +175,8 @@ def _resolve(args):
     if args.seed is not None and args.seed < 0:
         raise InputError(f"--seed must be >= 0, got {args.seed}")
     cfg, weights = resolve(args.model, random_weights=args.random_weights,
-                           seed=args.seed if args.seed is not None else 0, dtype=dtype)
+                           seed=args.seed if args.seed is not None else 0, dtype=dtype,
+                           quantize=getattr(args, "quantize", None))
     if weights is None:
         raise InputError(f"{args.model}: a preset has no weights; pass --random-weights or a "
                          "checkpoint directory")

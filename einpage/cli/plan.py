@@ -5,8 +5,8 @@ import json
 import re
 import sys
 
-from einpage.cli.common import (POLICY_HELP, add_device_args, add_host_args, host_budget, check_budget, load_plan,
-                                profile_from_args,
+from einpage.cli.common import (POLICY_HELP, add_device_args, add_host_args, add_quantize_arg,
+                                check_budget, host_budget, load_plan, profile_from_args,
                                 write_text)
 from einpage.cli.outputs import Deferred, OutputPath
 from einpage.cli.report import print_report
@@ -43,6 +43,7 @@ def add_commands(sub) -> None:
     c.add_argument("--dtype", choices=["f16", "bf16", "f32"],
                    help="dtype of the weights and activations the plan holds (default: the "
                         "model's; a bf16 checkpoint is planned in f32, as run computes it)")
+    add_quantize_arg(c)
     c.add_argument("--policy", default="reuse-distance", help=POLICY_HELP)
     c.add_argument("--block-bytes", help="target working set of one task (default: budget/8)")
     c.add_argument("--lookahead", help="how far prefetch runs ahead of execution: bytes (2GB), "
@@ -87,15 +88,18 @@ def lookahead_options(text: str | None) -> dict:
 def graph_from_args(args):
     """(config, bound graph, checkpoint sources, tokens per pass, workload) of the plan asked
     for."""
-    from einpage.models import llama, resolve
+    from einpage.models import llama, resolve, schema
     from einpage.models.kvstore import capacity_for
-    cfg, checkpoint = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None)
+    cfg, checkpoint = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None,
+                              quantize=args.quantize)
     seq = DEFAULT_SEQ if args.seq is None else args.seq
     for name, value in (("--batch", args.batch), ("--seq", seq)):
         if value < 1:
             raise InputError(f"{name} must be at least 1, got {value}")
     workload = {"model": cfg.name, "phase": args.phase, "batch": args.batch,
                 "dtype": cfg.dtype.value}
+    if args.quantize:
+        workload["quantize"] = args.quantize
     if args.phase == "prefill":
         if args.past is not None or args.capacity is not None:
             raise InputError("--past and --capacity describe a decode step: add --phase decode")
@@ -118,7 +122,7 @@ def graph_from_args(args):
         graph = llama.decode_graph(cfg).bind(B=args.batch, C=capacity)
         tokens = args.batch
         workload.update(seq=1, past=past, capacity=capacity, tokens=tokens)
-    sources = {name: llama.hf_tensor(name) for name in llama.weight_shapes(cfg)}
+    sources = {name: schema.hf_tensor(name) for name in schema.weight_shapes(cfg)}
     if checkpoint is not None:  # the dtype its files hold: `run plan --checkpoint` checks it
         stored = {checkpoint.checkpoint.tensors[hf].dtype.value for hf in sources.values()}
         if len(stored) == 1:

@@ -31,9 +31,11 @@ def report_lines(r: PlanReport, source: str | None = None) -> list[str]:
     lines += _time_lines(r)
     lines += _memory_lines(r)
     if c is not None:
-        lines.append(f"  weights {_gb(c.weight_bytes)}: resident {_gb(c.resident_bytes)} (loaded "
-                     f"once, kept on the device), streamed {_gb(c.streamed_weight_bytes)} each "
-                     "pass")
+        formats = (" (" + ", ".join(f"{name} {_gb(n)}" for name, n in c.weight_formats) + ")"
+                   if c.weight_formats else "")
+        lines.append(f"  weights {_gb(c.weight_bytes)}{formats}: resident {_gb(c.resident_bytes)} "
+                     f"(loaded once, kept on the device), streamed {_gb(c.streamed_weight_bytes)} "
+                     "each pass")
         if c.kv_bytes:
             lines.append(f"  KV store {_gb(c.kv_bytes)}: resident {_gb(c.kv_resident_bytes)}, "
                          f"streamed {_gb(c.kv_streamed_bytes)} each step")

@@ -161,9 +161,11 @@ class _OpArrays:
         return ws.astype(float), row.astype(float), p.prod(axis=1).astype(float)
 
 
-def choose_class_parts(ops: list[CutOp], block_bytes: int) -> dict[int, int]:
+def choose_class_parts(ops: list[CutOp], block_bytes: int,
+                       max_parts: dict[int, int] | None = None) -> dict[int, int]:
     """Parts per axis class (powers of two) so that every op's working set fits `block_bytes`
-    where cuts can achieve it (see the module docstring)."""
+    where cuts can achieve it (see the module docstring); a class in `max_parts` is cut into at
+    most that many (the whole groups of a quantized weight's rows)."""
     if not ops:
         return {}
     classes = sorted({k for op in ops for k in op.cls.values()})
@@ -173,6 +175,8 @@ def choose_class_parts(ops: list[CutOp], block_bytes: int) -> dict[int, int]:
     class_size = np.full(pad + 1, 1, np.int64)
     for k in range(pad):
         class_size[k] = arr.size[arr.cls == k].min()
+        if max_parts and classes[k] in max_parts:
+            class_size[k] = min(class_size[k], max(1, max_parts[classes[k]]))
     contracting = np.zeros(pad + 1, bool)
     contracting[np.unique(arr.cls[~arr.kept])] = True
     contracting[pad] = False

@@ -336,4 +336,17 @@ def _figures(planned: _Planned, best: search.Trial, rungs: list[_Rung],
         tasks_per_second=round(len(tg.tasks) / elapsed, 1) if elapsed > 0 else None,
         lookahead=lookahead(best.window), lookahead_makespan_s=best.simulation.makespan_s,
         default_lookahead_makespan_s=default_makespan,
-        trials=summaries)
+        trials=summaries, weight_formats=_weight_formats(tg))
+
+
+def _weight_formats(tg: TaskGraph) -> tuple[tuple[str, int], ...]:
+    """Bytes of the weight blocks per storage format (unpacked ones under their dtype), largest
+    first; () where no weight is packed."""
+    per: dict[str, int] = {}
+    for b in tg.blocks:
+        if b.role == "weight":
+            key = b.storage.format if b.storage is not None else b.dtype.value
+            per[key] = per.get(key, 0) + b.bytes
+    if not any(b.storage is not None for b in tg.blocks):
+        return ()
+    return tuple(sorted(per.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -406,7 +406,7 @@ class _Lowering:
             else:
                 outputs.append(OutputRef(b, "host", None, o.name, o.origin))
         tensors = tuple(TensorInfo(b.id, b.bytes, b.dtype, b.shape, b.name, b.role, b.source,
-                                   block=b.id) for b in tg.blocks)
+                                   block=b.id, storage=b.storage) for b in tg.blocks)
         return MemGraph(self.opt.device_bytes, tensors, tuple(nodes), tuple(outputs),
                         tg.inputs, tg.results, graph=tg)
 

@@ -97,8 +97,9 @@ class _Partitioner:
                                 self.opt.sources.get(node.op.name))
             bid = len(self.blocks)
             suffix = f"[{','.join(map(str, coords))}]" if coords else ""
+            storage = node.op.storage if isinstance(node.op, Input) else None
             self.blocks.append(Block(bid, node.id, origin, shape, node.dtype, role, base + suffix,
-                                     source))
+                                     source, storage))
             grid.blocks[coords] = bid
         self.grids[(node.id, bounds)] = grid
         return grid
@@ -216,7 +217,10 @@ class _Partitioner:
             items = [self.g.nodes[i].dtype.itemsize for i in node.inputs] + [node.dtype.itemsize]
             ops.append(CutOp(node.id, sizes, cls, tuple(zip((*terms, out_term), items)),
                              frozenset(out_term)))
-        self.class_parts = choose_class_parts(ops, self.opt.block_bytes)
+        self._plan_groups()
+        limits = {k: size // q for k, (q, size) in self.quantum.items()}
+        limits.update({k: 1 for k in self.whole})
+        self.class_parts = choose_class_parts(ops, self.opt.block_bytes, limits)
         # The einsum and gather tasks alone, counted before any is made: fail in a second, not
         # after building a million tasks.
         planned = 0
@@ -227,6 +231,30 @@ class _Partitioner:
                 planned += math.prod(self._class_parts(node, self._gather_letters(node)[0]).values())
         if planned > self.opt.max_tasks:
             raise self._too_many(f"{planned} planned")
+
+    def _plan_groups(self) -> None:
+        """Where quantized weights constrain the cuts: the first axis of each one's packed row
+        is cut at multiples of its quantum (whole groups), the axes after it not at all."""
+        self.quantum: dict[int, tuple[int, int]] = {}  # class -> (cut quantum, its extent)
+        self.whole: set[int] = set()
+        for node in self.g.nodes:
+            st = node.op.storage if isinstance(node.op, Input) else None
+            if st is None:
+                continue
+            k = len(node.shape) - st.span
+            cls = self.classes.of(node.id, k)
+            q, size = self.quantum.get(cls, (1, node.shape[k]))
+            self.quantum[cls] = (math.lcm(q, st.quantum(tuple(node.shape))), size)
+            self.whole.update(self.classes.of(node.id, d) for d in range(k + 1, len(node.shape)))
+
+    def _bounds(self, cls: int | None, size: int, parts: int) -> tuple[int, ...]:
+        """Even cut points of an axis of class `cls`, at whole groups where that is needed."""
+        q = self.quantum.get(cls, (1, 0))[0] if cls is not None else 1
+        if cls in self.whole:
+            parts = 1
+        if q == 1 or not size:
+            return even_bounds(size, parts)
+        return tuple(q * b for b in even_bounds(size // q, parts))
 
     def _einsum_letters(self, node: Node):
         """Index letter -> (size, axis class), the operand terms and the output term."""
@@ -265,8 +293,9 @@ class _Partitioner:
         op: Einsum = node.op
         spec: EinsumSpec = op.spec
         sizes = spec.sizes([self.g.nodes[i].shape for i in node.inputs])
-        parts = self._class_parts(node, self._einsum_letters(node)[0])
-        bounds = {c: even_bounds(sizes[c], parts[c]) for c in sizes}
+        letters = self._einsum_letters(node)[0]
+        parts = self._class_parts(node, letters)
+        bounds = {c: self._bounds(letters[c][1], sizes[c], parts[c]) for c in sizes}
         out = self._produce(node, tuple(bounds[c] for c in spec.output))
         grids = [self.layout(i, tuple(bounds[c] for c in term))
                  for i, term in zip(node.inputs, spec.inputs)]
@@ -338,8 +367,9 @@ class _Partitioner:
         rest = "".join(chr(ord("A") + k) for k in range(len(table.shape) - 1))
         idx = "".join(chr(ord("a") + k) for k in range(len(ids.shape)))
         sizes = dict(zip("V" + rest, table.shape)) | dict(zip(idx, ids.shape))
-        parts = self._class_parts(node, self._gather_letters(node)[0])
-        bounds = {c: even_bounds(sizes[c], parts[c]) for c in sizes}
+        letters = self._gather_letters(node)[0]
+        parts = self._class_parts(node, letters)
+        bounds = {c: self._bounds(letters[c][1], sizes[c], parts[c]) for c in sizes}
         out = self._produce(node, tuple(bounds[c] for c in idx + rest))
         tgrid = self.layout(table.id, tuple(bounds[c] for c in "V" + rest))
         igrid = self.layout(ids.id, tuple(bounds[c] for c in idx))
@@ -370,7 +400,8 @@ class _Partitioner:
                 break
             d = max(cands, key=lambda d: (-(-node.shape[d] // parts[d]), -d))
             parts[d] *= 2
-        return tuple(axis_bounds if d == fixed_axis else even_bounds(s, parts[d])
+        return tuple(axis_bounds if d == fixed_axis else
+                     self._bounds(self.classes.of(node.id, d), s, parts[d])
                      for d, s in enumerate(node.shape))
 
     def _axis_bounds(self, extent: int, item_bytes_per_row: int) -> tuple[int, ...]:

@@ -88,6 +88,8 @@ class CompileFigures:
     lookahead_makespan_s: float | None = None  # the search's makespan with `lookahead` ...
     default_lookahead_makespan_s: float | None = None  # ... and with the default, to compare
     trials: tuple[TrialSummary, ...] = ()
+    #: bytes of the weights per storage format, largest first (() where none is quantized)
+    weight_formats: tuple[tuple[str, int], ...] = ()
 
     @property
     def min_budget_bytes(self) -> int:
@@ -232,7 +234,8 @@ class PlanReport:
         if self.compiled is not None:
             c = self.compiled
             out.update({f.name: getattr(c, f.name) for f in fields(CompileFigures)
-                        if f.name != "trials"})
+                        if f.name not in ("trials", "weight_formats")})
+            out["weight_formats"] = dict(c.weight_formats)
             if c.trials:
                 out["trials"] = [{f.name: getattr(t, f.name) for f in fields(TrialSummary)}
                                  for t in c.trials]

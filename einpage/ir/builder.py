@@ -27,6 +27,7 @@ from einpage.ir.dtypes import DType, as_dtype
 from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
                               Role, Size, Slice, check_not_empty, verify_node)
 from einpage.ir.spec import EinsumSpec
+from einpage.ir.storage import Storage
 
 #: Size a symbol is assumed to have when only a path choice depends on it.
 PATH_HINT_SIZE = 512
@@ -90,10 +91,26 @@ class GraphBuilder:
         return Tensor(self, node.id)
 
     # ------------------------------------------------------------------ nodes
-    def input(self, name: str, shape, dtype="f32", role: Union[Role, str] = "activation") -> Tensor:
+    def input(self, name: str, shape, dtype="f32", role: Union[Role, str] = "activation",
+              storage: Storage | None = None) -> Tensor:
+        """A graph input; a weight may be kept in a block format (`storage`), its rows the
+        trailing `storage.span` axes."""
         if any(isinstance(n.op, Input) and n.op.name == name for n in self._nodes):
             raise GraphError(f"input {name!r} defined twice")
-        return self._add(Input(name, Role(role)), (), shape, dtype)
+        role = Role(role)
+        if storage is not None:
+            if role is not Role.weight:
+                raise GraphError(f"input {name!r}: only weights take a storage format "
+                                 f"({storage.format} given to a {role.value})")
+            shape = tuple(_size(s) for s in shape)
+            if not all(isinstance(s, int) for s in shape):
+                raise GraphError(f"input {name!r}: a {storage.format} weight needs a concrete "
+                                 f"shape, got {list(shape)}")
+            why = storage.fits(shape)
+            if why:
+                raise GraphError(f"input {name!r} {list(shape)}: cannot be stored as "
+                                 f"{storage.format}: {why}")
+        return self._add(Input(name, role, storage), (), shape, dtype)
 
     def einsum(self, spec: str, *operands: Tensor, join: JoinLike = None,
                agg: str | None = None, dtype=None) -> Tensor:

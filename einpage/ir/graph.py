@@ -16,6 +16,7 @@ from einpage.errors import GraphError, ShapeError, SpecError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType
 from einpage.ir.spec import EinsumSpec
+from einpage.ir.storage import Storage
 
 Size = Union[int, sympy.Expr]
 
@@ -30,6 +31,9 @@ class Role(enum.Enum):
 class Input:
     name: str
     role: Role
+    #: a weight kept in a block format (`einpage.ir.storage`): its bytes are packed; ops still
+    #: see the logical tensor of the node's shape and dtype
+    storage: Storage | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import gzip
 import json
-import math
 import threading
 import tokenize
 import zlib
@@ -31,6 +30,7 @@ from einpage.outputs import atomic_open
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.ir.ops import BlockOp, op_from_json, op_text
 from einpage.ir.provenance import graph_from_json, graph_hash, graph_json, json_int
+from einpage.ir.storage import Storage, storage_from_json, tensor_bytes
 from einpage.ir.taskgraph import TaskGraph
 from einpage.ir.tensors import LogicalTensor, Source
 
@@ -53,6 +53,7 @@ class TensorInfo:
     role: str = "activation"  # weight | activation | cache | temp
     source: Source | None = None
     block: int | None = None  # provenance: the block of the plan's graph this tensor is
+    storage: Storage | None = None  # packed weight bytes (`einpage.ir.storage`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +179,7 @@ class MemGraph:
         - its sequences are tuples (a plan is immutable, so a validation report stays true);
         - `device_bytes` is a positive int; `host_arena_bytes` a non-negative int;
         - `tensors[k].id == k`; every shape entry is a non-negative int; a tensor's `bytes` is
-          `prod(shape) * dtype.itemsize`;
+          `prod(shape) * dtype.itemsize`, or its packed size with a `storage`;
         - every node is one of the six kinds; `nodes[k].id == k`; every dep is an int id `< k`;
         - every tensor id a node or an output names exists.
 
@@ -198,10 +199,14 @@ class MemGraph:
                 raise PlanError(f"tensor %t{k}: id is {t.id}, expected its position {k}")
             if any(not isinstance(s, int) or s < 0 for s in t.shape):
                 raise PlanError(f"tensor %t{k} ({t.name}): bad shape {t.shape}")
-            expected = math.prod(t.shape) * t.dtype.itemsize
+            if t.storage is not None and t.storage.fits(t.shape):
+                raise PlanError(f"tensor %t{k} ({t.name}): cannot be stored as "
+                                f"{t.storage.format}: {t.storage.fits(t.shape)}")
+            expected = tensor_bytes(t.shape, t.dtype, t.storage)
             if t.bytes != expected:
+                packed = f" as {t.storage.format}" if t.storage is not None else ""
                 raise PlanError(f"tensor %t{k} ({t.name}): bytes is {t.bytes}, but "
-                                f"{t.dtype}{list(t.shape)} takes {expected}")
+                                f"{t.dtype}{list(t.shape)}{packed} takes {expected}")
         count = len(self.tensors)
         for k, node in enumerate(self.nodes):
             if not isinstance(node, _NODE_TYPES):
@@ -353,6 +358,9 @@ class MemGraph:
             section = graph_json(self.graph, _op_json)
             graph = {"graph": {"hash": graph_hash(section, inputs, results), **section}}
         proven = self.graph is not None
+        if not proven and any(t.storage is not None for t in self.tensors):
+            raise PlanError("a plan with storage formats is written as version 2, which "
+                            "carries the plan's graph; this plan has none")
         return {
             "format": FORMAT, "version": VERSION if proven else 1,
             "device_bytes": self.device_bytes, **host,
@@ -411,6 +419,9 @@ class MemGraph:
                                         results_json, _op_from, MALFORMED)
             where = "plan tensors"
             tensors = tuple(_tensor_from(t) for t in data["tensors"])
+            if version < 2 and any(t.storage is not None for t in tensors):
+                raise PlanError("a version 1 plan cannot hold storage formats (they came with "
+                                "version 2)")
             nodes = []
             for k, n in enumerate(data["nodes"]):
                 where = f"plan node {k}"
@@ -538,8 +549,6 @@ def _refuse_unbuilt(data: dict) -> None:
         raise TypeError("tensors and nodes must be lists")
     if "rank" in data or "world" in data:
         what = "several ranks (rank, world)"
-    elif any(isinstance(t, dict) and "storage" in t for t in tensors):
-        what = "storage formats (a tensor's storage)"
     else:
         for n in nodes:
             if isinstance(n, dict) and ("on" in n or "guard" in n):
@@ -557,6 +566,8 @@ def _tensor_json(t: TensorInfo) -> dict:
            "name": t.name, "role": t.role}
     if t.block is not None:
         out["block"] = t.block
+    if t.storage is not None:
+        out["storage"] = t.storage.to_json()
     if t.source is not None:
         out["source"] = {"input": t.source.input, "origin": list(t.source.origin),
                          "full_shape": list(t.source.full_shape),
@@ -573,7 +584,8 @@ def _tensor_from(d: dict) -> TensorInfo:
     dtype = d["dtype"]
     return TensorInfo(int(d["id"]), int(d["bytes"]), _DTYPES.get(dtype) or as_dtype(dtype),
                       tuple(map(int, d["shape"])), str(d.get("name", "")),
-                      str(d.get("role", "activation")), source, _opt_index(d.get("block")))
+                      str(d.get("role", "activation")), source, _opt_index(d.get("block")),
+                      storage_from_json(d.get("storage")))
 
 
 _DTYPES = {d.value: d for d in DType}  # a plan's dtype names, looked up without an Enum call

@@ -25,6 +25,7 @@ import json
 from einpage.errors import GraphError, PlanError
 from einpage.ir.dtypes import as_dtype
 from einpage.ir.ops import BlockOp
+from einpage.ir.storage import storage_from_json
 from einpage.ir.taskgraph import Block, OutputBlock, Task, TaskGraph
 from einpage.ir.tensors import LogicalTensor, Source
 
@@ -48,7 +49,8 @@ def graph_json(tg: TaskGraph, op_json) -> dict:
     return {
         "ops": op_list,
         "blocks": [[b.node, list(b.origin), list(b.shape), b.dtype.value, b.role, b.name,
-                    _source_json(b.source)] for b in tg.blocks],
+                    _source_json(b.source), *([b.storage.to_json()] if b.storage else [])]
+                   for b in tg.blocks],
         "tasks": tasks,
         "outputs": [[o.block, o.name, list(o.origin)] for o in tg.outputs],
     }
@@ -85,10 +87,16 @@ def graph_from_json(section: dict, inputs: tuple[LogicalTensor, ...],
             ops.append(op_from(d))
         where = "plan graph blocks"
         blocks = []
-        for k, (node, origin, shape, dtype, role, name, source) in enumerate(section["blocks"]):
+        for k, fields in enumerate(section["blocks"]):
             where = f"plan graph block {k}"
+            if not isinstance(fields, list) or len(fields) not in (7, 8):
+                raise ValueError(f"expected [node, origin, shape, dtype, role, name, source"
+                                 f"(, storage)], got {fields!r}")
+            node, origin, shape, dtype, role, name, source = fields[:7]
+            storage = storage_from_json(fields[7]) if len(fields) == 8 else None
             blocks.append(Block(k, json_int(node), _ints(origin), _ints(shape),
-                                as_dtype(dtype), str(role), str(name), _source_from(source)))
+                                as_dtype(dtype), str(role), str(name), _source_from(source),
+                                storage))
         where = "plan graph tasks"
         tasks = []
         for k, (node, stage, reads, write, accumulate, op) in enumerate(section["tasks"]):

@@ -7,13 +7,13 @@ contracted index is cut. Task ids are a topological order; `deps` derives the ed
 from __future__ import annotations
 
 import gc
-import math
 from dataclasses import dataclass
 from functools import cached_property
 
 from einpage.errors import GraphError
 from einpage.ir.dtypes import DType
 from einpage.ir.ops import BlockOp, op_text
+from einpage.ir.storage import Storage, tensor_bytes
 from einpage.ir.tensors import LogicalTensor, Source
 
 
@@ -27,10 +27,11 @@ class Block:
     role: str                    # weight | activation | cache | temp
     name: str
     source: Source | None = None  # set for blocks of graph inputs
+    storage: Storage | None = None  # a packed weight block (`einpage.ir.storage`)
 
     @property
     def bytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return tensor_bytes(self.shape, self.dtype, self.storage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +173,8 @@ def _renumbered(tg: TaskGraph, needed: bytearray, live: bytearray) -> TaskGraph:
         if needed[b.id]:
             k = new_id[b.id] = len(blocks)
             blocks.append(b if b.id == k else
-                          Block(k, b.node, b.origin, b.shape, b.dtype, b.role, b.name, b.source))
+                          Block(k, b.node, b.origin, b.shape, b.dtype, b.role, b.name, b.source,
+                                b.storage))
     tasks = []
     for t in tg.tasks:
         if live[t.id]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from einpage.ir.dtypes import DType
+from einpage.ir.storage import Storage
 
 
 #: Roles of inputs that persist from pass to pass (weights, the KV store): their blocks may stay
@@ -43,9 +44,11 @@ WeightSource = Callable[[str], Any]
 @dataclass(frozen=True, slots=True)
 class FileTensor:
     """Where a whole weight lies in a file, for the disk tier's reader: `path`, the byte `offset`
-    of its first element, the file's dtype, and its logical shape (C order). A `WeightSource`
-    that lies in files offers `locate(name) -> FileTensor`."""
+    of its first element, the file's dtype, and its logical shape (C order); with `storage`, the
+    file holds it packed in that format (`einpage.ir.storage`). A `WeightSource` that lies in
+    files offers `locate(name) -> FileTensor` (None for a weight not laid out so)."""
     path: Path
     offset: int
     dtype: DType
     shape: tuple[int, ...]
+    storage: "Storage | None" = None

@@ -18,7 +18,8 @@ top of that, this module proves:
 With the graph (`MemGraph.graph`, a `TaskGraph` whose own invariants `TaskGraph.verify` holds):
 
 2. **Tensors are blocks**: each tensor names a distinct block of the graph and has its shape,
-   dtype, role, name and checkpoint source; the plan's inputs and results are the graph's, and
+   dtype, role, name, checkpoint source and storage format (a packed block holds whole groups
+   of its weight's rows); the plan's inputs and results are the graph's, and
    only blocks of graph inputs enter by an `input` or a `read`.
 3. **Applies are tasks**: each task runs exactly once, as an `apply` that names it, reads the
    tensors of the task's blocks in the task's order, writes the tensor of its block,
@@ -208,6 +209,18 @@ def _check_tensors(mg: MemGraph, tg: TaskGraph) -> None:
         if t.source != blk.source:
             raise PlanError(f"tensor %t{t.id} ({t.name}) comes from {_src(t.source)}, but its "
                             f"block {b} ({blk.name}) comes from {_src(blk.source)}")
+        if t.storage != blk.storage:
+            raise PlanError(f"tensor %t{t.id} ({t.name}) is stored {_fmt(t.storage)}, but its "
+                            f"block {b} ({blk.name}) is stored {_fmt(blk.storage)}")
+        if t.storage is not None:  # whole groups of the weight's rows (PlanError if not)
+            if t.source is None:
+                raise PlanError(f"tensor %t{t.id} ({t.name}) is stored {_fmt(t.storage)} but "
+                                "is no input block")
+            t.storage.packed_box(t.source.origin, t.shape, t.source.full_shape)
+
+
+def _fmt(storage) -> str:
+    return "unpacked" if storage is None else f"as {storage.format} (span {storage.span})"
 
 
 def _src(s) -> str:

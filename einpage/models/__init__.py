@@ -7,11 +7,13 @@ from einpage.ir.dtypes import DType
 from einpage.models.config import PRESETS, LlamaConfig, preset
 
 
-def resolve(model: str, *, random_weights: bool = False, seed: int = 0, dtype: DType | None = None):
+def resolve(model: str, *, random_weights: bool = False, seed: int = 0, dtype: DType | None = None,
+            quantize: str | None = None):
     """`(config, weight source)` for a preset name (with `random_weights`) or a checkpoint
     directory. `weights` is None for a preset without `random_weights` (compile needs none).
     The computation dtype defaults to the checkpoint's, except that bf16 is computed in float32:
-    NumPy has no bf16 arithmetic."""
+    NumPy has no bf16 arithmetic. `quantize` (a storage format, `einpage.ir.storage.WRITABLE`)
+    keeps every matrix weight in that block format, quantized block by block as plans read it."""
     from einpage.errors import ModelError
     from einpage.models.checkpoint import Checkpoint, CheckpointWeights, RandomWeights
 
@@ -36,6 +38,14 @@ def resolve(model: str, *, random_weights: bool = False, seed: int = 0, dtype: D
         cfg = cfg.with_dtype(dtype)
     elif cfg.dtype is DType.bf16:
         cfg = cfg.with_dtype(DType.f32)
+    if quantize is not None:
+        from einpage.errors import InputError
+        from einpage.ir.storage import WRITABLE
+        from einpage.models.schema import quantized
+        if quantize not in WRITABLE:
+            raise InputError(f"--quantize {quantize!r}: einpage quantizes to "
+                             f"{', '.join(WRITABLE)}")
+        cfg = quantized(cfg, quantize)
     return cfg, weights
 
 

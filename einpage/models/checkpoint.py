@@ -20,7 +20,7 @@ import numpy as np
 
 from einpage.errors import CheckpointError, ModelError, SpecError
 from einpage.ir.dtypes import DType
-from einpage.models import llama
+from einpage.models import schema
 from einpage.models.config import FAMILIES, ModelConfig, RopeScaling
 
 _ST_DTYPES = {"F16": DType.f16, "BF16": DType.bf16, "F32": DType.f32, "F64": DType.f64,
@@ -271,26 +271,26 @@ class CheckpointWeights:
         self.config = checkpoint.config
 
     def __call__(self, name: str) -> np.ndarray:
-        hf = llama.hf_tensor(name)
+        hf = schema.hf_tensor(name)
         view = self.checkpoint.array(hf)
-        want = llama.hf_shape(self.config, name)
+        want = schema.hf_shape(self.config, name)
         if tuple(view.shape) != want:
             raise CheckpointError(f"{self.checkpoint.directory}: tensor {hf!r} has shape "
                                   f"{tuple(view.shape)}, expected {want}")
-        return view.reshape(llama.weight_shapes(self.config)[name])
+        return view.reshape(schema.weight_shapes(self.config)[name])
 
     def locate(self, name: str):
         """Where weight `name` lies in the files (`runtime.diskread.FileTensor`): the disk tier
         reads its blocks with `preadv` instead of through the memory map."""
         from einpage.ir.tensors import FileTensor
         self(name)  # checks the shape
-        ref = self.checkpoint.tensors[llama.hf_tensor(name)]
+        ref = self.checkpoint.tensors[schema.hf_tensor(name)]
         return FileTensor(ref.file, ref.offset, ref.dtype,
-                          tuple(llama.weight_shapes(self.config)[name]))
+                          tuple(schema.weight_shapes(self.config)[name]))
 
     def check(self) -> None:
         """Every weight the model needs is present with the right shape (reads no data)."""
-        for name in llama.weight_shapes(self.config):
+        for name in schema.weight_shapes(self.config):
             self(name)
 
 
@@ -304,7 +304,7 @@ class RandomWeights:
 
     def __init__(self, config: ModelConfig, seed: int = 0):
         self.config, self.seed = config, seed
-        self.shapes = llama.weight_shapes(config)
+        self.shapes = schema.weight_shapes(config)
 
     def __call__(self, name: str) -> "RandomArray":
         import zlib

@@ -63,6 +63,9 @@ class ModelConfig:
     experts: int = 0                           # Mixtral: experts per layer (0: dense FFN)
     experts_per_token: int = 0                 # top-k
     context: int | None = None                 # max_position_embeddings
+    #: weights kept quantized: (graph weight name, storage format) pairs, sorted by name
+    #: (`einpage.models.schema.quantized`); the others are stored in `dtype`
+    formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         for field in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads",
@@ -138,7 +141,10 @@ class ModelConfig:
         return self.parameters - self.layers * unused * 3 * self.hidden * self.intermediate
 
     def weight_bytes(self, dtype: DType | None = None) -> int:
-        return self.parameters * (dtype or self.dtype).itemsize
+        """Bytes of all weights in `dtype` (default: the config's), the quantized ones packed."""
+        from einpage.models.schema import weight_bytes_by_format
+        per = weight_bytes_by_format(self, dtype or self.dtype)
+        return sum(per.values())
 
     def with_dtype(self, dtype: DType) -> "ModelConfig":
         return replace(self, dtype=dtype)

@@ -9,8 +9,8 @@ Index letters, used in every spec below:
 
 A head's `head_dim` features are stored as (half, j) = (2, head_dim/2), so Hugging Face's
 rotate-half rotary embedding is one einsum with a (s, u, r, j) rotation table. Weights are graph
-inputs of these logical shapes; `hf_tensor` maps each to its checkpoint tensor (a reshape of the
-Hugging Face `[out, in]` matrix). The KV cache is `[b, t, n, 2, j]` per layer.
+inputs of these logical shapes (`einpage.models.schema`, whose `hf_tensor` maps each to its
+checkpoint tensor, a reshape of the Hugging Face `[out, in]` matrix). The KV cache is `[b, t, n, 2, j]` per layer.
 
 A decode step is one plan for every position: each row's position is an input `pos[b]`, and the
 rotary angles and the mask over the KV store are einsums of `pos` with index fills, so positions
@@ -47,76 +47,9 @@ from einpage.ir.builder import GraphBuilder, Tensor
 from einpage.ir.dtypes import DType
 from einpage.ir.graph import Graph
 from einpage.models.config import ModelConfig
+from einpage.models.schema import weight_shapes, weight_storage
 
 B, S, C = (scalar.size_symbol(n) for n in "BSC")
-
-
-def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Logical shape of every weight input, by graph input name."""
-    n, g, j, m, f = cfg.kv_heads, cfg.group, cfg.head_dim // 2, cfg.hidden, cfg.intermediate
-    shapes = {"embed": (cfg.vocab, m), "norm": (m,)}
-    if not cfg.tied:
-        shapes["lm_head"] = (cfg.vocab, m)
-    for layer in range(cfg.layers):
-        p = f"layers.{layer}."
-        shapes.update({p + "attn_norm": (m,), p + "wq": (n, g, 2, j, m), p + "wk": (n, 2, j, m),
-                       p + "wv": (n, 2, j, m), p + "wo": (m, n, g, 2, j), p + "ffn_norm": (m,)})
-        if cfg.qkv_bias:
-            shapes.update({p + "bq": (n, g, 2, j), p + "bk": (n, 2, j), p + "bv": (n, 2, j)})
-        if cfg.o_bias:
-            shapes[p + "bo"] = (m,)
-        if cfg.qk_norm:
-            shapes.update({p + "q_norm": (2, j), p + "k_norm": (2, j)})
-        if cfg.experts:
-            shapes[p + "router"] = (cfg.experts, m)
-            for e in range(cfg.experts):
-                shapes.update({f"{p}experts.{e}.w_gate": (f, m), f"{p}experts.{e}.w_up": (f, m),
-                               f"{p}experts.{e}.w_down": (m, f)})
-        else:
-            shapes.update({p + "w_gate": (f, m), p + "w_up": (f, m), p + "w_down": (m, f)})
-    return shapes
-
-
-_HF_LAYER = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
-             "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
-             "wo": "self_attn.o_proj.weight", "bq": "self_attn.q_proj.bias",
-             "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
-             "bo": "self_attn.o_proj.bias", "q_norm": "self_attn.q_norm.weight",
-             "k_norm": "self_attn.k_norm.weight", "ffn_norm": "post_attention_layernorm.weight",
-             "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
-             "w_down": "mlp.down_proj.weight", "router": "block_sparse_moe.gate.weight"}
-# Mixtral's experts: w1 is the gate projection, w3 the up projection, w2 the down projection
-_HF_EXPERT = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
-
-
-def hf_tensor(name: str) -> str:
-    """The Hugging Face checkpoint tensor holding graph weight `name`."""
-    if name == "embed":
-        return "model.embed_tokens.weight"
-    if name == "norm":
-        return "model.norm.weight"
-    if name == "lm_head":
-        return "lm_head.weight"
-    parts = name.split(".")
-    if len(parts) == 5:  # layers.<l>.experts.<e>.<w>
-        _, layer, _, expert, short = parts
-        return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_HF_EXPERT[short]}.weight"
-    _, layer, short = parts
-    return f"model.layers.{layer}.{_HF_LAYER[short]}"
-
-
-def hf_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
-    """The shape Hugging Face stores graph weight `name` in: `[out, in]` for a projection,
-    flat for a bias or a per-head norm."""
-    shape = weight_shapes(cfg)[name]
-    short = name.rsplit(".", 1)[-1]
-    if short in ("wq", "wk", "wv"):
-        return (math.prod(shape[:-1]), shape[-1])
-    if short == "wo":
-        return (shape[0], math.prod(shape[1:]))
-    if short in ("bq", "bk", "bv", "q_norm", "k_norm"):
-        return (math.prod(shape),)
-    return shape
 
 
 class _Llama:
@@ -130,9 +63,11 @@ class _Llama:
         self.pos: Tensor | None = None  # decode: each row's position, [B] int64
         self.masks: dict[int | None, Tensor] = {}  # by sliding window (None: causal)
         self.picks: dict[int, Tensor] = {}         # Mixtral: one-hot of each expert
+        self.storage = weight_storage(cfg)         # quantized weights
 
     def weight(self, name: str) -> Tensor:
-        return self.g.input(name, weight_shapes(self.cfg)[name], self.dt, role="weight")
+        return self.g.input(name, weight_shapes(self.cfg)[name], self.dt, role="weight",
+                            storage=self.storage.get(name))
 
     def rms_norm(self, x: Tensor, w: Tensor, spec: str = "bsm", over: str = "m") -> Tensor:
         """RMSNorm of `x` (indices `spec`) over the indices `over`, weighted by `w[over]`."""

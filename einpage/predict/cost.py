@@ -6,7 +6,9 @@ on matrix units (`matmul_flops`, 2 FLOPs per multiply-add); everything else (ele
 max/min aggregation, fills, gathers, copies) on vector units, one FLOP per operand per element of
 the join space. Bytes are every operand read once and the output written once (read and written
 when accumulating). A transfer costs its bytes over the link bandwidth plus the copy latency; a
-read from disk its bytes over the disk's read bandwidth plus its latency.
+read from disk its bytes over the disk's read bandwidth plus its latency. A packed (quantized)
+operand moves and is held as its packed bytes, and costs a dequantization kernel before the op
+(`apply_seconds`).
 """
 from __future__ import annotations
 
@@ -47,6 +49,24 @@ def op_seconds(profile: DeviceProfile, op: BlockOp, read_shapes, read_bytes: int
             + profile.launch_overhead)
 
 
+def apply_seconds(profile: DeviceProfile, op: BlockOp, reads: Sequence, write,
+                  accumulate: bool) -> float:
+    """`op_seconds` of an apply (or task) over tensor records (`.shape`, `.dtype`, `.bytes`,
+    `.storage`): a packed (quantized) read is first dequantized into workspace by a kernel of its
+    own (reading the packed bytes, writing the logical ones), and the op reads the logical
+    ones."""
+    unpack = sum((r.bytes + logical_bytes(r)) / profile.hbm_bandwidth + profile.launch_overhead
+                 for r in reads if r.storage is not None)
+    return unpack + op_seconds(profile, op, [r.shape for r in reads],
+                               sum(logical_bytes(r) for r in reads), write.shape, write.bytes,
+                               write.dtype.value, accumulate)
+
+
+def logical_bytes(record) -> int:
+    """The bytes of a tensor record in its logical dtype (packed or not)."""
+    return math.prod(record.shape) * record.dtype.itemsize
+
+
 def h2d_seconds(profile: DeviceProfile, nbytes: int) -> float:
     return nbytes / profile.h2d_bandwidth + profile.copy_latency
 
@@ -64,8 +84,6 @@ def task_seconds(profile: DeviceProfile, tg) -> list[float]:
     blocks = tg.blocks
     out = []
     for t in tg.tasks:
-        reads = [blocks[b] for b in t.reads]
-        w = blocks[t.write]
-        out.append(op_seconds(profile, t.op, [b.shape for b in reads], sum(b.bytes for b in reads),
-                              w.shape, w.bytes, w.dtype.value, t.accumulate))
+        out.append(apply_seconds(profile, t.op, [blocks[b] for b in t.reads], blocks[t.write],
+                                 t.accumulate))
     return out

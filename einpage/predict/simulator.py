@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph
-from einpage.predict.cost import d2h_seconds, disk_seconds, h2d_seconds, op_seconds
+from einpage.predict.cost import apply_seconds, d2h_seconds, disk_seconds, h2d_seconds
 from einpage.predict.devices import DeviceProfile
 
 ENGINES = ("compute", "h2d", "d2h", "disk")
@@ -61,12 +61,10 @@ def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
         if isinstance(n, ApplyNode):
             reads = [tensors[a.tensor] for a in n.reads]
             w = tensors[n.write.tensor]
-            key = (n.op, tuple(t.shape for t in reads), tuple(t.bytes for t in reads), w.shape,
+            key = (n.op, tuple((t.shape, t.bytes, t.dtype, t.storage) for t in reads), w.shape,
                    w.bytes, w.dtype, n.accumulate)
             if key not in priced:
-                priced[key] = op_seconds(profile, n.op, [t.shape for t in reads],
-                                         sum(t.bytes for t in reads), w.shape, w.bytes,
-                                         w.dtype.value, n.accumulate)
+                priced[key] = apply_seconds(profile, n.op, reads, w, n.accumulate)
             out.append(priced[key])
         elif n.kind == "reload":
             out.append(h2d_seconds(profile, tensors[n.tensor].bytes))

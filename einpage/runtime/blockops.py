@@ -14,14 +14,17 @@ from einpage.ir import scalar
 from einpage.ir.memgraph import Access, ApplyNode, TensorInfo
 from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text
 from einpage.runtime import kernels
+from einpage.runtime.quant import dequantize
 
 
 def apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],
                write: np.ndarray, release: Callable[[Access], None] | None = None) -> None:
     """Run an apply: store its value into `write`, releasing its consumed inputs (`frees`,
     whose bytes the write may take) with `release` first. A contraction computed in the write's
-    own dtype goes straight into the write (no temporary) where it overlaps no input."""
+    own dtype goes straight into the write (no temporary) where it overlaps no input. Packed
+    (quantized) reads are dequantized first, into fresh arrays of their logical shape."""
     op = n.op
+    reads = unpacked(n, tensors, reads)
     if (not n.accumulate and isinstance(op, EinsumOp) and op.dtype.compute == write.dtype
             and kernels.einsum_into(op.spec, op.join, op.agg, reads, write)):
         for a in n.frees if release is not None else ():
@@ -31,6 +34,20 @@ def apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.n
     for a in n.frees if release is not None else ():
         release(a)
     write[...] = result
+
+
+def unpacked(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray]
+             ) -> Sequence[np.ndarray]:
+    """`reads` with every packed weight block (`einpage.ir.storage`) dequantized into its
+    logical shape and dtype."""
+    if not any(tensors[a.tensor].storage is not None for a in n.reads):
+        return reads
+    out = []
+    for a, r in zip(n.reads, reads):
+        t = tensors[a.tensor]
+        out.append(r if t.storage is None else
+                   dequantize(r, t.storage, tuple(t.shape), t.dtype.numpy))
+    return out
 
 
 def apply_value(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],

@@ -79,25 +79,30 @@ class DiskReader:
         t = tensor_info(self.io.mg, tid)
         src = t.source
         where = self._locate(src.input) if src is not None and t.role == "weight" else None
-        if where is None or tuple(where.shape) != tuple(src.full_shape):
+        if (where is None or tuple(where.shape) != tuple(src.full_shape)
+                or where.storage != t.storage):  # converted (quantized) as the source reads it
             self.io.read_into(tid, out)
             return
-        itemsize = where.dtype.itemsize
-        starts, run = block_runs(tuple(where.shape), tuple(src.origin), tuple(t.shape), itemsize)
+        full, origin, shape = tuple(where.shape), tuple(src.origin), tuple(t.shape)
+        if t.storage is None:
+            itemsize, dtype, same = where.dtype.itemsize, where.dtype.numpy, where.dtype == t.dtype
+        else:  # packed bytes, as the file holds them
+            origin, shape = t.storage.packed_box(origin, shape, full)
+            full, itemsize, dtype, same = t.storage.packed_shape(full), 1, np.uint8, True
+        starts, run = block_runs(full, origin, shape, itemsize)
         starts = starts + where.offset
         fd = self._fd(where.path)
         raw = out.reshape(-1).view(np.uint8)
-        if where.dtype == t.dtype and len(starts) <= MAX_RUNS:
+        if same and len(starts) <= MAX_RUNS:
             for k, start in enumerate(starts):
                 self._pread(fd, raw[k * run:(k + 1) * run], int(start), where.path)
         else:
             lo, hi = int(starts[0]), int(starts[-1]) + run
             scratch = np.empty(hi - lo, dtype=np.uint8)
             self._pread(fd, scratch, lo, where.path)
-            full = tuple(where.shape)
             strides = tuple(math.prod(full[j + 1:]) * itemsize for j in range(len(full)))
-            block = np.lib.stride_tricks.as_strided(scratch.view(where.dtype.numpy),
-                                                    tuple(t.shape), strides, writeable=False)
+            block = np.lib.stride_tricks.as_strided(scratch.view(dtype), shape, strides,
+                                                    writeable=False)
             np.copyto(out, block, casting="unsafe")
 
     def _pread(self, fd: int, into: np.ndarray, offset: int, path: Path) -> None:

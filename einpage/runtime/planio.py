@@ -12,6 +12,7 @@ import numpy as np
 from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir.memgraph import InputNode, MemGraph, OutputRef, TensorInfo
 from einpage.ir.tensors import WeightSource
+from einpage.runtime.quant import dequantize, held_storage, quantize
 
 
 def tensor_info(mg: MemGraph, tid: int) -> TensorInfo:
@@ -20,14 +21,30 @@ def tensor_info(mg: MemGraph, tid: int) -> TensorInfo:
     return mg.tensors[tid]
 
 
+def stored(t: TensorInfo) -> tuple[np.dtype, tuple[int, ...]]:
+    """The NumPy dtype and shape a tensor's bytes are held in: its own, or for a packed weight
+    block (`einpage.ir.storage`) `uint8` in its packed shape."""
+    if t.storage is not None:
+        return np.dtype(np.uint8), t.storage.packed_shape(t.shape)
+    return t.dtype.numpy, tuple(t.shape)
+
+
+def typed_view(buffer: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:
+    """Tensor `t` held in a `uint8` buffer from byte `start` (`stored`): a view."""
+    dtype, shape = stored(t)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return buffer[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def instance_bytes(mg: MemGraph, tid: int, offset: int | None) -> tuple[int, int]:
     """`(offset, nbytes)` of the instance of `tid` at `offset`, checked against the arena: the
-    bytes its shape and dtype take (at most the tensor's `bytes`)."""
+    bytes its shape and dtype (or its packed shape) take (at most the tensor's `bytes`)."""
     t = tensor_info(mg, tid)
     if offset is None or offset < 0 or offset + t.bytes > mg.device_bytes:
         raise PlanError(f"%t{tid} ({t.bytes} bytes) at offset {offset} lies outside the "
                         f"arena of {mg.device_bytes} bytes")
-    need = math.prod(t.shape) * t.dtype.itemsize
+    dtype, shape = stored(t)
+    need = math.prod(shape) * dtype.itemsize
     if need > t.bytes:
         raise PlanError(f"%t{tid} is {t.dtype}{list(t.shape)}, {need} bytes, but has only "
                         f"{t.bytes} bytes")
@@ -36,9 +53,8 @@ def instance_bytes(mg: MemGraph, tid: int, offset: int | None) -> tuple[int, int
 
 def arena_view(arena: np.ndarray, mg: MemGraph, tid: int, offset: int | None) -> np.ndarray:
     """The instance of `tid` at `offset`: a typed view of the `uint8` arena."""
-    start, need = instance_bytes(mg, tid, offset)
-    t = mg.tensors[tid]
-    return arena[start:start + need].view(t.dtype.numpy).reshape(t.shape)
+    start, _ = instance_bytes(mg, tid, offset)
+    return typed_view(arena, start, mg.tensors[tid])
 
 
 class PlanIO:
@@ -96,6 +112,9 @@ class PlanIO:
                 if self.weights is None:
                     raise InputError(f"no weights given for weight input {name!r}")
                 whole = self.weights(name)
+                held = held_storage(self.weights, name)
+                if held is not None:
+                    full_shape = held.packed_shape(full_shape)
                 if tuple(np.shape(whole)) != full_shape:
                     raise CheckpointError(f"weight {name!r}: expected shape {full_shape}, got "
                                           f"{tuple(np.shape(whole))}")
@@ -121,12 +140,39 @@ class PlanIO:
                 o < 0 or o + n > f for o, n, f in zip(s.origin, t.shape, full)):
             raise PlanError(f"%t{tid} ({t.name}): block {list(t.shape)} at {list(s.origin)} "
                             f"lies outside input {s.input!r} of shape {list(full)}")
-        whole = self._whole_input(s.input, self._roles.get(s.input, t.role), full)
-        return whole[tuple(slice(o, o + n) for o, n in zip(s.origin, t.shape))]
+        role = self._roles.get(s.input, t.role)
+        whole = self._whole_input(s.input, role, full)
+        held = held_storage(self.weights, s.input) if role == "weight" else None
+        if held is None and t.storage is None:
+            return whole[tuple(slice(o, o + n) for o, n in zip(s.origin, t.shape))]
+        return self._repacked(t, whole, held)
+
+    def _repacked(self, t: TensorInfo, whole: Any, held) -> np.ndarray:
+        """Weight block `t` as the plan stores it, from a source holding the weight unpacked
+        (`held` None: quantized block by block as the plan reads it) or packed (sliced, or
+        dequantized where the plan keeps it unpacked)."""
+        s = t.source
+        if held is None:
+            box = tuple(slice(o, o + n) for o, n in zip(s.origin, t.shape))
+            return quantize(np.asarray(whole[box]), t.storage)
+        if t.storage is not None and held.format != t.storage.format:
+            raise CheckpointError(f"weight {s.input!r} is stored as {held.format}, but the plan "
+                                  f"reads it as {t.storage.format}")
+        full = tuple(s.full_shape)
+        if t.storage is not None:
+            origin, shape = held.packed_box(tuple(s.origin), tuple(t.shape), full)
+            return whole[tuple(slice(o, o + n) for o, n in zip(origin, shape))]
+        # planned unpacked: the whole groups around the block, dequantized, then cut
+        wide_origin, wide_shape = held.covering(tuple(s.origin), tuple(t.shape), full)
+        origin, shape = held.packed_box(wide_origin, wide_shape, full)
+        packed = np.asarray(whole[tuple(slice(o, o + n) for o, n in zip(origin, shape))])
+        wide = dequantize(packed, held, wide_shape, t.dtype.numpy)
+        return wide[tuple(slice(o - w, o - w + n)
+                          for o, w, n in zip(s.origin, wide_origin, t.shape))]
 
     def source_block(self, tid: int) -> np.ndarray:
         """`source(tid)` read into memory in the plan's storage dtype."""
-        return np.asarray(self.source(tid)).astype(self.mg.tensors[tid].dtype.numpy, copy=False)
+        return np.asarray(self.source(tid)).astype(stored(self.mg.tensors[tid])[0], copy=False)
 
     def read_into(self, tid: int, out: np.ndarray) -> None:
         """Read the block of input tensor `tid` straight into `out` (converting its dtype in the

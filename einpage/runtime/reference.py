@@ -12,6 +12,7 @@ from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, 
                               Role, Slice)
 from einpage.ir.tensors import WeightSource
 from einpage.runtime import kernels
+from einpage.runtime.quant import logical_weight
 
 
 def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray] | None = None,
@@ -65,7 +66,7 @@ def _run(node: Node, args, inputs, weights, float64) -> np.ndarray:
         if op.role is Role.weight:
             if weights is None:
                 raise InputError(f"no weights given for weight input {op.name!r}")
-            value = np.asarray(weights(op.name))
+            value = logical_weight(weights, op.name, op.storage, tuple(node.shape), store)
         else:
             if op.name not in inputs:
                 raise InputError(f"missing input {op.name!r} ({op.role.value}, shape "

@@ -26,7 +26,7 @@ import numpy as np
 from einpage.errors import PlanError
 from einpage.ir.memgraph import (ALIGNMENT, HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph,
                                  OffloadNode, OutputRef, ReadNode, ReloadNode)
-from einpage.runtime.planio import PlanIO
+from einpage.runtime.planio import PlanIO, typed_view
 
 
 class Backend(ABC):
@@ -160,21 +160,17 @@ def host_layout(mg: MemGraph, stage_sources: bool,
 
 def host_view(buffer: np.ndarray, mg: MemGraph, layout: HostLayout, tid: int) -> np.ndarray:
     """The host copy of tensor `tid`: a typed view of `buffer` (a `uint8` host array)."""
-    t = mg.tensors[tid]
-    start = layout.offsets[tid]
-    nbytes = int(np.prod(t.shape, dtype=np.int64)) * t.dtype.itemsize
-    return buffer[start:start + nbytes].view(t.dtype.numpy).reshape(t.shape)
+    return typed_view(buffer, layout.offsets[tid], mg.tensors[tid])
 
 
 def staging_view(arena: np.ndarray, mg: MemGraph, tid: int, host_offset: int) -> np.ndarray:
     """The staging buffer of tensor `tid` at `host_offset` of the host arena (a `uint8` array of
     `mg.host_arena_bytes`): a typed view."""
     t = mg.tensors[tid]
-    nbytes = int(np.prod(t.shape, dtype=np.int64)) * t.dtype.itemsize
-    if host_offset < 0 or host_offset + nbytes > len(arena):
+    if host_offset < 0 or host_offset + t.bytes > len(arena):
         raise PlanError(f"%t{tid} at host offset {host_offset} lies outside the host arena of "
                         f"{len(arena)} bytes")
-    return arena[host_offset:host_offset + nbytes].view(t.dtype.numpy).reshape(t.shape)
+    return typed_view(arena, host_offset, t)
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:

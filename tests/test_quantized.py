@@ -1,0 +1,310 @@
+"""Quantized weights (storage formats): GGUF's rounding, the packed layout, cuts on whole groups,
+plans that move packed bytes and compute what the dequantized model computes, the plan file and
+the validator's rules for them, and the command line."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from einpage.cli import main
+from einpage.compiler import CompileOptions, compile_graph
+from einpage.errors import CheckpointError, GraphError, PlanError
+from einpage.ir.builder import GraphBuilder
+from einpage.ir.memgraph import MemGraph, ReloadNode
+from einpage.ir.storage import FORMATS, WRITABLE, Storage, storage_for
+from einpage.ir.validator import validate
+from einpage.models import config, llama, schema
+from einpage.models.checkpoint import RandomWeights
+from einpage.runners import run_plan
+from einpage.runtime import evaluate
+from einpage.runtime.executor import run
+from einpage.runtime.quant import dequantize, quantize
+
+gguf = pytest.importorskip("gguf")
+
+
+def cli(*argv) -> int:
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's own errors
+        return exc.code
+GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+def _awkward(rows: int = 24) -> np.ndarray:
+    """Rows of groups that catch rounding differences: zeros, constants, ties, a negative
+    extreme, tiny and huge magnitudes."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((rows, 64)) * rng.uniform(1e-3, 30, (rows, 1))).astype(np.float32)
+    x[0] = 0
+    x[1] = 2.5
+    x[2, :32] = -7.0
+    x[2, 5] = -9.0
+    x[3] = np.linspace(-8, 8, 64)
+    x[4] *= 1e-6
+    x[5] = np.round(x[5] * 4) / 4  # many exact halves
+    x[6, :32] = 1e-30  # a scale below f16's smallest
+    x[7] = np.clip(x[7] / np.abs(x[7]).max() * 6e4, -6e4, 6e4)  # near f16's largest
+    return x
+
+
+@pytest.mark.parametrize("fmt", sorted(GGML))
+def test_quantize_gives_the_bytes_gguf_writes(fmt):
+    x = _awkward()
+    packed = quantize(x, Storage(fmt, 1))
+    want = gguf.quants.quantize(x, GGML[fmt])
+    assert packed.dtype == np.uint8 and packed.shape == want.shape
+    assert np.array_equal(packed, want)
+    back = dequantize(packed, Storage(fmt, 1), x.shape, np.float32)
+    assert np.array_equal(back, gguf.quants.dequantize(want, GGML[fmt]))
+
+
+@pytest.mark.parametrize("fmt,ggml", [("q4_k", "Q4_K"), ("q6_k", "Q6_K")])
+def test_k_quants_dequantize_as_gguf(fmt, ggml):
+    f = FORMATS[fmt]
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (6, f.group_bytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.0123).tobytes(), np.uint8)
+    if fmt == "q4_k":  # d and dmin lead the block
+        raw[:, 0:2], raw[:, 2:4] = scale, scale
+    else:  # d ends it
+        raw[:, -2:] = scale
+    got = dequantize(raw.reshape(3, -1), Storage(fmt, 1), (3, 2 * f.group), np.float32)
+    want = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, ggml))
+    assert np.array_equal(got.reshape(-1), want.reshape(-1))
+
+
+def test_q4_g128_is_within_half_a_step():
+    x = _awkward(8).reshape(4, 128)
+    st = Storage("q4_g128", 1)
+    back = dequantize(quantize(x, st), st, x.shape, np.float32)
+    step = (np.maximum(x.max(1), 0) - np.minimum(x.min(1), 0)) / 15
+    assert np.all(np.abs(back - x) <= step[:, None] * 0.5 + 1e-3 * step[:, None] + 1e-30)
+
+
+def test_storage_spans_the_fewest_axes_of_whole_groups():
+    # wo of a head_dim 128 model: groups along j (64 = 2 groups), any head cut
+    assert storage_for("q4_0", (4096, 32, 1, 2, 64), 4) == Storage("q4_0", 1)
+    # head_dim 16: one row of a head pair's (g, 2, j) = 2*2*8 = 32 elements
+    st = storage_for("q4_0", (64, 2, 2, 2, 8), 4)
+    assert st == Storage("q4_0", 3) and st.quantum((64, 2, 2, 2, 8)) == 2
+    assert storage_for("q4_0", (64, 176), 1) is None  # rows of 176: not whole groups
+    assert st.packed_shape((64, 2, 2, 2, 8)) == (64, 2, 18)
+    with pytest.raises(PlanError, match="whole rows"):
+        st.packed_box((0, 0, 0, 0, 0), (64, 2, 2, 1, 8), (64, 2, 2, 2, 8))
+    with pytest.raises(PlanError, match="whole groups"):
+        st.packed_box((0, 0, 0, 0, 0), (64, 2, 1, 2, 8), (64, 2, 2, 2, 8))
+    with pytest.raises(PlanError, match="whole groups"):
+        Storage("q8_0", 1).packed_box((0, 16), (4, 32), (4, 64))
+
+
+def test_a_packed_block_is_a_box_of_the_whole_tensors_bytes():
+    x = np.random.default_rng(1).standard_normal((6, 4, 64)).astype(np.float32)
+    st = Storage("q4_1", 1)
+    whole = quantize(x, st)
+    origin, shape = st.packed_box((2, 1, 32), (3, 2, 32), x.shape)
+    box = whole[tuple(slice(o, o + n) for o, n in zip(origin, shape))]
+    assert np.array_equal(box, quantize(x[2:5, 1:3, 32:64], st))
+
+
+def test_only_weights_of_whole_groups_take_a_storage():
+    g = GraphBuilder()
+    with pytest.raises(GraphError, match="only weights"):
+        g.input("x", (4, 32), storage=Storage("q8_0", 1))
+    with pytest.raises(GraphError, match="not whole groups"):
+        g.input("w", (4, 48), role="weight", storage=Storage("q8_0", 1))
+
+
+SMALL = config.preset("small")  # hidden 128, ffn 352 (w_down stays f32 under q4_g128)
+
+
+def _tokens(b=1, s=12):
+    return (np.arange(b * s).reshape(b, s) * 7 + 3) % SMALL.vocab
+
+
+@pytest.mark.parametrize("fmt", WRITABLE)
+def test_paged_prefill_computes_the_dequantized_model(fmt):
+    cfg = schema.quantized(SMALL, fmt)
+    weights = RandomWeights(SMALL, 0)
+    graph = llama.prefill_graph(cfg).bind(B=1, S=12)
+    want = evaluate(graph, {"tokens": _tokens()}, weights)
+    dense = evaluate(llama.prefill_graph(SMALL).bind(B=1, S=12), {"tokens": _tokens()}, weights)
+    assert not np.allclose(want["logits"], dense["logits"], atol=1e-3)  # really quantized
+    compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 4))
+    mg = compiled.memgraph
+    assert validate(mg).proven
+    packed = [t for t in mg.tensors if t.storage is not None]
+    assert packed and all(t.storage.format == fmt for t in packed)
+    reloaded = [n for n in mg.nodes if isinstance(n, ReloadNode)]
+    assert any(mg.tensors[n.tensor].storage is not None for n in reloaded)  # streams packed
+    for order in ("sequential", 5):
+        got = run(mg, {"tokens": _tokens()}, weights, order=order)
+        np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+    got, _ = run_plan(mg, {"tokens": _tokens()}, weights, backend="threads")
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_step_over_a_kv_store_with_packed_weights():
+    cfg = schema.quantized(SMALL, "q8_0")
+    weights = RandomWeights(SMALL, 0)
+    graph = llama.decode_graph(cfg).bind(B=2, C=16)
+    rng = np.random.default_rng(0)
+    inputs = {"tokens": np.array([[3], [9]]), "pos": np.array([5, 11])}
+    for t in graph.inputs:
+        if t.op.role.value == "cache":
+            inputs[t.op.name] = rng.standard_normal(tuple(t.shape)).astype(np.float32)
+    want = evaluate(graph, inputs, weights)
+    compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3))
+    got = run(compiled.memgraph, inputs, weights, order=3)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
+
+
+def test_the_plan_moves_and_counts_packed_bytes():
+    f32 = compile_graph(llama.prefill_graph(SMALL).bind(B=1, S=12),
+                        CompileOptions(SMALL.weight_bytes() // 4))
+    cfg = schema.quantized(SMALL, "q4_0")
+    q4 = compile_graph(llama.prefill_graph(cfg).bind(B=1, S=12),
+                       CompileOptions(cfg.weight_bytes() // 4))
+    assert sum(dict(q4.report.compiled.weight_formats).values()) == cfg.weight_bytes()
+    assert cfg.weight_bytes() < SMALL.weight_bytes() * 0.16  # 4.5 of 32 bits, norms aside
+    assert dict(q4.report.compiled.weight_formats)["q4_0"] > 0
+    for t in q4.memgraph.tensors:
+        if t.storage is not None:
+            assert t.bytes == t.storage.nbytes(t.shape) < np.prod(t.shape) * t.dtype.itemsize
+    assert q4.report.traffic.reload_weight_bytes < f32.report.traffic.reload_weight_bytes / 4
+
+
+def test_cuts_keep_whole_groups_at_every_budget():
+    cfg = schema.quantized(SMALL, "q4_0")
+    graph = llama.prefill_graph(cfg).bind(B=2, S=16)
+    for divisor in (2, 6, 16, 40):
+        mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // divisor)).memgraph
+        assert validate(mg).proven  # the translation rule checks every packed box
+        cut = [t for t in mg.tensors if t.storage is not None and t.shape != t.source.full_shape]
+        for t in cut:
+            t.storage.packed_box(t.source.origin, t.shape, t.source.full_shape)
+    assert cut  # the smallest budget cuts packed weights
+
+
+@pytest.fixture(scope="module")
+def q8_plan():
+    cfg = schema.quantized(SMALL, "q8_0")
+    graph = llama.prefill_graph(cfg).bind(B=1, S=12)
+    return compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3)).memgraph
+
+
+def test_a_plan_file_keeps_each_tensors_storage(q8_plan, tmp_path):
+    path = tmp_path / "plan.json"
+    q8_plan.save(path)
+    data = json.loads(path.read_text())
+    assert data["version"] == 2
+    stored = [t["storage"] for t in data["tensors"] if "storage" in t]
+    assert stored and stored[0] == {"format": "q8_0", "group": 32, "span": 1}
+    back = MemGraph.load(path)
+    assert [t.storage for t in back.tensors] == [t.storage for t in q8_plan.tensors]
+    assert validate(back).proven
+    weights = RandomWeights(SMALL, 0)
+    np.testing.assert_array_equal(run(back, {"tokens": _tokens()}, weights)["logits"],
+                                  run(q8_plan, {"tokens": _tokens()}, weights)["logits"])
+
+
+def test_storage_needs_version_2(q8_plan):
+    data = q8_plan.to_json()
+    data["version"] = 1
+    data.pop("graph")
+    with pytest.raises(PlanError, match="version 1 plan cannot hold storage"):
+        MemGraph.from_json(data)
+
+
+def _packed_tid(mg: MemGraph) -> int:
+    return next(t.id for t in mg.tensors if t.storage is not None)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.update(bytes=t["bytes"] + 2), "takes"),
+    (lambda t: t.update(storage={"format": "q4_0", "group": 32, "span": 1}), "bytes is"),
+    (lambda t: t.pop("storage"), "bytes is"),
+])
+def test_a_damaged_storage_is_refused(q8_plan, edit, message):
+    data = q8_plan.to_json()
+    edit(data["tensors"][_packed_tid(q8_plan)])
+    with pytest.raises(PlanError, match=message):
+        MemGraph.from_json(data).verify()
+
+
+def test_the_validator_proves_a_tensors_storage_is_its_blocks(q8_plan):
+    from dataclasses import replace
+    k = _packed_tid(q8_plan)
+    t = q8_plan.tensors[k]
+    swapped = replace(t, storage=Storage("q4_0", 1), bytes=Storage("q4_0", 1).nbytes(t.shape))
+    tensors = q8_plan.tensors[:k] + (swapped,) + q8_plan.tensors[k + 1:]
+    with pytest.raises(PlanError, match="is stored as q4_0 .span 1., but its block"):
+        validate(replace(q8_plan, tensors=tensors))
+
+
+class _Packed:
+    """A weight source holding weights packed (as a GGUF file does)."""
+
+    def __init__(self, fmt: str, cfg):
+        self.dense, self.fmt, self.cfg = RandomWeights(SMALL, 0), fmt, cfg
+        self.formats = dict(cfg.formats)
+
+    def storage(self, name):
+        st = schema.weight_storage(self.cfg)
+        return st.get(name)
+
+    def __call__(self, name):
+        st = self.storage(name)
+        value = np.asarray(self.dense(name))
+        return value if st is None else quantize(value, st)
+
+
+def test_a_packed_source_runs_quantized_and_unpacked_plans():
+    cfg = schema.quantized(SMALL, "q4_1")
+    source = _Packed("q4_1", cfg)
+    graph = llama.prefill_graph(cfg).bind(B=1, S=12)
+    want = evaluate(graph, {"tokens": _tokens()}, RandomWeights(SMALL, 0))
+    assert np.array_equal(evaluate(graph, {"tokens": _tokens()}, source)["logits"],
+                          want["logits"])
+    mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3)).memgraph
+    np.testing.assert_allclose(run(mg, {"tokens": _tokens()}, source)["logits"], want["logits"],
+                               rtol=1e-5, atol=1e-5)
+    # the same packed file planned unpacked: dequantized as the plan reads it
+    plain = compile_graph(llama.prefill_graph(SMALL).bind(B=1, S=12),
+                          CompileOptions(SMALL.weight_bytes() // 3)).memgraph
+    np.testing.assert_allclose(run(plain, {"tokens": _tokens()}, source)["logits"],
+                               want["logits"], rtol=1e-5, atol=1e-5)
+    other = compile_graph(llama.prefill_graph(schema.quantized(SMALL, "q8_0")).bind(B=1, S=12),
+                          CompileOptions(cfg.weight_bytes())).memgraph
+    with pytest.raises(CheckpointError, match="stored as q4_1, but the plan reads it as q8_0"):
+        run(other, {"tokens": _tokens()}, source)
+
+
+def test_compile_and_run_quantize_on_the_command_line(tmp_path, capsys):
+    assert cli("compile", "llama-65b", "--gpu-mem", "16GB", "--quantize", "q4_0",
+               "--cpu-mem", "unlimited", "--quiet", "--json") == 0
+    q4 = json.loads(capsys.readouterr().out)
+    assert cli("compile", "llama-65b", "--gpu-mem", "16GB", "--cpu-mem", "unlimited",
+               "--quiet", "--json") == 0
+    f16 = json.loads(capsys.readouterr().out)
+    assert q4["quantize"] == "q4_0" and q4["weight_formats"]["q4_0"] > 36e9
+    assert q4["weight_bytes"] < f16["weight_bytes"] * 0.3
+    assert q4["makespan_s"] < f16["makespan_s"] * 0.45
+    plan = tmp_path / "p.json"
+    assert cli("compile", "small", "--gpu-mem", "300KB", "--seq", "12", "--quantize", "q8_0",
+               "-o", str(plan), "--quiet") == 0
+    out = capsys.readouterr().out
+    assert "q8_0" in out
+    assert cli("run", "small", "--random-weights", "--tokens", "3,10,17", "--gpu-mem", "300KB",
+               "--quantize", "q8_0", "--backend", "threads", "--out", str(tmp_path / "a.npy")) == 0
+    assert np.isfinite(np.load(tmp_path / "a.npy")).all()
+
+
+def test_an_unknown_quantize_format_is_one_line(capsys):
+    assert cli("compile", "llama-7b", "--gpu-mem", "4GB", "--quantize", "q3_k") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "q3_k" in err
