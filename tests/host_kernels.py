@@ -19,9 +19,10 @@ from einpage.runtime.backends import cuda_source
 CXX = shutil.which("g++") or shutil.which("c++")
 
 _CT = {"float16": "float16", "uint16": "unsigned short", "float32": "float",
-       "float64": "double", "int64": "long long", "int32": "int"}
+       "float64": "double", "int64": "long long", "int32": "int",
+       "uint8": "unsigned char"}  # uint8: packed (quantized) bytes, read raw by dequant kernels
 _NP = {"float16": np.float16, "uint16": np.uint16, "float32": np.float32, "float64": np.float64,
-       "int64": np.int64, "int32": np.int32}
+       "int64": np.int64, "int32": np.int32, "uint8": np.uint8}
 
 _HOST_HEADER = r"""
 #include <math.h>

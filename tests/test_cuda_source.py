@@ -1,8 +1,9 @@
 """The CUDA C the CuPy backend generates (`einpage.runtime.backends.cuda_source`), on any machine:
-every join and fill of the LLaMA graphs is valid C99 (`cc`), the printer spells constants and
-powers as NumPy computes them, every kernel runs on the host (`g++`, through the stand-in for CuPy
-in `fake_cupy`) with NumPy's results, bf16 rounding bit for bit. The device compile (NVRTC, for
-sm_90) of every family's kernels is `test_nvrtc`.
+every join and fill of the LLaMA graphs and every dequantization kernel is valid C99 (`cc`), the
+printer spells constants and powers as NumPy computes them, every kernel runs on the host
+(`g++`, through the stand-in for CuPy in `fake_cupy`) with NumPy's results, bf16 rounding bit for
+bit. The device compile (NVRTC, for sm_90) of every family's kernels is `test_nvrtc`; the
+dequantization kernels' arithmetic, bit for bit, is `test_cuda_quantized`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from einpage.errors import PlanError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType
 from einpage.ir.memgraph import ApplyNode
+from einpage.ir.storage import FORMATS
 from einpage.ir.ops import EinsumOp, FillOp
 from einpage.models import llama
 from einpage.models.config import preset
@@ -27,9 +29,9 @@ from einpage.runtime.backends import cuda_apply
 from einpage.runtime.backends.apply_plan import plan_applies, plan_kernels
 from einpage.runtime.backends.cuda_source import (COMPUTE_CTYPE, DEVICE_DTYPE, PREAMBLE,
                                                   c_expression,
-                                                  convert_kernel, fill_function, fill_kernel,
-                                                  gather_kernel, join_function, join_kernel,
-                                                  reduce_kernel, tag_of)
+                                                  convert_kernel, dequant_kernel, fill_function,
+                                                  fill_kernel, gather_kernel, join_function,
+                                                  join_kernel, reduce_kernel, tag_of)
 
 CC = shutil.which("cc") or shutil.which("gcc")
 
@@ -97,6 +99,26 @@ def test_every_llama_join_and_fill_is_valid_c99(tmp_path, llama_plans):
                              "-c", str(source), "-o", str(tmp_path / "joins.o")],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr + "\n" + source.read_text()
+
+
+@pytest.mark.skipif(CC is None, reason="no C compiler (cc/gcc)")
+def test_every_dequant_kernel_is_valid_c99(tmp_path):
+    """The functions of every dequantization kernel (each format, each output dtype) are C99
+    too, warnings as errors (the host and the device build the same text)."""
+    for fmt in FORMATS:
+        src = dequant_kernel(fmt, "f32")
+        assert src.in_params == "raw uint8 q" and src.out_params == "float32 y"
+        assert "ep_dequant(&q[" in src.operation
+        source = tmp_path / f"dequant_{fmt}.c"
+        source.write_text(src.preamble + "float ep_use(const unsigned char* b, int e) "
+                          "{ return ep_dequant(b, e); }\n")
+        result = subprocess.run([CC, "-std=c99", "-Wall", "-Wextra", "-Werror", "-c",
+                                 str(source), "-o", str(tmp_path / f"{fmt}.o")],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr + "\n" + source.read_text()
+    for tag, param in (("f16", "float16"), ("bf16", "uint16")):
+        src = dequant_kernel("q4_0", tag)
+        assert src.out_params == f"{param} y"
 
 
 def test_printer_spells_what_numpy_computes():

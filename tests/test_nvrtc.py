@@ -9,8 +9,9 @@ layouts (contiguous 1-d with 32-bit indexing; strided 3-d with 64-bit), and comp
 backend's `NVRTC_OPTIONS` plus what CuPy adds, all in one program. The kernels are those of every
 plan (`apply_plan.plan_kernels`) of tiny LLaMA-3 (llama3 rope scaling), Mistral (sliding window),
 Qwen2 (q/k/v biases, tied embeddings), Qwen3 (q/k norm) and Mixtral (experts) models in f32, bf16
-and f16, prefill and decode, paged under a small budget. The PTX of one join shows what
-`--fmad=false` and CuPy's `-ftz=true` do to it.
+and f16, prefill and decode, paged under a small budget, and every dequantization kernel of a
+packed (quantized) read (each storage format, k-quants included, to f32, f16 and bf16). The PTX
+of one join shows what `--fmad=false` and CuPy's `-ftz=true` do to it.
 
 In CI (`$CI` set) a missing NVRTC fails the test; elsewhere it skips ("no CUDA compiler ...").
 With the real CuPy installed (the `cupy-check` extra) the modules are also written by CuPy's own
@@ -130,10 +131,37 @@ def test_every_kernel_compiles_for_sm_90(compiler, family_kernels, mode, record_
     print(summary)
 
 
+def dequant_kernels() -> list:
+    """Every dequantization kernel (`cuda_source.dequant_kernel`): each storage format (the
+    k-quants GGUF files hold included) to each logical dtype, with its one (raw) array input."""
+    from einpage.ir.storage import FORMATS
+    from einpage.runtime.backends.cuda_source import dequant_kernel
+    return [(dequant_kernel(fmt, tag), 1) for fmt in FORMATS for tag in ("f32", "f16", "bf16")]
+
+
+@pytest.mark.parametrize("mode", ["standin", "cupy"])
+def test_every_dequant_kernel_compiles_for_sm_90(compiler, mode, record_property):
+    """The kernels that dequantize packed (quantized) weight blocks, every format to every
+    logical dtype, in one NVRTC program; the cubin defines each by name."""
+    nv, include = compiler
+    kernels = dequant_kernels()
+    assert len(kernels) == 18 and len({src.name for src, _ in kernels}) == 18
+    names, cubin, seconds = _compile(nv, mode, include, kernels)
+    assert cubin[:4] == b"\x7fELF" and len(names) == 18 * len(nvrtc.LAYOUTS)
+    missing = [n for n in names if n.encode() not in cubin]
+    assert not missing, f"kernels missing from the cubin: {missing[:5]}"
+    summary = (f"NVRTC {nv.version[0]}.{nv.version[1]} {nvrtc.ARCH} ({mode}): {len(kernels)} "
+               f"dequantization kernels x {len(nvrtc.LAYOUTS)} layouts compiled in "
+               f"{seconds:.2f} s")
+    record_property("nvrtc_dequant", summary)
+    print(summary)
+
+
 def test_the_replica_is_the_text_cupy_generates(real_cupy, family_kernels):
     """The modules the stand-in variant compiles are, token for token, those the installed
     CuPy's own generators make of every kernel in every layout."""
     every = {k: v for found in family_kernels.values() for k, v in found.items()}
+    every.update({(src.name, n): (src, n) for src, n in dequant_kernels()})
     for src, n_arrays in every.values():
         for layout in nvrtc.LAYOUTS:
             name = f"{src.name}__{layout.name}"

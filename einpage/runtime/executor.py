@@ -23,7 +23,7 @@ from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGrap
 from einpage.ir.tensors import WeightSource
 from einpage.ir.validator import checked
 from einpage.runtime.blockops import apply_into
-from einpage.runtime.planio import PlanIO, arena_view
+from einpage.runtime.planio import PlanIO, arena_view, typed_view
 
 #: The byte freed (and not yet written) arena bytes hold with `poison_freed`: NaN in f16, bf16,
 #: f32 and f64; -1 in i64.
@@ -132,11 +132,10 @@ class NumpyExecutor:
 
     def _staged(self, tid: int, host_offset: int) -> np.ndarray:
         t = self.mg.tensors[tid]
-        nbytes = t.bytes
-        if host_offset < 0 or host_offset + nbytes > len(self.staging):
+        if host_offset < 0 or host_offset + t.bytes > len(self.staging):
             raise PlanError(f"%t{tid} at host offset {host_offset} lies outside the host arena "
                             f"of {len(self.staging)} bytes")
-        return self.staging[host_offset:host_offset + nbytes].view(t.dtype.numpy).reshape(t.shape)
+        return typed_view(self.staging, host_offset, t)
 
     def _read(self, n: ReadNode) -> None:
         self._staged(n.tensor, n.host_offset)[...] = self.io.source_block(n.tensor)

@@ -5,13 +5,18 @@ that a CPU test checks it (DESIGN.md, "Stream program").
   `gemm_plan`), a `KernelApply` (one generated kernel, `cuda_source`, over strided views of the
   instances) or a `CopyApply` (pieces copied with `copyto` or a conversion kernel), with the
   workspace slots it takes, in order.
-- **Workspace.** `workspace_bytes(mg)`: the largest sum of slots over the plan's applies, plus a
-  status word (a gather writes there when an id is out of range), all of it 256-byte aligned.
+- **Packed reads.** An apply reading a packed (quantized) block (`einpage.ir.storage`) first
+  dequantizes it (`Unpack`: a `cuda_source.dequant_kernel` of its format and logical dtype) into
+  a workspace slot holding its logical block in C order, and the op reads that slot where it
+  would read the instance: the plan is made over the logical shapes and dtypes as for any read.
+- **Workspace.** `workspace_bytes(mg)`: the largest sum of slots over the plan's applies (its
+  dequantized operands included), plus a status word (a gather writes there when an id is out
+  of range), all of it 256-byte aligned.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 from einpage.errors import PlanError, SpecError
@@ -19,8 +24,9 @@ from einpage.ir import scalar
 from einpage.ir.memgraph import ALIGNMENT, ApplyNode, MemGraph, TensorInfo
 from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, op_text
 from einpage.runtime.backends.cuda_source import (COMPUTE_CTYPE, ITEMSIZE, ElementwiseSource,
-                                                  KernelSource, convert_kernel, fill_kernel,
-                                                  gather_kernel, join_kernel, reduce_kernel)
+                                                  KernelSource, convert_kernel,
+                                                  dequant_kernel, fill_kernel, gather_kernel,
+                                                  join_kernel, reduce_kernel)
 from einpage.runtime.backends.gemm_plan import (MatmulPlan, contiguous_strides, matmul_plan,
                                                 nocopy_reshape_strides, operand_layout)
 from einpage.runtime.planio import instance_bytes, tensor_info
@@ -36,6 +42,15 @@ def aligned(nbytes: int) -> int:
 
 
 # ------------------------------------------------------------------ apply plans
+
+@dataclass(frozen=True)
+class Unpack:
+    """Before the op: dequantize read `read` (a packed block) with `kernel` into a workspace
+    slot of `nbytes` (its logical block, C order), which the op then reads in its place."""
+    read: int
+    kernel: ElementwiseSource
+    nbytes: int
+
 
 @dataclass(frozen=True)
 class ArrayView:
@@ -59,6 +74,7 @@ class KernelApply:
     status: bool
     staged: bool
     temps: tuple[int, ...]
+    unpacks: tuple[Unpack, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,7 @@ class MatmulApply:
     epilogue: ElementwiseSource | None
     kernels: tuple[KernelSource, ...]
     temps: tuple[int, ...]
+    unpacks: tuple[Unpack, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,6 +116,7 @@ class CopyApply:
     staged: bool
     fold: ElementwiseSource | None
     temps: tuple[int, ...]
+    unpacks: tuple[Unpack, ...] = ()
 
 
 ApplyPlan = Union[KernelApply, MatmulApply, CopyApply]
@@ -124,22 +142,42 @@ def plan_apply(mg: MemGraph, n: ApplyNode) -> ApplyPlan:
     try:
         reads = [tensor_info(mg, a.tensor) for a in n.reads]
         write = tensor_info(mg, n.write.tensor)
+        if write.storage is not None:
+            raise PlanError(f"writes %t{write.id}, a packed ({write.storage.format}) block; "
+                            "only inputs are packed")
         staged = overlaps_reads(mg, n)
-        if isinstance(n.op, EinsumOp):
-            return _plan_einsum(n, reads, write, staged)
-        if isinstance(n.op, FillOp):
-            return _plan_fill(n, write)
-        if isinstance(n.op, GatherOp):
-            return _plan_gather(n, reads, write, staged)
-        if isinstance(n.op, CopyOp):
-            return _plan_copy(n, reads, write, staged)
-        raise PlanError(f"unknown op {type(n.op).__name__}")
+        plan = _plan_op(n, reads, write, staged)
+        unpacks = tuple(_unpack(k, r) for k, r in enumerate(reads) if r.storage is not None)
+        return replace(plan, unpacks=unpacks) if unpacks else plan
     except SpecError as exc:
         raise PlanError(f"{_where(n)}: {exc}") from None
     except PlanError as exc:
         if str(exc).startswith("apply %"):
             raise
         raise PlanError(f"{_where(n)}: {exc}") from None
+
+
+def _plan_op(n: ApplyNode, reads: list[TensorInfo], write: TensorInfo,
+             staged: bool) -> ApplyPlan:
+    if isinstance(n.op, EinsumOp):
+        return _plan_einsum(n, reads, write, staged)
+    if isinstance(n.op, FillOp):
+        return _plan_fill(n, write)
+    if isinstance(n.op, GatherOp):
+        return _plan_gather(n, reads, write, staged)
+    if isinstance(n.op, CopyOp):
+        return _plan_copy(n, reads, write, staged)
+    raise PlanError(f"unknown op {type(n.op).__name__}")
+
+
+def _unpack(k: int, read: TensorInfo) -> Unpack:
+    """Read `k`, a packed block, dequantized into a slot of its logical block."""
+    why = read.storage.fits(tuple(read.shape))
+    if why:
+        raise PlanError(f"reads %t{read.id}, a {read.storage.format} block "
+                        f"{list(read.shape)}: {why}")
+    kernel = dequant_kernel(read.storage.format, read.dtype.value)
+    return Unpack(k, kernel, math.prod(read.shape) * ITEMSIZE[read.dtype.value])
 
 
 def _staging(staged: bool, write: TensorInfo) -> tuple[int, ...]:
@@ -281,8 +319,10 @@ def plan_applies(mg: MemGraph) -> dict[int, ApplyPlan]:
 
 
 def slot_bytes(plan: ApplyPlan) -> int:
-    """Workspace bytes an apply takes: its slots, each 256-byte aligned."""
-    return sum(aligned(t) for t in plan.temps)
+    """Workspace bytes an apply takes: its dequantized operands and its slots, each 256-byte
+    aligned."""
+    return (sum(aligned(u.nbytes) for u in plan.unpacks)
+            + sum(aligned(t) for t in plan.temps))
 
 
 def workspace_for(plans: dict[int, ApplyPlan]) -> int:
@@ -297,15 +337,17 @@ def workspace_bytes(mg: MemGraph) -> int:
 
 
 def plan_kernels(plan: ApplyPlan) -> tuple[KernelSource, ...]:
-    """Every generated kernel an apply plan may run (to compile ahead, or in tests)."""
+    """Every generated kernel an apply plan may run (to compile ahead, or in tests): its
+    dequantization kernels first."""
+    first = tuple(dict.fromkeys(u.kernel for u in plan.unpacks))
     if isinstance(plan, KernelApply):
-        return (plan.kernel,)
+        return first + (plan.kernel,)
     if isinstance(plan, MatmulApply):
-        return plan.kernels
+        return first + plan.kernels
     out = [p.convert for p in plan.pieces if p.convert is not None]
-    return tuple(out + ([plan.fold] if plan.fold is not None else []))
+    return first + tuple(out + ([plan.fold] if plan.fold is not None else []))
 
 
 __all__ = ["STATUS_BYTES", "ApplyPlan", "ArrayView", "CopyApply", "KernelApply", "MatmulApply",
-           "PiecePlan", "aligned", "overlaps_reads", "plan_applies", "plan_apply", "plan_kernels",
-           "slot_bytes", "workspace_bytes", "workspace_for"]
+           "PiecePlan", "Unpack", "aligned", "overlaps_reads", "plan_applies", "plan_apply",
+           "plan_kernels", "slot_bytes", "workspace_bytes", "workspace_for"]

@@ -23,7 +23,8 @@ compute stream, ordered before the next pass's reads). Last, the host arena of a
 disk tier (`mg.host_arena_bytes`, page-aligned): the staging buffers its `read` nodes fill from
 the checkpoint files (`runtime.diskread`, on the disk queue's reader thread) and its reloads
 copy from asynchronously. Streamed weight blocks are pinned once per loaded model and shared
-by its later sessions (`pinned.PinnedWeights`).
+by its later sessions (`pinned.PinnedWeights`). A packed (quantized) block is held, staged,
+pinned and copied as its packed bytes (`planio.stored`, `typed_view`) wherever it goes.
 
 Streams. Three `Stream(non_blocking=True)`: compute, h2d, d2h (and one carrying the disk
 queue's events); a queue's worker thread runs inside `queue_context`, which makes the device and
@@ -43,12 +44,15 @@ operands on the tensor cores, float32 accumulation, transposes as operation flag
 factor as alpha, accumulation as beta: `gemm_plan`, `gemm_call`), operands converted or
 transposed into workspace slots where needed; everything else through `ElementwiseKernel` /
 `ReductionKernel`s generated once per distinct expression, compiled by NVRTC with
-`cuda_source.NVRTC_OPTIONS` (no FMA contraction). `open` runs every distinct apply once on the
-arena (before anything is loaded) so that every kernel is compiled there, not in the first pass
-(`compile_s`). The compute thread runs under `cupy.cuda.using_allocator`: any allocation CuPy
-makes is carved from the workspace (a bump allocator reset after each apply, safe because one
-stream runs the applies in order), and counted as `hidden_allocations`; a `MemoryHook` (`hook`)
-counts pool allocations on every queue. A pass that allocates nothing leaves both at zero.
+`cuda_source.NVRTC_OPTIONS` (no FMA contraction). A packed read is first dequantized by a
+generated kernel of its format and logical dtype into a workspace slot, on the compute stream,
+and the op reads the slot (`cuda_apply`; `apply_plan.workspace_bytes` counts the slots). `open`
+runs every distinct apply once on the arena (before anything is loaded) so that every kernel is
+compiled there, not in the first pass (`compile_s`). The compute thread runs under
+`cupy.cuda.using_allocator`: any allocation CuPy makes is carved from the workspace (a bump
+allocator reset after each apply, safe because one stream runs the applies in order), and
+counted as `hidden_allocations`; a `MemoryHook` (`hook`) counts pool allocations on every queue.
+A pass that allocates nothing leaves both at zero.
 """
 from __future__ import annotations
 
@@ -76,7 +80,7 @@ from einpage.runtime.backends.cuda_memory import Regions, regions
 from einpage.runtime.backends.cuda_source import DEVICE_DTYPE
 from einpage.runtime.backends.pinned import PinnedWeights
 from einpage.runtime.diskread import DiskReader
-from einpage.runtime.planio import PlanIO, instance_bytes
+from einpage.runtime.planio import PlanIO, instance_bytes, stored, typed_view
 
 __all__ = ["CupyBackend", "cuda_usable", "workspace_bytes"]
 
@@ -189,6 +193,7 @@ class CupyBackend(DeviceApplies, Backend):
         self.reader: DiskReader | None = None
         self._plans: dict = {}
         self._top = 0                # bump pointer into the workspace slots (compute thread)
+        self._unpacked: dict = {}    # read index -> its dequantized slot (the running apply)
         self._warming = False
         self._handle = 0             # the compute thread's cuBLAS handle
         self._gemm_calls = {}        # MatmulApply -> its cuBLAS call (DeviceApplies)
@@ -330,10 +335,12 @@ class CupyBackend(DeviceApplies, Backend):
         keys, wanted = {}, {}
         for tid in sorted(tids):
             t = mg.tensors[tid]
-            keys[tid] = (t.source.input, tuple(t.source.origin), tuple(t.shape), t.dtype.value)
-            wanted[keys[tid]] = (math.prod(t.shape) * t.dtype.itemsize,
+            dtype, shape = stored(t)  # a packed block: its packed bytes
+            keys[tid] = (t.source.input, tuple(t.source.origin), tuple(t.shape), t.dtype.value,
+                         t.storage)
+            wanted[keys[tid]] = (math.prod(shape) * dtype.itemsize,
                                  lambda buf, tid=tid, t=t: io.read_into(
-                                     tid, buf.view(t.dtype.numpy).reshape(t.shape)))
+                                     tid, typed_view(buf, 0, t)))
         with self._device:
             addresses = store.acquire(wanted)
         self._store, self._store_keys = store, tuple(wanted)
@@ -355,6 +362,9 @@ class CupyBackend(DeviceApplies, Backend):
     def write_input(self, tid: int, offset: int | None, lead: tuple[int, ...],
                     values: np.ndarray) -> None:
         t = self.mg.tensors[tid]
+        if t.storage is not None:
+            raise PlanError(f"write into %t{tid}: a packed ({t.storage.format}) block takes no "
+                            "rows between passes")
         if offset is None:
             if tid in self.layout.offsets:  # its pinned copy is what the reloads read
                 host_view(self.host, self.mg, self.layout, tid)[lead] = values
@@ -509,9 +519,12 @@ class CupyBackend(DeviceApplies, Backend):
         return self._at("arena", start), nbytes
 
     def _array(self, tid: int, offset: int | None) -> Any:
-        """The instance of `tid` at `offset`: a C-contiguous view of the arena."""
+        """The instance of `tid` at `offset`: a C-contiguous view of the arena (of a packed
+        block: its bytes, `uint8` in its packed shape)."""
         ptr, _ = self._instance(tid, offset)
         t = self.mg.tensors[tid]
+        if t.storage is not None:
+            return self._cp.ndarray(stored(t)[1], np.uint8, memptr=ptr)
         return self._cp.ndarray(tuple(t.shape), DEVICE_DTYPE[t.dtype.value], memptr=ptr)
 
     def _bump(self, nbytes: int):
@@ -571,8 +584,8 @@ class CupyBackend(DeviceApplies, Backend):
         self._staging[k].record(h2d)
 
     def _read_input(self, tid: int, at: int, nbytes: int) -> None:
-        t = self.mg.tensors[tid]
-        self.io.read_into(tid, self.host[at:at + nbytes].view(t.dtype.numpy).reshape(t.shape))
+        """Read input block `tid` into pinned memory at `at` (a packed block: its bytes)."""
+        self.io.read_into(tid, typed_view(self.host, at, self.mg.tensors[tid]))
 
     def copy_d2h(self, n: OffloadNode) -> None:
         src, nbytes = self._instance(n.tensor, n.offset)
@@ -584,7 +597,8 @@ class CupyBackend(DeviceApplies, Backend):
         t = self.mg.tensors[ref.tensor]
         if ref.at == "device":
             src, nbytes = self._instance(ref.tensor, ref.offset)
-            out = np.empty(t.shape, t.dtype.numpy)
+            dtype, shape = stored(t)
+            out = np.empty(shape, dtype)
             compute = self._streams["compute"]
             with self._device:  # into pageable memory: returns once the copy is complete
                 src.copy_to_host_async(out.ctypes.data, nbytes, compute)

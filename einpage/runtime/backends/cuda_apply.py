@@ -3,12 +3,17 @@ generated kernels (`compiled`: one CuPy kernel object per source, made once per 
 copy pieces, and GEMMs through `execute_matmul` with `DeviceMatmulOps` (workspace slots,
 conversions, one cuBLAS call per GEMM through `cublas_lib`, the epilogue kernel).
 
+A plan's packed reads (`Unpack`) are dequantized first, each by its kernel into the next
+workspace slot (`_bump`, on the compute stream, so in the apply's own stream order and in a
+captured CUDA graph); the op's views of that read then start at the slot instead of the arena.
+
 `DeviceApplies` is the part of `CupyBackend` that does it; it reads the backend's plan
-(`mg`, `_plans`), its arena views (`_array`, `_instance`, `_at`, `_temp`), the compute thread's
-cuBLAS handle (`_handle`) and whether `open` is warming the kernels up (`_warming`).
+(`mg`, `_plans`), its arena views (`_array`, `_instance`, `_at`, `_bump`, `_temp`), the compute
+thread's cuBLAS handle (`_handle`) and whether `open` is warming the kernels up (`_warming`).
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -53,14 +58,17 @@ class DeviceApplies:
     call of each GEMM plan, made at its first run."""
 
     _gemm_calls: dict[MatmulApply, GemmCall]
+    #: the workspace slot each dequantized read of the running apply is in (by read index)
+    _unpacked: dict[int, Any]
 
     def _apply(self, n: ApplyNode) -> None:
         plan = self._plans[n.id]
         self._top = 0
         try:
+            self._unpacked = self._unpack(plan, n) if plan.unpacks else {}
             write = self._array(n.write.tensor, n.write.offset)
             if isinstance(plan, MatmulApply):
-                a, b = (self._array(r.tensor, r.offset) for r in n.reads)
+                a, b = (self._operand(n, k) for k in range(len(n.reads)))
                 execute_matmul(plan.plan, DeviceMatmulOps(self, plan), a, b, write)
             elif isinstance(plan, KernelApply):
                 self._run_kernel(plan, n, write)
@@ -70,9 +78,41 @@ class DeviceApplies:
                 raise PlanError(f"apply %{n.id}: no plan")
         finally:
             self._top = 0
+            self._unpacked = {}
 
-    def _view(self, read, shape, strides, offset: int = 0) -> Any:
-        ptr, _ = self._instance(read.tensor, read.offset)
+    def _unpack(self, plan, n: ApplyNode) -> dict[int, Any]:
+        """Dequantize the plan's packed reads, each into the next workspace slot: their
+        pointers by read index."""
+        cp, out = self._cp, {}
+        for u in plan.unpacks:
+            read = n.reads[u.read]
+            t = self.mg.tensors[read.tensor]
+            src, nbytes = self._instance(read.tensor, read.offset)
+            slot = self._bump(u.nbytes)
+            packed = cp.ndarray((nbytes,), np.uint8, memptr=src)
+            logical = cp.ndarray((math.prod(t.shape),), DEVICE_DTYPE[t.dtype.value],
+                                 memptr=slot)
+            compiled(u.kernel)(packed, logical)
+            out[u.read] = slot
+        return out
+
+    def _operand(self, n: ApplyNode, k: int) -> Any:
+        """Read `k` of the apply as a C-contiguous array of its logical block: its instance,
+        or the slot it was dequantized into."""
+        slot = self._unpacked.get(k)
+        if slot is None:
+            read = n.reads[k]
+            return self._array(read.tensor, read.offset)
+        t = self.mg.tensors[n.reads[k].tensor]
+        return self._cp.ndarray(tuple(t.shape), DEVICE_DTYPE[t.dtype.value], memptr=slot)
+
+    def _view(self, n: ApplyNode, k: int, shape, strides, offset: int = 0) -> Any:
+        """Read `k` of the apply viewed with `shape` and byte `strides` from byte `offset` of
+        its instance (or of the slot it was dequantized into)."""
+        read = n.reads[k]
+        ptr = self._unpacked.get(k)
+        if ptr is None:
+            ptr, _ = self._instance(read.tensor, read.offset)
         tag = self.mg.tensors[read.tensor].dtype.value
         return self._cp.ndarray(tuple(shape), DEVICE_DTYPE[tag], memptr=ptr + offset,
                                 strides=tuple(strides))
@@ -84,7 +124,7 @@ class DeviceApplies:
             target = self._temp(write.shape, write.dtype)
             if n.accumulate:
                 cp.copyto(target, write)
-        args = [self._view(n.reads[v.read], v.shape, v.strides) for v in plan.arrays]
+        args = [self._view(n, v.read, v.shape, v.strides) for v in plan.arrays]
         args += list(plan.scalars)
         out = cp.ndarray((target.size,), target.dtype, memptr=target.data) if plan.flat \
             else target
@@ -106,14 +146,13 @@ class DeviceApplies:
             target.data.memset_async(0, target.nbytes)
         wdt = write.dtype
         for p in plan.pieces:
-            read = n.reads[p.src]
             if p.src_view is None:
-                box = self._view(read, p.src_shape, p.src_strides, p.src_offset)
+                box = self._view(n, p.src, p.src_shape, p.src_strides, p.src_offset)
                 slot = self._temp(p.src_shape, box.dtype)
                 cp.copyto(slot, box)
                 src = cp.ndarray(p.dst_shape, box.dtype, memptr=slot.data)
             else:
-                src = self._view(read, p.dst_shape, p.src_view, p.src_offset)
+                src = self._view(n, p.src, p.dst_shape, p.src_view, p.src_offset)
             dst = cp.ndarray(p.dst_shape, wdt, memptr=target.data + p.dst_offset,
                              strides=p.dst_strides)
             if p.convert is not None:

@@ -385,6 +385,95 @@ def gather_kernel(table_tag: str, out_tag: str, combine: str | None = None) -> E
                              out_params, operation, PREAMBLE)
 
 
+# ------------------------------------------------------------------ dequantization
+
+#: Reading packed groups (`einpage.ir.storage`), valid CUDA C++ and C99: a little-endian f16 from
+#: its two bytes, exactly (NumPy's conversion: subnormals as `m * 2**-24`, which is a normal
+#: float32, so the device's flush to zero never meets one), the nibble of element `e` in a run of
+#: `half` bytes holding `2 * half` uint4 (element `e` in the low nibble of byte `e`, element
+#: `e + half` in the high one), and Q4_K's 6-bit scale and minimum of sub-block `j` from their
+#: 12 bytes at `s`.
+DEQUANT_PREAMBLE = r"""
+EP_FN float ep_f16_at(const unsigned char* b) {
+  const unsigned int h = (unsigned int)b[0] | ((unsigned int)b[1] << 8);
+  const unsigned int s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1fu) return ep_bits_f32(s | 0x7f800000u | (m << 13));
+  if (e == 0u) {
+    const float v = (float)m * 5.9604644775390625e-08F;
+    return s ? -v : v;
+  }
+  return ep_bits_f32(s | ((e + 112u) << 23) | (m << 13));
+}
+EP_FN unsigned int ep_nibble(const unsigned char* qs, int e, int half) {
+  return ((unsigned int)qs[e % half] >> ((e / half) * 4)) & 15u;
+}
+EP_FN float ep_k_scale(const unsigned char* s, int j, float d, float dmin, float* low) {
+  unsigned int sc, mn;
+  if (j < 4) {
+    sc = s[j] & 63u;
+    mn = s[j + 4] & 63u;
+  } else {
+    sc = (s[j + 4] & 15u) | ((s[j - 4] >> 2) & 0x30u);
+    mn = ((unsigned int)s[j + 4] >> 4) | ((s[j] >> 2) & 0x30u);
+  }
+  *low = dmin * (float)mn;
+  return d * (float)sc;
+}
+"""
+
+#: The body of `float ep_dequant(const unsigned char* b, int e)`: element `e` of the group whose
+#: bytes start at `b`, in float32 with each operation rounded as `einpage.runtime.quant` rounds
+#: it in NumPy (no contraction: `--fmad=false`).
+DEQUANT_BODY = {
+    "q8_0": "return ep_f16_at(b) * (float)(signed char)b[2 + e];",
+    "q4_0": "return ep_f16_at(b) * ((float)ep_nibble(b + 2, e, 16) - 8.0F);",
+    "q4_1": "return ep_f16_at(b) * (float)ep_nibble(b + 4, e, 16) + ep_f16_at(b + 2);",
+    "q4_g128": "return ((float)ep_nibble(b + 4, e, 64) - (float)b[2]) * ep_f16_at(b);",
+    "q4_k": ("const int j = e / 32;\n"
+             "  float low;\n"
+             "  const float scale = ep_k_scale(b + 4, j, ep_f16_at(b), ep_f16_at(b + 2), &low);\n"
+             "  const unsigned int q = ((unsigned int)b[16 + (j / 2) * 32 + e % 32] "
+             ">> ((j % 2) * 4)) & 15u;\n"
+             "  return scale * (float)q - low;"),
+    "q6_k": ("const int h = e / 128;\n"
+             "  const unsigned int lo = ((unsigned int)b[h * 64 + e % 64] >> (((e / 64) % 2) * 4))"
+             " & 15u;\n"
+             "  const unsigned int hi = ((unsigned int)b[128 + h * 32 + e % 32] "
+             ">> (((e / 32) % 4) * 2)) & 3u;\n"
+             "  const float scale = ep_f16_at(b + 208) * (float)(signed char)b[192 + e / 16];\n"
+             "  return scale * (float)((int)(lo | (hi << 4)) - 32);"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def dequant_kernel(format: str, out_tag: str) -> ElementwiseSource:
+    """Dequantize a packed block (`einpage.ir.storage`: `format`'s groups, byte for byte the
+    layout of `einpage.runtime.quant`) into its logical block in C order: `raw uint8 q` (the
+    packed bytes, flat) to `y` (the logical elements, flat, `out_tag`), one thread per element
+    `i` (group `i / group`, element `i % group` of it), computed in float32 exactly as
+    `quant.dequantize` computes it and rounded once to `out_tag` (as NumPy and ml_dtypes round
+    a float32)."""
+    from einpage.ir.storage import get_format
+    spec = get_format(format)
+    if format not in DEQUANT_BODY:
+        raise PlanError(f"the CUDA backend cannot dequantize {format}")
+    if out_tag not in ("f16", "bf16", "f32"):
+        raise PlanError(f"a {format} block dequantizes to f16, bf16 or f32, not {out_tag}")
+    fn = ("EP_FN float ep_dequant(const unsigned char* b, int e) {\n  "
+          + DEQUANT_BODY[format] + "\n}\n")
+    operation = "\n".join([
+        f"const long long ep_g = (long long)i / {spec.group};",
+        f"const int ep_e = (int)((long long)i - ep_g * {spec.group});",
+        f"const float ep_v = ep_dequant(&q[ep_g * {spec.group_bytes}], ep_e);",
+        f"y = {store(out_tag, 'ep_v', 'float')}",
+    ])
+    in_params = "raw uint8 q"
+    out_params = f"{_PARAM[out_tag]} y"
+    preamble = PREAMBLE + DEQUANT_PREAMBLE + fn
+    return ElementwiseSource(_named(f"dequant_{format}", in_params, out_params, operation, fn),
+                             in_params, out_params, operation, preamble)
+
+
 def convert_kernel(src_tag: str, dst_tag: str, combine: str | None = None) -> ElementwiseSource:
     """`y = a0` across dtypes (one rounding), or `y = y + a0` with `combine`."""
     if src_tag == dst_tag == "i64":
@@ -396,7 +485,8 @@ def convert_kernel(src_tag: str, dst_tag: str, combine: str | None = None) -> El
     return join_kernel(_X0, (src_tag,), ctype, dst_tag, None, combine)
 
 
-__all__ = ["COMPUTE_CTYPE", "DEVICE_DTYPE", "ITEMSIZE", "PREAMBLE", "ElementwiseSource",
-           "KernelSource", "ReductionSource", "c_expression", "convert_kernel", "fill_function",
+__all__ = ["COMPUTE_CTYPE", "DEQUANT_BODY", "DEQUANT_PREAMBLE", "DEVICE_DTYPE", "ITEMSIZE",
+           "PREAMBLE", "ElementwiseSource", "KernelSource", "ReductionSource", "c_expression",
+           "convert_kernel", "dequant_kernel", "fill_function",
            "fill_kernel", "gather_kernel", "join_function", "join_kernel", "load",
            "reduce_kernel", "store", "tag_of"]

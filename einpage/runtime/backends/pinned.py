@@ -24,7 +24,7 @@ _LOCK = threading.Lock()
 
 
 class PinnedWeights:
-    """Pinned copies of weight blocks, by key (`(input, origin, shape, dtype)`), each its own
+    """Pinned copies of weight blocks, by key (`(input, origin, shape, dtype, storage)`), each its own
     `cupy.cuda.PinnedMemory`."""
 
     def __init__(self, cp: Any):

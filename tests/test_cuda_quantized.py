@@ -1,0 +1,336 @@
+"""The CuPy backend on plans with packed (quantized) weights (`einpage.ir.storage`), on any machine
+(the stand-in for CuPy, `fake_cupy`, runs the generated kernels on the host with g++):
+
+- every dequantization kernel (`cuda_source.dequant_kernel`: each format, each logical dtype)
+  gives `einpage.runtime.quant.dequantize`'s values bit for bit, for random packed bytes with
+  finite scales and for quantized values;
+- every packed read of a quantized plan is dequantized into a workspace slot before its apply
+  (`apply_plan.Unpack`), and `workspace_bytes` counts the slots;
+- paged quantized LLaMA plans (prefill, a decode session replayed as a CUDA graph, a disk tier)
+  equal the NumPy executor, moving and pinning the packed bytes and allocating nothing outside
+  the workspace.
+
+The NVRTC compile of every dequantization kernel for sm_90 is in `test_nvrtc`.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from fake_cupy import installed
+
+from einpage.compiler import CompileOptions, compile_graph
+from einpage.errors import PlanError
+from einpage.ir.dtypes import DType
+from einpage.ir.memgraph import ApplyNode
+from einpage.ir.storage import FORMATS, WRITABLE, Storage
+from einpage.models import llama, resolve
+from einpage.runtime import executor
+from einpage.runtime.backends import cuda_apply
+from einpage.runtime.backends.apply_plan import (STATUS_BYTES, aligned, plan_applies,
+                                                 plan_kernels, slot_bytes, workspace_bytes)
+from einpage.runtime.backends.cuda import CupyBackend
+from einpage.runtime.backends.cuda_source import DEVICE_DTYPE, dequant_kernel
+from einpage.runtime.backends.pinned import PinnedWeights
+from einpage.runtime.planio import stored
+from einpage.runtime.quant import dequantize, quantize
+from einpage.runtime.stream_executor import StreamSession, run_streams
+
+#: the logical dtypes a packed block dequantizes to
+TAGS = ("f32", "f16", "bf16")
+#: byte offsets of each format's f16 scales (and minima) in a group
+F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_g128": (0,), "q4_k": (0, 2),
+              "q6_k": (208,)}
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch, tmp_path_factory):
+    yield from installed(monkeypatch, tmp_path_factory)
+
+
+def prepare(mg) -> None:
+    """Make every kernel a plan runs (the stand-in compiles them in one g++ run)."""
+    for plan in plan_applies(mg).values():
+        for src in plan_kernels(plan):
+            cuda_apply.compiled(src)
+
+
+# ====================================================================== the kernels
+
+def random_groups(fmt: str, groups: int, rng) -> np.ndarray:
+    """`groups` packed groups of random bytes whose f16 fields are finite (random f16 bits of
+    every magnitude, subnormals included; no inf, no NaN)."""
+    f = FORMATS[fmt]
+    raw = rng.integers(0, 256, (groups, f.group_bytes), dtype=np.uint8)
+    for at in F16_FIELDS[fmt]:
+        bits = rng.integers(0, 1 << 16, groups, dtype=np.uint16)
+        bits = np.where((bits & 0x7C00) == 0x7C00, bits & 0xBFFF, bits)  # exponent 31 -> 15
+        raw[:, at:at + 2] = bits.astype("<u2").view(np.uint8).reshape(groups, 2)
+    assert np.isfinite(raw[:, F16_FIELDS[fmt][0]:][:, :2].copy().view(np.float16)).all()
+    return raw
+
+
+def _run_dequant(cp, stream, fmt: str, tag: str, packed: np.ndarray, count: int) -> np.ndarray:
+    """The kernel's output (bits, the device dtype) for `count` elements of `packed`."""
+    out = np.zeros(count, DEVICE_DTYPE[tag])
+    with stream:
+        cuda_apply.compiled(dequant_kernel(fmt, tag))(cp.adopt(packed.reshape(-1)),
+                                                      cp.adopt(out))
+    stream.synchronize()
+    return out
+
+
+def test_dequant_kernels_equal_numpy_bit_for_bit(fake_cupy):
+    """Every format to every logical dtype: random packed bytes (finite scales of every
+    magnitude) and quantized values of a 3-d block dequantize on the device to exactly
+    `quant.dequantize`'s bits (f16 overflowing to inf alike)."""
+    cp = fake_cupy
+    stream = cp.cuda.Stream(non_blocking=True)
+    for fmt in FORMATS:  # every kernel first: the stand-in builds them in one g++ run
+        for tag in TAGS:
+            cuda_apply.compiled(dequant_kernel(fmt, tag))
+    rng = np.random.default_rng(29)
+    for fmt, f in FORMATS.items():
+        groups = 6 if f.group >= 128 else 24
+        raw = random_groups(fmt, groups, rng)
+        # a block of 3 rows of whole groups, its span the last axis
+        shape = (3, groups // 3 * f.group)
+        packed = raw.reshape(Storage(fmt, 1).packed_shape(shape))
+        for tag in TAGS:
+            dtype = DType(tag).numpy
+            got = _run_dequant(cp, stream, fmt, tag, packed, math.prod(shape))
+            with np.errstate(over="ignore"):
+                want = dequantize(packed, Storage(fmt, 1), shape, dtype)
+            assert want.dtype.itemsize == got.dtype.itemsize
+            bits = np.dtype(f"u{got.dtype.itemsize}")
+            mismatch = np.flatnonzero(got.view(bits) != want.reshape(-1).view(bits))
+            assert not mismatch.size, (
+                f"{fmt} -> {tag}: {mismatch.size} of {got.size} elements differ, first at "
+                f"{mismatch[0]}: {got.view(dtype)[mismatch[0]]} vs "
+                f"{want.reshape(-1)[mismatch[0]]}")
+        if fmt in WRITABLE:  # what a checkpoint quantized block by block holds
+            values = (rng.standard_normal((2, 2, 2 * f.group))
+                      * np.exp(rng.uniform(-8, 4, (2, 2, 1)))).astype(np.float32)
+            storage = Storage(fmt, 2)
+            packed = quantize(values, storage)
+            for tag in TAGS:
+                dtype = DType(tag).numpy
+                got = _run_dequant(cp, stream, fmt, tag, packed, values.size)
+                want = dequantize(packed, storage, values.shape, dtype)
+                np.testing.assert_array_equal(got.view(dtype), want.reshape(-1),
+                                              err_msg=f"{fmt} -> {tag} (quantized values)")
+
+
+def test_dequant_kernel_refuses_what_it_cannot_make():
+    with pytest.raises(PlanError, match="f16, bf16 or f32"):
+        dequant_kernel("q8_0", "i64")
+    with pytest.raises(Exception, match="unknown storage format"):
+        dequant_kernel("q3_k", "f32")
+    names = {dequant_kernel(fmt, tag).name for fmt in FORMATS for tag in TAGS}
+    assert len(names) == len(FORMATS) * len(TAGS)  # one kernel per format and dtype
+
+
+# ====================================================================== plans
+
+def quantized_plan(fmt: str, dtype: DType = DType.f32, phase: str = "prefill",
+                   model: str = "small", fraction: int = 3, seed: int = 0):
+    """(config, weights, inputs, compiled) of a quantized LLaMA pass paged under `fraction` of
+    its (packed) weights."""
+    cfg, weights = resolve(model, random_weights=True, seed=seed, dtype=dtype, quantize=fmt)
+    rng = np.random.default_rng(seed)
+    if phase == "prefill":
+        graph = llama.prefill_graph(cfg).bind(B=1, S=16)
+        inputs = {"tokens": rng.integers(0, cfg.vocab, (1, 16))}
+    else:
+        from einpage.models.generation import decode_step_graph
+        graph = decode_step_graph(cfg, 2, 8)
+        inputs = None
+    compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // fraction))
+    return cfg, weights, inputs, compiled
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_g128"])
+def test_every_packed_read_is_dequantized_into_the_workspace(fmt):
+    _, _, _, compiled = quantized_plan(fmt)
+    mg = compiled.memgraph
+    plans = plan_applies(mg)
+    packed_reads = 0
+    for n in mg.nodes:
+        if not isinstance(n, ApplyNode):
+            continue
+        plan = plans[n.id]
+        packed = [k for k, a in enumerate(n.reads) if mg.tensors[a.tensor].storage is not None]
+        assert [u.read for u in plan.unpacks] == packed
+        for u in plan.unpacks:
+            t = mg.tensors[n.reads[u.read].tensor]
+            assert u.kernel == dequant_kernel(t.storage.format, t.dtype.value)
+            assert u.nbytes == math.prod(t.shape) * t.dtype.itemsize > t.bytes
+            assert u.kernel in plan_kernels(plan)
+        assert slot_bytes(plan) == (sum(aligned(u.nbytes) for u in plan.unpacks)
+                                    + sum(aligned(t) for t in plan.temps))
+        packed_reads += len(packed)
+    assert packed_reads >= 4 * 7  # every matrix of every layer, the embedding, the head
+    need = workspace_bytes(mg)
+    assert need == max(slot_bytes(p) for p in plans.values()) + STATUS_BYTES
+    largest = max(sum(aligned(u.nbytes) for u in p.unpacks) for p in plans.values())
+    assert need >= largest + STATUS_BYTES > STATUS_BYTES
+
+
+def test_an_apply_writing_a_packed_block_is_a_plan_error():
+    _, _, _, compiled = quantized_plan("q8_0", model="tiny")
+    mg = compiled.memgraph
+    n = next(n for n in mg.nodes if isinstance(n, ApplyNode)
+             and any(mg.tensors[a.tensor].storage is not None for a in n.reads))
+    packed = next(a for a in n.reads if mg.tensors[a.tensor].storage is not None)
+    from dataclasses import replace
+
+    from einpage.runtime.backends.apply_plan import plan_apply
+    bad = replace(n, write=replace(n.write, tensor=packed.tensor, offset=packed.offset))
+    with pytest.raises(PlanError, match="packed"):
+        plan_apply(mg, bad)
+
+
+# ====================================================================== end to end
+
+def _close(got, want, dtype: DType, label: str) -> None:
+    tol = 1e-5 if dtype == DType.f32 else 0.05
+    for name in want:
+        a, b = np.asarray(got[name], np.float64), np.asarray(want[name], np.float64)
+        assert a.shape == b.shape, (label, name)
+        scale = max(1.0, float(np.abs(b).max()))
+        assert float(np.abs(a - b).max()) <= tol * scale, \
+            f"{label} {name}: max abs error {np.abs(a - b).max():.3e}"
+
+
+def _streamed_weights(mg) -> list:
+    """The weight blocks the backend pins (streamed from host memory, not read from disk)."""
+    from einpage.runtime.backends.base import host_layout
+    return [mg.tensors[t] for t in host_layout(mg, stage_sources=True).streamed
+            if mg.tensors[t].role == "weight" and mg.tensors[t].source is not None]
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_g128"])
+def test_paged_quantized_prefill_equals_the_numpy_executor(fake_cupy, fmt):
+    """The small LLaMA with its matrices packed, paged under a third of its packed weights:
+    the logits and the KV cache equal the NumPy executor's; the packed bytes are what is
+    pinned and copied."""
+    cfg, weights, inputs, compiled = quantized_plan(fmt)
+    mg = compiled.memgraph
+    assert compiled.report.traffic.reload_bytes > 0 and mg.device_bytes < cfg.weight_bytes()
+    want = executor.run(mg, inputs, weights)
+    prepare(mg)
+    backend = CupyBackend()
+    got = run_streams(mg, inputs, weights, backend=backend).outputs
+    _close(got, want, DType.f32, f"{fmt} prefill")
+    assert backend.arena is None
+    streamed = _streamed_weights(mg)
+    assert any(t.storage is not None for t in streamed)
+    store = PinnedWeights.for_source(fake_cupy, weights)
+    # each streamed block pinned once, in its stored (packed) bytes
+    assert store.pinned_bytes == sum(math.prod(stored(t)[1]) * stored(t)[0].itemsize
+                                     for t in streamed)
+
+
+@pytest.mark.parametrize("fmt, dtype", [("q4_0", DType.bf16), ("q8_0", DType.f16),
+                                        ("q4_1", DType.bf16)])
+def test_quantized_blocks_dequantize_to_half_precision(fake_cupy, fmt, dtype):
+    """Logical bf16 and f16: the dequantized operands are rounded to the block's dtype and go
+    to cuBLAS as half operands."""
+    cfg, weights, inputs, compiled = quantized_plan(fmt, dtype, fraction=4)
+    mg = compiled.memgraph
+    want = executor.run(mg, inputs, weights)
+    prepare(mg)
+    got = run_streams(mg, inputs, weights, backend=CupyBackend()).outputs
+    _close(got, want, dtype, f"{fmt} {dtype}")
+
+
+def test_plans_of_other_formats_share_no_pinned_blocks(fake_cupy):
+    """One weight source, two plans cutting the weights alike but packing them otherwise: the
+    second must not be given the first one's pinned bytes."""
+    cfg, weights = resolve("small", random_weights=True, seed=1)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab, (1, 16))
+    for fmt in ("q8_0", "q4_0", None):
+        c = resolve("small", quantize=fmt)[0]  # the same weights, packed as `fmt`
+        graph = llama.prefill_graph(c).bind(B=1, S=16)
+        mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 12)).memgraph
+        want = executor.run(mg, {"tokens": tokens}, weights)
+        prepare(mg)
+        got = run_streams(mg, {"tokens": tokens}, weights, backend=CupyBackend()).outputs
+        _close(got, want, DType.f32, f"{fmt} after another format")
+
+
+def test_quantized_decode_session_replays_a_cuda_graph(fake_cupy):
+    """A decode step of the quantized model held open: the second pass is captured (the
+    dequantization kernels with the rest) and later passes replay it; every step's logits
+    equal the threads backend's, and no pass allocates outside the workspace."""
+    from einpage.models.generation import prefill
+    from einpage.models.kvstore import KVStore
+    from einpage.runtime import evaluate
+    from einpage.runtime.backends.threads import ThreadsBackend
+    cfg, weights, _, compiled = quantized_plan("q4_0", phase="decode", fraction=3, seed=5)
+    mg = compiled.memgraph
+    assert compiled.report.traffic.reload_bytes > 0
+    prepare(mg)
+    prompt = np.array([[4, 8, 15, 16, 23], [42, 1, 2, 3, 5]]) % cfg.vocab
+
+    def steps(backend, timing):
+        store = KVStore(cfg, 2, 8)
+        out = prefill(cfg, prompt, lambda g, i: evaluate(g, i, weights))
+        store.fill(out)
+        last = np.argmax(out["logits"][:, -1], axis=-1)
+        logits = []
+        with StreamSession(mg, weights, backend, timing=timing) as session:
+            for _ in range(3):
+                step = session.run({"tokens": last[:, None], "pos": store.pos.copy(),
+                                    **store.view(8)}).outputs
+                if isinstance(backend, CupyBackend):
+                    assert backend.hook.allocations == 0, backend.hook.bytes
+                    assert backend.hidden_allocations == 0, backend.hidden_bytes
+                for name, lead, row in store.write(step):
+                    session.write(name, lead, row)
+                last = np.argmax(step["logits"][:, -1], axis=-1)
+                logits.append(step["logits"])
+            replays = session.replays
+        return logits, replays
+
+    want, _ = steps(ThreadsBackend(), True)
+    backend = CupyBackend()
+    got, replays = steps(backend, False)
+    assert replays == 2  # the second pass captured and replayed, the third replayed
+    for k, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"step {k}")
+    assert backend.arena is None
+
+
+def test_quantized_disk_tier_on_the_stand_in(fake_cupy):
+    """A host budget small enough that packed weight blocks are read from the checkpoint
+    every pass (quantized as they are read) into the host arena, then copied to the device:
+    the logits equal the NumPy executor's."""
+    import dataclasses
+
+    from conftest import FIXTURES
+
+    from einpage.compiler.tiers import STAGING_BLOCKS, host_needs
+    from einpage.ir.memgraph import HOST_ALIGNMENT, ReadNode
+    path = FIXTURES / "tiny-llama-f32"
+    if not (path / "model.safetensors").exists():
+        pytest.skip(f"Hugging Face fixture {path} not found")
+    cfg, weights = resolve(str(path), quantize="q8_0")
+    assert cfg.formats
+    ids = np.load(path / "input_ids.npy")
+    graph = llama.prefill_graph(cfg).bind(B=ids.shape[0], S=ids.shape[1])
+    base = CompileOptions(cfg.weight_bytes() // 4)
+    free = compile_graph(graph, base).memgraph
+    needs = host_needs(free)
+    largest = max(free.tensors[i].bytes for i in needs.streamed)
+    host = (needs.fixed_bytes + STAGING_BLOCKS[0] * -(-largest // HOST_ALIGNMENT)
+            * HOST_ALIGNMENT + needs.streamed_bytes // 3)
+    mg = compile_graph(graph, dataclasses.replace(base, host_bytes=host)).memgraph
+    reads = [mg.tensors[n.tensor] for n in mg.nodes if isinstance(n, ReadNode)]
+    assert any(t.storage is not None for t in reads)
+    # the device side of the tiered plan is the unconstrained one's (tests/test_tiers.py)
+    want = executor.run(free, {"tokens": ids}, weights)
+    prepare(mg)
+    got = run_streams(mg, {"tokens": ids}, weights, backend=CupyBackend()).outputs
+    _close(got, want, DType.f32, "q8_0 disk tier")
