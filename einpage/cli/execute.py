@@ -184,8 +184,9 @@ def _resolve(args):
 
 
 def _checkpoint_dir(model: str) -> Path | None:
-    """Where a run's tokenizer lives: the checkpoint directory (None for a preset)."""
-    return Path(model) if Path(model).is_dir() else None
+    """Where a run's tokenizer lives: the checkpoint directory or GGUF file (None for a
+    preset)."""
+    return Path(model) if Path(model).is_dir() or Path(model).is_file() else None
 
 
 def cmd_run(args) -> None:

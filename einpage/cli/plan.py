@@ -123,8 +123,9 @@ def graph_from_args(args):
         tokens = args.batch
         workload.update(seq=1, past=past, capacity=capacity, tokens=tokens)
     sources = {name: schema.hf_tensor(name) for name in schema.weight_shapes(cfg)}
-    if checkpoint is not None:  # the dtype its files hold: `run plan --checkpoint` checks it
-        stored = {checkpoint.checkpoint.tensors[hf].dtype.value for hf in sources.values()}
+    files = getattr(checkpoint, "checkpoint", None)  # a safetensors checkpoint (not GGUF)
+    if files is not None:  # the dtype its files hold: `run plan --checkpoint` checks it
+        stored = {files.tensors[hf].dtype.value for hf in sources.values()}
         if len(stored) == 1:
             workload["weights_dtype"] = stored.pop()
     return cfg, graph, sources, tokens, workload

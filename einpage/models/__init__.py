@@ -18,6 +18,8 @@ def resolve(model: str, *, random_weights: bool = False, seed: int = 0, dtype: D
     from einpage.models.checkpoint import Checkpoint, CheckpointWeights, RandomWeights
 
     path = Path(model)
+    if path.is_file():  # a GGUF file (its weights may come quantized)
+        return _gguf(path, dtype, quantize)
     if model in PRESETS and not path.is_dir():
         cfg = preset(model)
         weights = RandomWeights(cfg, seed) if random_weights else None
@@ -47,6 +49,26 @@ def resolve(model: str, *, random_weights: bool = False, seed: int = 0, dtype: D
                              f"{', '.join(WRITABLE)}")
         cfg = quantized(cfg, quantize)
     return cfg, weights
+
+
+def _gguf(path: Path, dtype: DType | None, quantize: str | None):
+    """`(config, weights)` of a GGUF file: the config records the storage of every weight the
+    file keeps quantized, so plans move its packed bytes as they lie."""
+    from dataclasses import replace
+
+    from einpage.errors import CheckpointError, InputError
+    from einpage.models.gguf import GGUFModel, is_gguf
+    if not is_gguf(path):
+        raise CheckpointError(f"{path}: not a checkpoint directory or a GGUF file")
+    if quantize is not None:
+        raise InputError(f"--quantize quantizes an f16/bf16/f32 checkpoint; {path.name} is a "
+                         "GGUF file, whose weights are stored as they are")
+    model = GGUFModel(path, dtype=dtype)
+    model.weights.check()
+    cfg = replace(model.config, formats=tuple(sorted((name, st.format) for name, st
+                                                     in model.storages().items())))
+    model.weights.config = cfg
+    return cfg, model.weights
 
 
 __all__ = ["LlamaConfig", "PRESETS", "preset", "resolve"]

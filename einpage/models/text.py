@@ -35,8 +35,16 @@ _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (
 
 
 def has_tokenizer(directory: str | Path) -> bool:
-    """Whether `directory` holds a `tokenizer.json`."""
-    return (Path(directory) / TOKENIZER).is_file()
+    """Whether `directory` holds a `tokenizer.json` (or is a GGUF file, which carries one)."""
+    return Path(directory).is_file() or (Path(directory) / TOKENIZER).is_file()
+
+
+def _gguf(path: Path):
+    """The GGUF model at `path` (a file), or None for a checkpoint directory."""
+    if not path.is_file():
+        return None
+    from einpage.models.gguf import GGUFModel
+    return GGUFModel(path)
 
 
 class TextCodec:
@@ -69,6 +77,9 @@ class TextCodec:
         `tokenizer_config.json` (optional). CheckpointError where either is absent or malformed."""
         from tokenizers import Tokenizer
         directory = Path(directory)
+        gguf = _gguf(directory)
+        if gguf is not None:
+            return gguf.codec()
         path = directory / TOKENIZER
         if not path.is_file():
             raise CheckpointError(f"{directory}: no {TOKENIZER}: this checkpoint has no tokenizer "
@@ -178,6 +189,9 @@ def end_of_sequence(directory: str | Path | None) -> EndOfSequence:
     if directory is None:
         return EndOfSequence()
     directory = Path(directory)
+    gguf = _gguf(directory)
+    if gguf is not None:
+        return gguf.end_of_sequence()
     configs = [(directory / name, _read_config(directory / name))
                for name in (GENERATION_CONFIG, MODEL_CONFIG)]
     ids, source = (), None
