@@ -3,7 +3,7 @@ with the same weights kept as Q8_0 and Q4_0, side by side in one process.
 
 LLaMA-7B shapes (hidden 4096, ffn 11008, 32 heads, vocab 32000) with `--layers` layers, random
 weights made once and held in host memory as a GGUF file's reader would hold them: f16 arrays,
-and for each format the packed bytes (quantized once, as `einpage.runtime.quant.quantize` does
+and for each format the packed bytes (quantized once, as `einpage.ir.quant.quantize` does
 block by block). Every plan is compiled for one budget, `--fraction` of the f16 weights (1/8: even
 the Q4_0 weights, 0.28 of f16's, do not fit, so every plan streams), held open
 in a `StreamSession`, and run `--reps` times after a warm-up pass; the formats alternate within
@@ -24,7 +24,7 @@ import numpy as np
 
 from einpage.compiler import CompileOptions, compile_graph
 from einpage.models import config, llama, schema
-from einpage.runtime.quant import quantize
+from einpage.ir.quant import quantize
 from einpage.runtime.stream_executor import StreamSession
 
 

@@ -2,7 +2,7 @@
 (the stand-in for CuPy, `fake_cupy`, runs the generated kernels on the host with g++):
 
 - every dequantization kernel (`cuda_source.dequant_kernel`: each format, each logical dtype)
-  gives `einpage.runtime.quant.dequantize`'s values bit for bit, for random packed bytes with
+  gives `einpage.ir.quant.dequantize`'s values bit for bit, for random packed bytes with
   finite scales and for quantized values;
 - every packed read of a quantized plan is dequantized into a workspace slot before its apply
   (`apply_plan.Unpack`), and `workspace_bytes` counts the slots;
@@ -34,7 +34,7 @@ from einpage.runtime.backends.cuda import CupyBackend
 from einpage.runtime.backends.cuda_source import DEVICE_DTYPE, dequant_kernel
 from einpage.runtime.backends.pinned import PinnedWeights
 from einpage.runtime.planio import stored
-from einpage.runtime.quant import dequantize, quantize
+from einpage.ir.quant import dequantize, quantize
 from einpage.runtime.stream_executor import StreamSession, run_streams
 
 #: the logical dtypes a packed block dequantizes to

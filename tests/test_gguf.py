@@ -19,7 +19,7 @@ from einpage.models.checkpoint import Checkpoint, CheckpointWeights
 from einpage.models.config import RopeScaling
 from einpage.models.gguf import GGUFModel, is_gguf, llama3_factors, llama3_scaling, read_gguf
 from einpage.models.text import TextCodec, end_of_sequence
-from einpage.runtime.quant import dequantize, quantize
+from einpage.ir.quant import dequantize, quantize
 from gguf_files import gguf_spec, write_gguf
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -20,7 +20,7 @@ from einpage.models.checkpoint import RandomWeights
 from einpage.runners import run_plan
 from einpage.runtime import evaluate
 from einpage.runtime.executor import run
-from einpage.runtime.quant import dequantize, quantize
+from einpage.ir.quant import dequantize, quantize
 
 gguf = pytest.importorskip("gguf")
 
@@ -308,3 +308,64 @@ def test_an_unknown_quantize_format_is_one_line(capsys):
     assert cli("compile", "llama-7b", "--gpu-mem", "4GB", "--quantize", "q3_k") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "q3_k" in err
+
+
+# ---------------------------------------------------------------- the KV store in 8 bits
+
+KV_BASE = config.ModelConfig("kv32", 96, 64, 96, 2, 4, 2, 32, dtype=config.DType.f32)
+
+
+def test_a_q8_0_kv_store_holds_packed_rows_and_generates_what_the_reference_does():
+    from dataclasses import replace
+
+    from einpage.models.generation import greedy
+    from einpage.models.kvstore import KVStore
+    from einpage.runners import PlanRunner, dense_runner
+    cfg = replace(KV_BASE, kv_format="q8_0")
+    store = KVStore(cfg, 2, 64)
+    first = store.arrays["cache.0.k"]
+    assert first.dtype == np.uint8 and first.shape == (2, 64, 2, 34)  # per head: 32 values, one scale
+    weights = RandomWeights(KV_BASE, 0)
+    prompt = np.array([[3, 5, 7, 11, 13], [2, 4, 6, 8, 10]])
+    want = greedy(cfg, prompt, 10, dense_runner(weights))
+    for backend in ("numpy", "threads"):  # threads: the session writes rows into device blocks
+        runner = PlanRunner(weights, CompileOptions(cfg.weight_bytes() // 2), backend)
+        np.testing.assert_array_equal(greedy(cfg, prompt, 10, runner), want)
+
+
+def test_a_decode_step_reads_the_packed_store_as_the_reference_does():
+    from dataclasses import replace
+    cfg = replace(KV_BASE, kv_format="q8_0")
+    graph = llama.decode_graph(cfg).bind(B=2, C=16)
+    st = schema.kv_storage(cfg)
+    rng = np.random.default_rng(4)
+    inputs = {"tokens": np.array([[3], [9]]), "pos": np.array([5, 11])}
+    for t in graph.inputs:
+        if t.op.role.value == "cache":
+            assert t.op.storage == st
+            inputs[t.op.name] = quantize(rng.standard_normal(tuple(t.shape)), st)
+    weights = RandomWeights(KV_BASE, 0)
+    want = evaluate(graph, inputs, weights)
+    mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 2)).memgraph
+    assert any(t.role == "cache" and t.storage == st for t in mg.tensors)
+    got = run(mg, inputs, weights, order=2)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
+
+
+def test_kv_q8_0_halves_the_decode_bytes_at_8192(capsys):
+    rows = {}
+    for kv in ((), ("--kv-dtype", "q8_0")):
+        assert cli("compile", "llama-7b", "--phase", "decode", "--past", "8191", "--gpu-mem",
+                   "16GB", "--cpu-mem", "unlimited", "--quiet", "--json", *kv) == 0
+        rows[kv] = json.loads(capsys.readouterr().out)
+    q8, f16 = rows[("--kv-dtype", "q8_0")], rows[()]
+    assert q8["capacity"] == f16["capacity"] == 8192
+    assert q8["kv_bytes"] <= 0.55 * f16["kv_bytes"]  # 34 bytes per 32 values: 0.531
+    assert q8["kv_dtype"] == "q8_0"
+
+
+def test_kv_q8_0_needs_whole_groups_per_head(capsys):
+    assert cli("compile", "small", "--phase", "decode", "--past", "10", "--gpu-mem", "1MB",
+               "--kv-dtype", "q8_0") == 2  # head_dim 16
+    assert "head_dim a multiple of 32" in capsys.readouterr().err

@@ -200,6 +200,10 @@ def add_quantize_arg(p) -> None:
                         "as the plan reads it (rounded as GGUF's quantizer rounds): " +
                         "; ".join(f"{n} {FORMATS[n].bits:g} bits ({FORMATS[n].layout})"
                                   for n in WRITABLE))
+    p.add_argument("--kv-dtype", choices=("q8_0",),
+                   help="keep the KV store in a block format: q8_0, one f16 scale per 32 values "
+                        "of a head's row (8.5 bits; llama.cpp's -ctk q8_0); default: the model "
+                        "dtype")
 
 
 def add_host_args(p) -> None:

@@ -176,7 +176,8 @@ def _resolve(args):
         raise InputError(f"--seed must be >= 0, got {args.seed}")
     cfg, weights = resolve(args.model, random_weights=args.random_weights,
                            seed=args.seed if args.seed is not None else 0, dtype=dtype,
-                           quantize=getattr(args, "quantize", None))
+                           quantize=getattr(args, "quantize", None),
+                           kv_dtype=getattr(args, "kv_dtype", None))
     if weights is None:
         raise InputError(f"{args.model}: a preset has no weights; pass --random-weights or a "
                          "checkpoint directory")

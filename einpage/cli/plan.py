@@ -91,7 +91,7 @@ def graph_from_args(args):
     from einpage.models import llama, resolve, schema
     from einpage.models.kvstore import capacity_for
     cfg, checkpoint = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None,
-                              quantize=args.quantize)
+                              quantize=args.quantize, kv_dtype=args.kv_dtype)
     seq = DEFAULT_SEQ if args.seq is None else args.seq
     for name, value in (("--batch", args.batch), ("--seq", seq)):
         if value < 1:
@@ -100,6 +100,8 @@ def graph_from_args(args):
                 "dtype": cfg.dtype.value}
     if args.quantize:
         workload["quantize"] = args.quantize
+    if args.kv_dtype:
+        workload["kv_dtype"] = args.kv_dtype
     if args.phase == "prefill":
         if args.past is not None or args.capacity is not None:
             raise InputError("--past and --capacity describe a decode step: add --phase decode")

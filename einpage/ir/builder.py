@@ -93,19 +93,19 @@ class GraphBuilder:
     # ------------------------------------------------------------------ nodes
     def input(self, name: str, shape, dtype="f32", role: Union[Role, str] = "activation",
               storage: Storage | None = None) -> Tensor:
-        """A graph input; a weight may be kept in a block format (`storage`), its rows the
-        trailing `storage.span` axes."""
+        """A graph input; a weight or the KV store may be kept in a block format (`storage`),
+        its rows the trailing `storage.span` axes."""
         if any(isinstance(n.op, Input) and n.op.name == name for n in self._nodes):
             raise GraphError(f"input {name!r} defined twice")
         role = Role(role)
         if storage is not None:
-            if role is not Role.weight:
-                raise GraphError(f"input {name!r}: only weights take a storage format "
-                                 f"({storage.format} given to a {role.value})")
+            if role is Role.activation:
+                raise GraphError(f"input {name!r}: only weights and the KV store take a storage "
+                                 f"format ({storage.format} given to an activation)")
             shape = tuple(_size(s) for s in shape)
-            if not all(isinstance(s, int) for s in shape):
-                raise GraphError(f"input {name!r}: a {storage.format} weight needs a concrete "
-                                 f"shape, got {list(shape)}")
+            if not all(isinstance(s, int) for s in shape[len(shape) - storage.span:]):
+                raise GraphError(f"input {name!r}: a {storage.format} tensor needs concrete "
+                                 f"rows, got {list(shape)}")
             why = storage.fits(shape)
             if why:
                 raise GraphError(f"input {name!r} {list(shape)}: cannot be stored as "

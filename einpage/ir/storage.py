@@ -11,7 +11,7 @@ a row, and rows follow each other.
 A block of such a tensor is a box whose packed bytes are again a box of that array: the axes of
 the span after the first are whole, and the first one is cut at whole groups (`packed_box`). The
 partitioner cuts every quantized tensor that way; transfers, arenas and tiers count packed bytes;
-an apply that reads a packed block dequantizes it (`einpage.runtime.quant`).
+an apply that reads a packed block dequantizes it (`einpage.ir.quant`).
 """
 from __future__ import annotations
 

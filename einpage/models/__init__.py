@@ -8,12 +8,27 @@ from einpage.models.config import PRESETS, LlamaConfig, preset
 
 
 def resolve(model: str, *, random_weights: bool = False, seed: int = 0, dtype: DType | None = None,
-            quantize: str | None = None):
+            quantize: str | None = None, kv_dtype: str | None = None):
     """`(config, weight source)` for a preset name (with `random_weights`) or a checkpoint
     directory. `weights` is None for a preset without `random_weights` (compile needs none).
     The computation dtype defaults to the checkpoint's, except that bf16 is computed in float32:
     NumPy has no bf16 arithmetic. `quantize` (a storage format, `einpage.ir.storage.WRITABLE`)
-    keeps every matrix weight in that block format, quantized block by block as plans read it."""
+    keeps every matrix weight in that block format, quantized block by block as plans read it;
+    `kv_dtype` (`q8_0`) keeps the KV store so."""
+    cfg, weights = _resolve(model, random_weights, seed, dtype, quantize)
+    if kv_dtype is not None:
+        from dataclasses import replace
+
+        from einpage.models.schema import kv_storage
+        cfg = replace(cfg, kv_format=kv_dtype)
+        kv_storage(cfg)  # ModelError where a head's row is not whole groups
+        if getattr(weights, "config", None) is not None:
+            weights.config = cfg
+    return cfg, weights
+
+
+def _resolve(model: str, random_weights: bool, seed: int, dtype: DType | None,
+             quantize: str | None):
     from einpage.errors import ModelError
     from einpage.models.checkpoint import Checkpoint, CheckpointWeights, RandomWeights
 

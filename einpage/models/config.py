@@ -66,6 +66,9 @@ class ModelConfig:
     #: weights kept quantized: (graph weight name, storage format) pairs, sorted by name
     #: (`einpage.models.schema.quantized`); the others are stored in `dtype`
     formats: tuple[tuple[str, str], ...] = ()
+    #: the KV store kept in a block format (`--kv-dtype q8_0`: one f16 scale per 32 values of a
+    #: head's row), None: in `dtype`
+    kv_format: str | None = None
 
     def __post_init__(self):
         for field in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads",

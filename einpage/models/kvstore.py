@@ -15,6 +15,8 @@ import numpy as np
 
 from einpage.errors import InputError
 from einpage.models.config import LlamaConfig
+from einpage.models.schema import kv_storage
+from einpage.ir.quant import quantize
 
 #: the smallest step between bucket capacities
 GRANULE = 256
@@ -65,7 +67,9 @@ class KVStore:
     """Keys and values of `batch` rows at `capacity` slots: `arrays[cache.<l>.k|v]` of shape
     [batch, capacity, kv_heads, 2, head_dim/2] in the model dtype, and `pos[b]`, the rows row b
     holds (its next position). `dtype` overrides the storage type (float64 for the reference's
-    float64 mode).
+    float64 mode). Under `cfg.kv_format` the arrays hold packed rows instead
+    (`einpage.models.schema.kv_storage`: [batch, capacity, ...packed head rows], uint8), each
+    row quantized as it is written; plans read them as they lie.
 
     For a model whose every layer has a sliding window the store is a ring (`cfg.kv_ring` slots
     at most): position q lies in slot `q mod ring`, and only the rows the window sees are
@@ -79,6 +83,9 @@ class KVStore:
         capacity = min(capacity, self.ring) if self.ring else capacity
         self.cfg, self.batch, self.capacity = cfg, batch, capacity
         shape = (batch, capacity, cfg.kv_heads, 2, cfg.head_dim // 2)
+        self.storage = kv_storage(cfg)
+        if self.storage is not None:
+            shape, dtype = self.storage.packed_shape(shape), np.uint8
         self.arrays = {name: np.zeros(shape, dtype or cfg.dtype.numpy) for name in store_names(cfg)}
         self.pos = np.zeros(batch, np.int64)
 
@@ -99,7 +106,7 @@ class KVStore:
             raise InputError(f"prefill lengths {lengths.tolist()} do not fit a store of "
                              f"{self.capacity} slots from {seq} positions")
         for name, array in self.arrays.items():
-            rows = cache[name]
+            rows = self._packed(cache[name])
             for b, n in enumerate(lengths.tolist()):
                 if self.wraps:  # the ring keeps the last `capacity` positions
                     for q in range(max(0, n - self.capacity), n):
@@ -128,18 +135,25 @@ class KVStore:
             raise InputError(f"a plan of capacity {capacity} reads a store of {self.capacity}")
         return {name: array[:, :capacity] for name, array in self.arrays.items()}
 
+    def _packed(self, rows: np.ndarray) -> np.ndarray:
+        """Rows as the store holds them (quantized under a KV format)."""
+        return rows if self.storage is None else quantize(np.asarray(rows), self.storage)
+
     def write(self, step: Mapping[str, np.ndarray]) -> list[tuple[str, tuple[int, int], np.ndarray]]:
         """Write a decode step's `new.<l>.k|v` [B, 1, ...] rows at `pos` and advance `pos`.
-        Returns the rows written, `(name, (b, slot), row)`, for copies elsewhere (a device)."""
+        Returns the rows written, `(name, (b, slot), row)`, for copies elsewhere (a device):
+        the step's own rows (a session quantizes them for a packed store as this store does)."""
         if self.full:
             raise InputError(f"the KV store is full: {self.capacity} slots")
         written = []
         for name, array in self.arrays.items():
             new = step["new." + name[len("cache."):]]
+            packed = self._packed(new)
             for b in range(self.batch):
                 slot = self.slot(int(self.pos[b]))
-                array[b, slot] = new[b, 0]
-                written.append((name, (b, slot), array[b, slot]))
+                array[b, slot] = packed[b, 0]
+                written.append((name, (b, slot), new[b, 0] if self.storage is not None
+                                else array[b, slot]))
         self.pos += 1
         return written
 

@@ -47,7 +47,7 @@ from einpage.ir.builder import GraphBuilder, Tensor
 from einpage.ir.dtypes import DType
 from einpage.ir.graph import Graph
 from einpage.models.config import ModelConfig
-from einpage.models.schema import weight_shapes, weight_storage
+from einpage.models.schema import kv_storage, weight_shapes, weight_storage
 
 B, S, C = (scalar.size_symbol(n) for n in "BSC")
 
@@ -64,6 +64,7 @@ class _Llama:
         self.masks: dict[int | None, Tensor] = {}  # by sliding window (None: causal)
         self.picks: dict[int, Tensor] = {}         # Mixtral: one-hot of each expert
         self.storage = weight_storage(cfg)         # quantized weights
+        self.kv = kv_storage(cfg)                  # a quantized KV store
 
     def weight(self, name: str) -> Tensor:
         return self.g.input(name, weight_shapes(self.cfg)[name], self.dt, role="weight",
@@ -219,8 +220,8 @@ class _Llama:
         returns the output and the step's new key and value rows."""
         g, cfg, scale = self.g, self.cfg, self.scale
         shape = (B, capacity, cfg.kv_heads, 2, cfg.head_dim // 2)
-        past_k = g.input(f"cache.{layer}.k", shape, self.dt, role="cache")
-        past_v = g.input(f"cache.{layer}.v", shape, self.dt, role="cache")
+        past_k = g.input(f"cache.{layer}.k", shape, self.dt, role="cache", storage=self.kv)
+        past_v = g.input(f"cache.{layer}.v", shape, self.dt, role="cache", storage=self.kv)
         # a ring store (every layer windowed) holds only rows inside the window
         mask = self.store_mask(capacity, None if cfg.kv_ring else cfg.window(layer))
         q, k, v = self.projections(x, layer, rot, "burj")

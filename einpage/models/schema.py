@@ -84,6 +84,19 @@ def weight_storage(cfg: ModelConfig) -> dict[str, Storage]:
     return out
 
 
+def kv_storage(cfg: ModelConfig) -> Storage | None:
+    """The storage of the KV store's `[b, t, kv_heads, 2, head_dim/2]` tensors under
+    `cfg.kv_format`: groups along each head's row of `head_dim` values (llama.cpp's `-ctk q8_0`
+    layout); None without a format. `ModelError` where a head's row is not whole groups."""
+    if cfg.kv_format is None:
+        return None
+    st = storage_for(cfg.kv_format, (cfg.kv_heads, 2, cfg.head_dim // 2), 2)
+    if st is None:
+        raise ModelError(f"{cfg.name}: --kv-dtype {cfg.kv_format} needs head_dim a multiple of "
+                         f"{get_format(cfg.kv_format).group}, not {cfg.head_dim}")
+    return st
+
+
 def weight_bytes_by_format(cfg: ModelConfig, dtype: DType) -> dict[str, int]:
     """Bytes of the model's weights per storage format (the unpacked ones under `dtype`'s
     name)."""

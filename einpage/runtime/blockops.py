@@ -14,7 +14,7 @@ from einpage.ir import scalar
 from einpage.ir.memgraph import Access, ApplyNode, TensorInfo
 from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text
 from einpage.runtime import kernels
-from einpage.runtime.quant import dequantize
+from einpage.ir.quant import dequantize
 
 
 def apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],

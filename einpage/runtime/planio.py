@@ -12,7 +12,8 @@ import numpy as np
 from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir.memgraph import InputNode, MemGraph, OutputRef, TensorInfo
 from einpage.ir.tensors import WeightSource
-from einpage.runtime.quant import dequantize, held_storage, quantize
+from einpage.ir.quant import dequantize, quantize
+from einpage.ir.storage import Storage
 
 
 def tensor_info(mg: MemGraph, tid: int) -> TensorInfo:
@@ -57,6 +58,13 @@ def arena_view(arena: np.ndarray, mg: MemGraph, tid: int, offset: int | None) ->
     return typed_view(arena, start, mg.tensors[tid])
 
 
+def held_storage(weights, name: str) -> Storage | None:
+    """The storage a weight source holds weight `name` in (None: unpacked, in a float dtype).
+    A source that holds packed weights (a GGUF file) says so with `storage(name)`."""
+    ask = getattr(weights, "storage", None)
+    return ask(name) if callable(ask) else None
+
+
 class PlanIO:
     """A plan's traffic with its caller. Checks on construction (and at `set_inputs`, for the
     next pass of a plan held open) that every activation or cache input the plan reads is given
@@ -72,6 +80,11 @@ class PlanIO:
         self._roles = {t.name: t.role for t in mg.inputs}
         self._whole: dict[str, Any] = {}
         self._lock = threading.Lock()
+        #: non-weight inputs the plan holds packed (a quantized KV store): the caller gives them
+        #: in their packed layout (`einpage.ir.storage`)
+        self._packed_inputs = {t.source.input: t.storage for t in mg.tensors
+                               if t.storage is not None and t.source is not None
+                               and t.role != "weight"}
         self._check_inputs()
 
     def set_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
@@ -95,6 +108,9 @@ class PlanIO:
                 t = self.mg.tensors[n.tensor]
                 if t.source is not None and t.source.input not in expected:
                     expected[t.source.input] = (t.role, tuple(t.source.full_shape))
+        for name, st in self._packed_inputs.items():  # a packed KV store is given packed
+            role, shape = expected[name]
+            expected[name] = (role, st.packed_shape(shape))
         for name, (role, shape) in expected.items():
             if role == "weight":
                 continue
@@ -120,6 +136,8 @@ class PlanIO:
                                           f"{tuple(np.shape(whole))}")
             else:
                 whole = self.inputs.get(name)
+                if name in self._packed_inputs:
+                    full_shape = self._packed_inputs[name].packed_shape(full_shape)
                 if whole is None:
                     raise InputError(f"missing input {name!r} ({role}, shape {full_shape})")
                 if whole.shape != full_shape:
@@ -142,7 +160,8 @@ class PlanIO:
                             f"lies outside input {s.input!r} of shape {list(full)}")
         role = self._roles.get(s.input, t.role)
         whole = self._whole_input(s.input, role, full)
-        held = held_storage(self.weights, s.input) if role == "weight" else None
+        held = (held_storage(self.weights, s.input) if role == "weight"
+                else self._packed_inputs.get(s.input))
         if held is None and t.storage is None:
             return whole[tuple(slice(o, o + n) for o, n in zip(s.origin, t.shape))]
         return self._repacked(t, whole, held)

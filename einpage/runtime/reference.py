@@ -12,7 +12,9 @@ from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, 
                               Role, Slice)
 from einpage.ir.tensors import WeightSource
 from einpage.runtime import kernels
-from einpage.runtime.quant import logical_weight
+from einpage.ir.quant import dequantize, quantize
+from einpage.ir.storage import Storage
+from einpage.runtime.planio import held_storage
 
 
 def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray] | None = None,
@@ -66,12 +68,14 @@ def _run(node: Node, args, inputs, weights, float64) -> np.ndarray:
         if op.role is Role.weight:
             if weights is None:
                 raise InputError(f"no weights given for weight input {op.name!r}")
-            value = logical_weight(weights, op.name, op.storage, tuple(node.shape), store)
+            value = _logical_weight(weights, op.name, op.storage, tuple(node.shape), store)
         else:
             if op.name not in inputs:
                 raise InputError(f"missing input {op.name!r} ({op.role.value}, shape "
                                  f"{tuple(node.shape)})")
             value = np.asarray(inputs[op.name])
+            if op.storage is not None:  # a packed KV store, given packed
+                value = dequantize(value, op.storage, tuple(node.shape), store)
         if tuple(value.shape) != tuple(node.shape):
             raise InputError(f"input {op.name!r}: expected shape {tuple(node.shape)}, got "
                              f"{tuple(value.shape)}")
@@ -94,3 +98,20 @@ def _run(node: Node, args, inputs, weights, float64) -> np.ndarray:
     if isinstance(op, Output):
         return args[0]
     raise GraphError(f"%{node.id}: unknown node kind {node.kind}")
+
+
+def _logical_weight(weights, name: str, storage: Storage | None, shape: tuple[int, ...],
+                   dtype: np.dtype) -> np.ndarray:
+    """The values of weight `name` as a graph that stores it in `storage` computes with them:
+    quantized and dequantized again (or dequantized from the file's packed bytes). The dense
+    reference runs on these."""
+    from einpage.errors import CheckpointError
+    held, raw = held_storage(weights, name), weights(name)
+    if storage is None and held is None:
+        return np.asarray(raw)
+    if held is None:
+        return dequantize(quantize(np.asarray(raw), storage), storage, shape, dtype)
+    if storage is not None and held.format != storage.format:
+        raise CheckpointError(f"weight {name!r} is stored as {held.format}, but the graph "
+                              f"reads it as {storage.format}")
+    return dequantize(np.asarray(raw), held, shape, dtype)

@@ -44,6 +44,7 @@ from einpage.ir.validator import checked
 from einpage.runtime.backends.base import Backend
 from einpage.runtime.measured import Measured, Span
 from einpage.runtime.planio import PlanIO
+from einpage.ir.quant import quantize
 from einpage.runtime.streams import QUEUES, StreamProgram, compile_streams, queue_of
 
 #: how often a blocked caller looks up from waiting on the workers (Ctrl-C is seen between looks)
@@ -140,10 +141,11 @@ class StreamSession:
                 continue
             part = values[tuple(slice(o, o + n) for o, n in zip(origin[k:], shape[k:]))]
             local = tuple(i - o for i, o in zip(lead, origin))
-            dtype = self.mg.tensors[tid].dtype.numpy
+            t = self.mg.tensors[tid]
             try:
-                self.backend.write_input(tid, offset, local,
-                                         np.ascontiguousarray(part, dtype=dtype))
+                part = (quantize(part, t.storage) if t.storage is not None
+                        else np.ascontiguousarray(part, dtype=t.dtype.numpy))
+                self.backend.write_input(tid, offset, local, part)
             except BaseException:
                 self._close_after_error()
                 raise

@@ -362,17 +362,15 @@ class CupyBackend(DeviceApplies, Backend):
     def write_input(self, tid: int, offset: int | None, lead: tuple[int, ...],
                     values: np.ndarray) -> None:
         t = self.mg.tensors[tid]
-        if t.storage is not None:
-            raise PlanError(f"write into %t{tid}: a packed ({t.storage.format}) block takes no "
-                            "rows between passes")
+        dtype, shape = stored(t)  # a packed KV block takes packed rows
         if offset is None:
             if tid in self.layout.offsets:  # its pinned copy is what the reloads read
                 host_view(self.host, self.mg, self.layout, tid)[lead] = values
             return
         start, _ = instance_bytes(self.mg, tid, offset)
-        rest = math.prod(t.shape[len(lead):])
-        first = int(np.ravel_multi_index(lead, t.shape[:len(lead)])) if lead else 0
-        values = np.ascontiguousarray(values, dtype=t.dtype.numpy)
+        rest = math.prod(shape[len(lead):])
+        first = int(np.ravel_multi_index(lead, shape[:len(lead)])) if lead else 0
+        values = np.ascontiguousarray(values, dtype=dtype)
         if values.size != rest:
             raise PlanError(f"write into %t{tid}: {values.size} values for a run of {rest}")
         if values.nbytes > self._row:
@@ -386,7 +384,7 @@ class CupyBackend(DeviceApplies, Backend):
             at = self._rows_at + k * self._row
             self.host[at:at + values.nbytes] = values.view(np.uint8).reshape(-1)
             # on the compute stream: after this pass's reads, before the next pass's
-            self._at("arena", start + first * rest * t.dtype.itemsize).copy_from_host_async(
+            self._at("arena", start + first * rest * dtype.itemsize).copy_from_host_async(
                 self._pinned_ptr + at, values.nbytes, compute)
             self._rows[k].record(compute)
 

@@ -422,7 +422,7 @@ EP_FN float ep_k_scale(const unsigned char* s, int j, float d, float dmin, float
 """
 
 #: The body of `float ep_dequant(const unsigned char* b, int e)`: element `e` of the group whose
-#: bytes start at `b`, in float32 with each operation rounded as `einpage.runtime.quant` rounds
+#: bytes start at `b`, in float32 with each operation rounded as `einpage.ir.quant` rounds
 #: it in NumPy (no contraction: `--fmad=false`).
 DEQUANT_BODY = {
     "q8_0": "return ep_f16_at(b) * (float)(signed char)b[2 + e];",
@@ -448,7 +448,7 @@ DEQUANT_BODY = {
 @functools.lru_cache(maxsize=None)
 def dequant_kernel(format: str, out_tag: str) -> ElementwiseSource:
     """Dequantize a packed block (`einpage.ir.storage`: `format`'s groups, byte for byte the
-    layout of `einpage.runtime.quant`) into its logical block in C order: `raw uint8 q` (the
+    layout of `einpage.ir.quant`) into its logical block in C order: `raw uint8 q` (the
     packed bytes, flat) to `y` (the logical elements, flat, `out_tag`), one thread per element
     `i` (group `i / group`, element `i % group` of it), computed in float32 exactly as
     `quant.dequantize` computes it and rounded once to `out_tag` (as NumPy and ml_dtypes round

@@ -1,4 +1,6 @@
-"""Quantize and dequantize packed blocks (`einpage.ir.storage`) with NumPy.
+"""What the bytes of each storage format (`einpage.ir.storage`) mean: quantize and dequantize
+with NumPy. The reference codec of the formats, used by every layer that holds packed bytes
+(the runtimes, the KV store, checkpoint readers).
 
 `quantize` rounds exactly as the `gguf` package's quantizer (llama.cpp's reference rows), so a
 checkpoint quantized here gives the bytes of a GGUF file written by it; tests hold it to that.
@@ -46,30 +48,6 @@ def dequantize(packed: np.ndarray, storage: Storage, shape: tuple[int, ...],
         stop = start + CHUNK_GROUPS
         flat[start:stop] = kernel(rows[start:stop])
     return out
-
-
-def held_storage(weights, name: str) -> Storage | None:
-    """The storage a weight source holds weight `name` in (None: unpacked, in a float dtype).
-    A source that holds packed weights (a GGUF file) says so with `storage(name)`."""
-    ask = getattr(weights, "storage", None)
-    return ask(name) if callable(ask) else None
-
-
-def logical_weight(weights, name: str, storage: Storage | None, shape: tuple[int, ...],
-                   dtype: np.dtype) -> np.ndarray:
-    """The values of weight `name` as a graph that stores it in `storage` computes with them:
-    quantized and dequantized again (or dequantized from the file's packed bytes). The dense
-    reference runs on these."""
-    from einpage.errors import CheckpointError
-    held, raw = held_storage(weights, name), weights(name)
-    if storage is None and held is None:
-        return np.asarray(raw)
-    if held is None:
-        return dequantize(quantize(np.asarray(raw), storage), storage, shape, dtype)
-    if storage is not None and held.format != storage.format:
-        raise CheckpointError(f"weight {name!r} is stored as {held.format}, but the graph "
-                              f"reads it as {storage.format}")
-    return dequantize(np.asarray(raw), held, shape, dtype)
 
 
 # ------------------------------------------------------------------ GGUF's rounding
