@@ -191,14 +191,16 @@ def run_plan(mg: MemGraph, inputs: Mapping[str, np.ndarray], weights: WeightSour
 
 
 def plan_weights(mg: MemGraph, checkpoint) -> WeightSource:
-    """The weights a saved plan reads, from `checkpoint` (a `models.checkpoint.Checkpoint`),
-    checked before anything runs: every weight the plan reads names a tensor of the checkpoint
+    """The weights a saved plan reads, from `checkpoint` (a `models.checkpoint.Checkpoint`, or
+    the weights of a GGUF file: `_gguf_plan_weights`), checked before anything runs: every weight the plan reads names a tensor of the checkpoint
     whose shape is the one the plan was made for (the logical shape by the checkpoint's own
     config, and its element count) and, where the plan records the dtype of the checkpoint it
     was compiled from (`meta["weights_dtype"]`), in that dtype. A `CheckpointError` names the
     first tensor that differs."""
     from einpage.errors import CheckpointError
     from einpage.models import schema
+    if not hasattr(checkpoint, "tensors"):
+        return _gguf_plan_weights(mg, checkpoint)
     planned = {t.name: t for t in mg.inputs if t.role == "weight"}
     sources = {t.source.input: t.source.checkpoint for t in mg.tensors
                if t.source is not None and t.source.input in planned}
@@ -225,6 +227,33 @@ def plan_weights(mg: MemGraph, checkpoint) -> WeightSource:
                                   "this one")
 
     return _PlanWeights(checkpoint, sources, {name: tuple(t.shape) for name, t in planned.items()})
+
+
+def _gguf_plan_weights(mg: MemGraph, weights) -> WeightSource:
+    """A GGUF file's weights for a saved plan: every weight the plan reads is one of the file's
+    model, of the plan's shape, and stored as the plan stores it (or unpacked on one side: the
+    reader quantizes or dequantizes as it reads); a `CheckpointError` names the first that
+    differs."""
+    from einpage.errors import CheckpointError
+    from einpage.models import schema
+    where = getattr(getattr(weights, "model", None), "path", "the GGUF file")
+    model = schema.weight_shapes(weights.config)
+    stored = {t.source.input: t.storage for t in mg.tensors
+              if t.source is not None and t.role == "weight"}
+    for t in mg.inputs:
+        if t.role != "weight":
+            continue
+        if model.get(t.name) != tuple(t.shape):
+            raise CheckpointError(f"{where}: the plan reads weight {t.name!r} as "
+                                  f"{tuple(t.shape)}, which the file's model "
+                                  f"{'lacks' if t.name not in model else 'has as ' + str(model[t.name])}"
+                                  ": it was compiled for another model")
+        held, want = weights.storage(t.name), stored.get(t.name)
+        if held is not None and want is not None and held.format != want.format:
+            raise CheckpointError(f"{where}: weight {t.name!r} is stored as {held.format}, but "
+                                  f"the plan reads it as {want.format}: compile the plan from "
+                                  "this file")
+    return weights
 
 
 class _PlanWeights:

@@ -4,6 +4,7 @@ the validator's rules for them, and the command line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -369,3 +370,47 @@ def test_kv_q8_0_needs_whole_groups_per_head(capsys):
     assert cli("compile", "small", "--phase", "decode", "--past", "10", "--gpu-mem", "1MB",
                "--kv-dtype", "q8_0") == 2  # head_dim 16
     assert "head_dim a multiple of 32" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- GGUF files on the command line
+
+GGUF = Path(__file__).parent / "fixtures" / "gguf" / "tiny-qwen2"
+
+
+def test_a_saved_plan_runs_on_the_gguf_file_it_was_compiled_from(tmp_path, capsys):
+    plan, out = tmp_path / "p.json", tmp_path / "a.npy"
+    assert cli("compile", GGUF / "model-q4_0.gguf", "--gpu-mem", "60KB", "--seq", "3", "-o",
+               plan, "--quiet") == 0
+    assert "q4_0" in capsys.readouterr().out
+    assert cli("run", plan, "--checkpoint", GGUF / "model-q4_0.gguf", "--tokens", "1,2,3",
+               "--backend", "threads", "--out", out) == 0
+    direct = tmp_path / "b.npy"
+    assert cli("run", GGUF / "model-q4_0.gguf", "--tokens", "1,2,3", "--backend", "threads",
+               "--out", direct) == 0
+    np.testing.assert_allclose(np.load(out), np.load(direct), atol=1e-2)  # f16 activations
+    capsys.readouterr()
+    assert cli("run", plan, "--checkpoint", GGUF / "model-q8_0.gguf", "--tokens", "1,2,3") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stored as q8_0, but the plan reads it as q4_0" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--quantize", "q8_0"), "is a GGUF file, whose weights are stored as they are"),
+    (("--kv-dtype", "q8_0"), "head_dim a multiple of 32"),
+])
+def test_gguf_options_that_do_not_apply_are_one_line(argv, message, capsys):
+    assert cli("compile", GGUF / "model-q4_0.gguf", "--gpu-mem", "1MB", "--seq", "4",
+               *argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_a_broken_gguf_file_is_one_line(tmp_path, capsys):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((GGUF / "model-q4_0.gguf").read_bytes()[:5000])
+    assert cli("compile", cut, "--gpu-mem", "1MB") == 2
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"not a model at all")
+    assert cli("compile", other, "--gpu-mem", "1MB") == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "GGUF" in err[0] and "not a checkpoint directory or a GGUF file" in err[1]

@@ -194,7 +194,9 @@ def cmd_run(args) -> None:
     """The prefill: each row's next token (from its last real position; with its text for
     text input), or the logits saved with --out."""
     if Path(args.model).is_file():
-        return run_plan(args)
+        from einpage.models.gguf import is_gguf
+        if not is_gguf(args.model):  # a GGUF file is a model; any other file, a plan
+            return run_plan(args)
     if args.checkpoint:
         raise InputError("--checkpoint gives the weights of a plan file; "
                          f"{args.model} is not a plan file (its weights are its own)")
@@ -388,7 +390,8 @@ def run_plan(args) -> None:
     if args.backend == "reference":
         raise InputError("--backend reference runs graphs, not plan files")
     if not args.checkpoint:
-        raise InputError("running a plan file needs --checkpoint DIR with its weights")
+        raise InputError("running a plan file needs --checkpoint DIR (or a GGUF file) with its "
+                         "weights")
     mg, _ = load_plan(args.model)
     want = {t.name: t for t in mg.inputs}
     if mg.meta.get("phase") == "decode" or any(t.role == "cache" for t in mg.inputs):
@@ -401,11 +404,16 @@ def run_plan(args) -> None:
         shape = tuple(want["tokens"].shape) if "tokens" in want else None
         raise InputError(f"{args.model}: the plan was compiled for tokens of shape {shape}, "
                          f"got {tuple(tokens.shape)}")
-    ckpt = Checkpoint(args.checkpoint)
-    vocab = ckpt.config.vocab
+    if Path(args.checkpoint).is_file():  # a GGUF file
+        from einpage.models import resolve
+        cfg, source = resolve(args.checkpoint)
+        vocab, weights = cfg.vocab, None
+    else:
+        source = Checkpoint(args.checkpoint)
+        vocab = source.config.vocab
     if tokens.min() < 0 or tokens.max() >= vocab:
         raise InputError(f"token id out of range for a vocabulary of {vocab}")
-    weights = plan_weights(mg, ckpt)
+    weights = plan_weights(mg, source)
     out = _run_plan_on_backend(args, mg, {"tokens": tokens}, weights)
     report_logits(out["logits"], args.out, given.lengths, given.codec if given.text else None)
 
