@@ -78,6 +78,23 @@ def test_k_quants_dequantize_as_gguf(fmt, ggml):
     assert np.array_equal(got.reshape(-1), want.reshape(-1))
 
 
+@pytest.mark.parametrize("fmt", WRITABLE)
+@pytest.mark.parametrize("logical", [np.float16, "bfloat16"])
+def test_dequantizing_for_float32_math_gives_the_logical_values(fmt, logical):
+    """The NumPy runtimes dequantize straight to float32 holding the f16/bf16 values (the 4-bit
+    formats gather from each group's 16 rounded levels): bit for bit the f16/bf16 block, cast."""
+    import ml_dtypes
+    logical = np.dtype(ml_dtypes.bfloat16) if logical == "bfloat16" else np.dtype(logical)
+    x = _awkward(16).reshape(-1, 128)
+    st = Storage(fmt, 1)
+    packed = quantize(x, st)
+    want = dequantize(packed, st, x.shape, logical).astype(np.float32)
+    got = dequantize(packed, st, x.shape, np.float32, rounded=logical)
+    assert np.array_equal(got, want, equal_nan=True)
+    exact = dequantize(packed, st, x.shape, np.float32)
+    assert np.array_equal(exact.astype(logical).astype(np.float32), want, equal_nan=True)
+
+
 def test_q4_g128_is_within_half_a_step():
     x = _awkward(8).reshape(4, 128)
     st = Storage("q4_g128", 1)

@@ -34,8 +34,12 @@ def quantize(values: np.ndarray, storage: Storage) -> np.ndarray:
 
 
 def dequantize(packed: np.ndarray, storage: Storage, shape: tuple[int, ...],
-               dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
-    """The logical block of `shape` (in `dtype`) whose packed bytes are `packed`."""
+               dtype: np.dtype, out: np.ndarray | None = None,
+               rounded: np.dtype | None = None) -> np.ndarray:
+    """The logical block of `shape` (in `dtype`) whose packed bytes are `packed`. With
+    `rounded` (a narrower float type), the values are those of the block in `rounded`, held in
+    `dtype`: what a contraction computing in float32 reads of an f16 block, without the f16
+    copy (for the 4-bit formats only each group's 16 levels are rounded, then gathered)."""
     f = get_format(storage.format)
     rows = np.ascontiguousarray(packed).reshape(-1, f.group_bytes)
     if out is None:
@@ -43,11 +47,33 @@ def dequantize(packed: np.ndarray, storage: Storage, shape: tuple[int, ...],
     flat = out.reshape(-1, f.group)
     if flat.shape[0] != rows.shape[0]:
         raise ValueError(f"{rows.shape[0]} {f.name} groups cannot fill a block of {list(shape)}")
+    rounded = None if rounded is None or np.dtype(rounded) == np.dtype(dtype) else rounded
+    levels = _LEVELS.get(f.name) if np.dtype(dtype) == np.float32 else None
     kernel = _DEQUANTIZE[f.name]
     for start in range(0, rows.shape[0], CHUNK_GROUPS):
         stop = start + CHUNK_GROUPS
-        flat[start:stop] = kernel(rows[start:stop])
+        chunk = rows[start:stop]
+        if levels is not None:  # 4 bits: 16 levels per group, rounded once each
+            table = levels(chunk)
+            if rounded is not None:
+                table = table.astype(rounded).astype(np.float32)
+            _gather_levels(table, chunk[:, f.group_bytes - f.group // 2:], flat[start:stop])
+        elif rounded is not None:
+            flat[start:stop] = kernel(chunk).astype(rounded)
+        else:
+            flat[start:stop] = kernel(chunk)
     return out
+
+
+def _gather_levels(table: np.ndarray, qs: np.ndarray, out: np.ndarray) -> None:
+    """`out[g, i]` = `table[g, nibble i of group g]` (element i in the low nibble of byte i,
+    element i + half in its high nibble)."""
+    n, half = qs.shape
+    index = np.empty((n, 2 * half), np.intp)
+    np.bitwise_and(qs, 15, out=index[:, :half], casting="unsafe")
+    np.right_shift(qs, 4, out=index[:, half:], casting="unsafe")
+    index += (np.arange(n, dtype=np.intp) * 16)[:, None]
+    table.reshape(-1).take(index, out=out)
 
 
 # ------------------------------------------------------------------ GGUF's rounding
@@ -168,6 +194,30 @@ def _dq6_k(rows: np.ndarray) -> np.ndarray:
     q = ((lo | (hi << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(n, 16, 16)
     return (scale * q.astype(np.float32)).reshape(n, 256)
 
+
+_STEPS = np.arange(16, dtype=np.float32)
+
+
+def _levels4_0(rows: np.ndarray) -> np.ndarray:
+    d = rows[:, :2].copy().view(np.float16).astype(np.float32)
+    return d * (_STEPS - 8)
+
+
+def _levels4_1(rows: np.ndarray) -> np.ndarray:
+    d = rows[:, :2].copy().view(np.float16).astype(np.float32)
+    m = rows[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return d * _STEPS + m
+
+
+def _levels4_g128(rows: np.ndarray) -> np.ndarray:
+    s = rows[:, :2].copy().view(np.float16).astype(np.float32)
+    z = rows[:, 2:3].astype(np.float32)
+    return (_STEPS - z) * s
+
+
+#: the 16 values a 4-bit group's nibbles stand for, per group (the same arithmetic as the
+#: dequantizers above, so a gather from them gives the same bits)
+_LEVELS = {"q4_0": _levels4_0, "q4_1": _levels4_1, "q4_g128": _levels4_g128}
 
 _QUANTIZE = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q4_g128": _q4_g128}
 _DEQUANTIZE = {"q8_0": _dq8_0, "q4_0": _dq4_0, "q4_1": _dq4_1, "q4_g128": _dq4_g128,

@@ -38,15 +38,17 @@ def apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.n
 
 def unpacked(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray]
              ) -> Sequence[np.ndarray]:
-    """`reads` with every packed weight block (`einpage.ir.storage`) dequantized into its
-    logical shape and dtype."""
+    """`reads` with every packed block (`einpage.ir.storage`) dequantized into its logical
+    shape, in the dtype the ops compute in (float32 for f16/bf16) holding the values of its
+    logical dtype: the contraction reads them without converting a copy of its own."""
     if not any(tensors[a.tensor].storage is not None for a in n.reads):
         return reads
     out = []
     for a, r in zip(n.reads, reads):
         t = tensors[a.tensor]
         out.append(r if t.storage is None else
-                   dequantize(r, t.storage, tuple(t.shape), t.dtype.numpy))
+                   dequantize(r, t.storage, tuple(t.shape), t.dtype.compute,
+                              rounded=t.dtype.numpy))
     return out
 
 
