@@ -192,15 +192,18 @@ def run_plan(mg: MemGraph, inputs: Mapping[str, np.ndarray], weights: WeightSour
 
 def plan_weights(mg: MemGraph, checkpoint) -> WeightSource:
     """The weights a saved plan reads, from `checkpoint` (a `models.checkpoint.Checkpoint`, or
-    the weights of a GGUF file: `_gguf_plan_weights`), checked before anything runs: every weight the plan reads names a tensor of the checkpoint
+    the weights of a GGUF file: `_source_plan_weights`), checked before anything runs: every weight the plan reads names a tensor of the checkpoint
     whose shape is the one the plan was made for (the logical shape by the checkpoint's own
     config, and its element count) and, where the plan records the dtype of the checkpoint it
     was compiled from (`meta["weights_dtype"]`), in that dtype. A `CheckpointError` names the
     first tensor that differs."""
     from einpage.errors import CheckpointError
     from einpage.models import schema
-    if not hasattr(checkpoint, "tensors"):
-        return _gguf_plan_weights(mg, checkpoint)
+    if not hasattr(checkpoint, "tensors"):  # the weights of a GGUF file
+        return _source_plan_weights(mg, checkpoint)
+    if getattr(checkpoint, "int4", None) is not None:  # AWQ/GPTQ: repacked as read
+        from einpage.models.checkpoint import CheckpointWeights
+        return _source_plan_weights(mg, CheckpointWeights(checkpoint))
     planned = {t.name: t for t in mg.inputs if t.role == "weight"}
     sources = {t.source.input: t.source.checkpoint for t in mg.tensors
                if t.source is not None and t.source.input in planned}
@@ -229,14 +232,15 @@ def plan_weights(mg: MemGraph, checkpoint) -> WeightSource:
     return _PlanWeights(checkpoint, sources, {name: tuple(t.shape) for name, t in planned.items()})
 
 
-def _gguf_plan_weights(mg: MemGraph, weights) -> WeightSource:
-    """A GGUF file's weights for a saved plan: every weight the plan reads is one of the file's
-    model, of the plan's shape, and stored as the plan stores it (or unpacked on one side: the
-    reader quantizes or dequantizes as it reads); a `CheckpointError` names the first that
-    differs."""
+def _source_plan_weights(mg: MemGraph, weights) -> WeightSource:
+    """A weight source's weights (a GGUF file's, an AWQ/GPTQ checkpoint's) for a saved plan:
+    every weight the plan reads is one of the source's model, of the plan's shape, and stored
+    as the plan stores it (or unpacked on one side: the reader quantizes or dequantizes as it
+    reads); a `CheckpointError` names the first that differs."""
     from einpage.errors import CheckpointError
     from einpage.models import schema
-    where = getattr(getattr(weights, "model", None), "path", "the GGUF file")
+    where = (getattr(getattr(weights, "model", None), "path", None)
+             or getattr(getattr(weights, "checkpoint", None), "directory", "the checkpoint"))
     model = schema.weight_shapes(weights.config)
     stored = {t.source.input: t.storage for t in mg.tensors
               if t.source is not None and t.role == "weight"}

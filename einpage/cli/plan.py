@@ -127,7 +127,8 @@ def graph_from_args(args):
     sources = {name: schema.hf_tensor(name) for name in schema.weight_shapes(cfg)}
     files = getattr(checkpoint, "checkpoint", None)  # a safetensors checkpoint (not GGUF)
     if files is not None:  # the dtype its files hold: `run plan --checkpoint` checks it
-        stored = {files.tensors[hf].dtype.value for hf in sources.values()}
+        stored = {files.tensors[hf].dtype.value for hf in sources.values()
+                  if hf in files.tensors}  # (an AWQ/GPTQ projection has no `weight`)
         if len(stored) == 1:
             workload["weights_dtype"] = stored.pop()
     return cfg, graph, sources, tokens, workload

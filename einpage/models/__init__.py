@@ -45,6 +45,15 @@ def _resolve(model: str, random_weights: bool, seed: int, dtype: DType | None,
         weights = CheckpointWeights(ckpt)
         weights.check()
         cfg = ckpt.config
+        if ckpt.int4 is not None:  # AWQ/GPTQ: its projections are q4_g128 as they lie
+            from dataclasses import replace
+            from einpage.errors import InputError
+            if quantize is not None:
+                raise InputError(f"--quantize quantizes an f16/bf16/f32 checkpoint; {path} is "
+                                 f"{ckpt.int4.method.upper()}-quantized already")
+            cfg = replace(cfg, formats=tuple(sorted((n, s.format)
+                                                    for n, s in weights.storages().items())))
+            weights.config = cfg
     elif path.suffix or "/" in model:
         from einpage.errors import CheckpointError
         raise CheckpointError(f"{model}: no such checkpoint directory")

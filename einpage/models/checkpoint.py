@@ -21,10 +21,12 @@ import numpy as np
 from einpage.errors import CheckpointError, ModelError, SpecError
 from einpage.ir.dtypes import DType
 from einpage.models import schema
+from einpage.ir.storage import storage_for
 from einpage.models.config import FAMILIES, ModelConfig, RopeScaling
+from einpage.models.int4 import GROUP, Int4Tensor, scheme_from_config
 
 _ST_DTYPES = {"F16": DType.f16, "BF16": DType.bf16, "F32": DType.f32, "F64": DType.f64,
-              "I64": DType.i64}
+              "I64": DType.i64, "I32": np.dtype(np.int32)}  # int32: AWQ/GPTQ words
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +34,7 @@ class TensorRef:
     """Where one tensor lies: file, byte offset of its data, dtype, shape."""
     file: Path
     offset: int
-    dtype: DType
+    dtype: DType | np.dtype  # np.int32 for the packed words of an AWQ/GPTQ checkpoint
     shape: tuple[int, ...]
 
 
@@ -73,7 +75,7 @@ def tensor_view(ref: TensorRef, mapped: np.ndarray) -> np.ndarray:
     """The tensor `ref` as a view of its file's bytes `mapped` (a uint8 memory map)."""
     count = int(np.prod(ref.shape, dtype=np.int64))
     raw = mapped[ref.offset: ref.offset + count * ref.dtype.itemsize]
-    return raw.view(ref.dtype.numpy).reshape(ref.shape)
+    return raw.view(getattr(ref.dtype, "numpy", ref.dtype)).reshape(ref.shape)
 
 
 def load_config(directory: Path) -> ModelConfig:
@@ -228,6 +230,8 @@ class Checkpoint:
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: no such checkpoint directory")
         self.config = load_config(self.directory)
+        self.int4 = scheme_from_config(json.loads((self.directory / "config.json").read_text()),
+                                       str(self.directory / "config.json"))
         self.tensors = self._index()
         self._maps: dict[Path, np.memmap] = {}
 
@@ -272,6 +276,9 @@ class CheckpointWeights:
 
     def __call__(self, name: str) -> np.ndarray:
         hf = schema.hf_tensor(name)
+        packed = self._int4(name)
+        if packed is not None:
+            return packed
         view = self.checkpoint.array(hf)
         want = schema.hf_shape(self.config, name)
         if tuple(view.shape) != want:
@@ -279,11 +286,50 @@ class CheckpointWeights:
                                   f"{tuple(view.shape)}, expected {want}")
         return view.reshape(schema.weight_shapes(self.config)[name])
 
+    def _int4(self, name: str):
+        """An AWQ/GPTQ projection as q4_g128 bytes (`einpage.models.int4`), or None."""
+        hf = schema.hf_tensor(name)
+        ck = self.checkpoint
+        if ck.int4 is None or hf in ck.tensors or not hf.endswith(".weight"):
+            return None
+        stem = hf[:-len("weight")]
+        if stem + "qweight" not in ck.tensors:
+            return None
+        st = self.storage(name)
+        shape = schema.weight_shapes(self.config)[name]
+        if st is None:
+            raise CheckpointError(f"{ck.directory}: {stem}qweight: rows of "
+                                  f"{schema.hf_shape(self.config, name)[-1]} inputs are not "
+                                  f"groups of {GROUP}")
+        parts = [ck.array(stem + part) for part in ("qweight", "qzeros", "scales")]
+        return Int4Tensor(ck.int4, *parts, shape, schema.row_axes(self.config, name), st,
+                          f"{ck.directory}: {stem}*")
+
+    def storage(self, name: str):
+        """The storage the checkpoint holds weight `name` in: q4_g128 for an AWQ/GPTQ
+        projection, None (unpacked) for the others."""
+        ck, hf = self.checkpoint, schema.hf_tensor(name)
+        if ck.int4 is None or hf in ck.tensors or hf[:-len("weight")] + "qweight" not in ck.tensors:
+            return None
+        return storage_for("q4_g128", schema.weight_shapes(self.config)[name],
+                           schema.row_axes(self.config, name))
+
+    def storages(self) -> dict:
+        """Every weight the checkpoint holds packed, with its storage."""
+        out = {}
+        for name in schema.weight_shapes(self.config):
+            st = self.storage(name)
+            if st is not None:
+                out[name] = st
+        return out
+
     def locate(self, name: str):
         """Where weight `name` lies in the files (`runtime.diskread.FileTensor`): the disk tier
-        reads its blocks with `preadv` instead of through the memory map."""
+        reads its blocks with `preadv` instead of through the memory map (None for an AWQ/GPTQ
+        projection, repacked as it is read)."""
         from einpage.ir.tensors import FileTensor
-        self(name)  # checks the shape
+        if self(name) is not None and self.storage(name) is not None:
+            return None
         ref = self.checkpoint.tensors[schema.hf_tensor(name)]
         return FileTensor(ref.file, ref.offset, ref.dtype,
                           tuple(schema.weight_shapes(self.config)[name]))
