@@ -14,7 +14,7 @@ from einpage.compiler import CompileOptions
 from einpage.errors import CheckpointError, InputError, ModelError
 from einpage.ir.quant import quantize
 from einpage.ir.storage import Storage
-from einpage.models import llama, resolve, schema
+from einpage.models import resolve, schema
 from einpage.models.generation import prefill
 from einpage.models.int4 import AWQ_ORDER
 from einpage.runners import dense_runner, paged_runner
