@@ -201,8 +201,9 @@ def plan_weights(mg: MemGraph, checkpoint) -> WeightSource:
     from einpage.models import schema
     if not hasattr(checkpoint, "tensors"):  # the weights of a GGUF file
         return _source_plan_weights(mg, checkpoint)
-    if getattr(checkpoint, "int4", None) is not None:  # AWQ/GPTQ: repacked as read
-        from einpage.models.checkpoint import CheckpointWeights
+    if getattr(checkpoint, "int4", None) is not None or any(
+            t.storage is not None and not t.storage.spec.writable for t in mg.tensors):
+        from einpage.models.checkpoint import CheckpointWeights  # checked weight by weight
         return _source_plan_weights(mg, CheckpointWeights(checkpoint))
     planned = {t.name: t for t in mg.inputs if t.role == "weight"}
     sources = {t.source.input: t.source.checkpoint for t in mg.tensors
@@ -253,10 +254,11 @@ def _source_plan_weights(mg: MemGraph, weights) -> WeightSource:
                                   f"{'lacks' if t.name not in model else 'has as ' + str(model[t.name])}"
                                   ": it was compiled for another model")
         held, want = weights.storage(t.name), stored.get(t.name)
-        if held is not None and want is not None and held.format != want.format:
-            raise CheckpointError(f"{where}: weight {t.name!r} is stored as {held.format}, but "
-                                  f"the plan reads it as {want.format}: compile the plan from "
-                                  "this file")
+        if want is not None and (held.format != want.format if held is not None
+                                 else not want.spec.writable):
+            raise CheckpointError(f"{where}: weight {t.name!r} is stored "
+                                  f"{'as ' + held.format if held else 'unpacked'}, but the plan "
+                                  f"reads it as {want.format}: compile the plan from this file")
     return weights
 
 

@@ -133,6 +133,10 @@ CASES = [
       "llama-7b: a preset has no weights; pass --random-weights"),
     C("random-weights-of-a-checkpoint", "run {ckpt} --random-weights --tokens 1",
       "--random-weights takes a preset name, not a checkpoint directory"),
+    C("random-weights-of-a-gguf-file", "run {tmp}/m.gguf --random-weights --tokens 1",
+      "--random-weights takes a preset name, not a GGUF file",
+      lambda tmp, world: shutil.copy(Path(__file__).parent / "fixtures" / "gguf" / "tiny-qwen2"
+                                     / "model-q4_0.gguf", tmp / "m.gguf")),
     C("compile-unknown-model", "compile nosuch --gpu-mem 16GB", "unknown model"),
     C("model-type-gpt-neox", "run {tmp}/ckpt --tokens 1", "model_type 'gpt_neox' is not supported",
       _config(lambda c: c.update(model_type="gpt_neox"))),

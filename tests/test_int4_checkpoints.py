@@ -118,3 +118,13 @@ def test_quantize_and_broken_words_on_an_int4_checkpoint(tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="qweight, qzeros, scales of shapes"):
         resolve(str(path))
+
+
+def test_int32_is_only_for_packed_words(tmp_path):
+    """A dense weight stored as int32 (outside an AWQ/GPTQ projection) is refused, not run."""
+    write_checkpoint(tmp_path, **SHAPE, dtype="f32")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="is int32; a weight is f16, bf16, f32 or f64"):
+        resolve(str(tmp_path))

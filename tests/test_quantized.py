@@ -134,6 +134,11 @@ def test_only_weights_of_whole_groups_take_a_storage():
         g.input("x", (4, 32), storage=Storage("q8_0", 1))
     with pytest.raises(GraphError, match="not whole groups"):
         g.input("w", (4, 48), role="weight", storage=Storage("q8_0", 1))
+    w = g.input("w", (4, 64), role="weight", storage=Storage("q8_0", 1))
+    for use in (lambda: g.output("o", w), lambda: g.slice(w, 1, 0, 48),
+                lambda: g.concat([w, w], 1), lambda: g.reshape(w, (2, 128))):
+        with pytest.raises(GraphError, match="only einsums and gathers read it"):
+            use()
 
 
 SMALL = config.preset("small")  # hidden 128, ffn 352 (w_down stays f32 under q4_g128)
@@ -187,7 +192,8 @@ def test_the_plan_moves_and_counts_packed_bytes():
     cfg = schema.quantized(SMALL, "q4_0")
     q4 = compile_graph(llama.prefill_graph(cfg).bind(B=1, S=12),
                        CompileOptions(cfg.weight_bytes() // 4))
-    assert sum(dict(q4.report.compiled.weight_formats).values()) == cfg.weight_bytes()
+    figures = q4.report.compiled
+    assert sum(dict(figures.weight_formats).values()) == figures.weight_bytes  # both aligned
     assert cfg.weight_bytes() < SMALL.weight_bytes() * 0.16  # 4.5 of 32 bits, norms aside
     assert dict(q4.report.compiled.weight_formats)["q4_0"] > 0
     for t in q4.memgraph.tensors:
@@ -371,6 +377,20 @@ def test_a_decode_step_reads_the_packed_store_as_the_reference_does():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
 
 
+def test_a_packed_store_given_unpacked_is_an_input_error():
+    from dataclasses import replace
+
+    from einpage.errors import InputError
+    cfg = replace(KV_BASE, kv_format="q8_0")
+    graph = llama.decode_graph(cfg).bind(B=1, C=8)
+    inputs = {"tokens": np.array([[3]]), "pos": np.array([2])}
+    for t in graph.inputs:
+        if t.op.role.value == "cache":
+            inputs[t.op.name] = np.zeros(tuple(t.shape), np.float32)  # not packed
+    with pytest.raises(InputError, match="expected its packed bytes of shape"):
+        evaluate(graph, inputs, RandomWeights(KV_BASE, 0))
+
+
 def test_kv_q8_0_halves_the_decode_bytes_at_8192(capsys):
     rows = {}
     for kv in ((), ("--kv-dtype", "q8_0")):
@@ -431,3 +451,28 @@ def test_a_broken_gguf_file_is_one_line(tmp_path, capsys):
     assert cli("compile", other, "--gpu-mem", "1MB") == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "GGUF" in err[0] and "not a checkpoint directory or a GGUF file" in err[1]
+
+
+def test_a_quantized_bias_in_a_gguf_file_is_read_as_a_whole_row(tmp_path):
+    """A 1-D tensor's GGUF row is all of it (llama.cpp never writes one packed, but a file
+    may): read packed over all its axes, and run."""
+    import gguf as gg
+    from gguf_files import gguf_spec
+
+    from einpage.models import resolve
+    src = Path(__file__).parent / "fixtures" / "tiny-qwen2"
+    spec = gguf_spec(src, "q8_0")
+    values, _ = spec.tensors["blk.0.attn_q.bias"]
+    spec.tensor("blk.0.attn_q.bias", gg.quants.quantize(values.astype(np.float32),
+                                                         gg.GGMLQuantizationType.Q8_0),
+                gg.GGMLQuantizationType.Q8_0)
+    path = spec.write(tmp_path / "bias.gguf")
+    cfg, weights = resolve(str(path), dtype=config.DType.f32)
+    st = weights.storage("layers.0.bq")
+    assert st is not None and st.format == "q8_0"
+    assert dict(cfg.formats)["layers.0.bq"] == "q8_0"
+    graph = llama.prefill_graph(cfg).bind(B=1, S=4)
+    want = evaluate(graph, {"tokens": np.array([[1, 2, 3, 4]])}, weights)
+    mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 2)).memgraph
+    got = run(mg, {"tokens": np.array([[1, 2, 3, 4]])}, weights)
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)

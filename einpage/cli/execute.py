@@ -382,7 +382,9 @@ def run_plan(args) -> None:
                                       ("--policy", args.policy),
                                       ("--dtype", args.dtype), ("--force", args.force),
                                       ("--random-weights", args.random_weights),
-                                      ("--seed", args.seed is not None)) if given]
+                                      ("--seed", args.seed is not None),
+                                      ("--quantize", args.quantize),
+                                      ("--kv-dtype", args.kv_dtype)) if given]
     if fixed:
         raise InputError(f"{args.model} is a plan file: it runs with the budget, policy and "
                          f"dtype it was compiled for, on the weights of --checkpoint; drop "
@@ -407,7 +409,7 @@ def run_plan(args) -> None:
     if Path(args.checkpoint).is_file():  # a GGUF file
         from einpage.models import resolve
         cfg, source = resolve(args.checkpoint)
-        vocab, weights = cfg.vocab, None
+        vocab = cfg.vocab
     else:
         source = Checkpoint(args.checkpoint)
         vocab = source.config.vocab

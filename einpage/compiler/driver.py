@@ -342,11 +342,11 @@ def _figures(planned: _Planned, best: search.Trial, rungs: list[_Rung],
 def _weight_formats(tg: TaskGraph) -> tuple[tuple[str, int], ...]:
     """Bytes of the weight blocks per storage format (unpacked ones under their dtype), largest
     first; () where no weight is packed."""
-    per: dict[str, int] = {}
-    for b in tg.blocks:
-        if b.role == "weight":
-            key = b.storage.format if b.storage is not None else b.dtype.value
-            per[key] = per.get(key, 0) + b.bytes
-    if not any(b.storage is not None for b in tg.blocks):
+    weights = [b for b in tg.blocks if b.role == "weight"]
+    if not any(b.storage is not None for b in weights):
         return ()
+    per: dict[str, int] = {}
+    for b in weights:  # aligned, as `weight_bytes` counts them
+        key = b.storage.format if b.storage is not None else b.dtype.value
+        per[key] = per.get(key, 0) + aligned(b.bytes)
     return tuple(sorted(per.items(), key=lambda kv: (-kv[1], kv[0])))

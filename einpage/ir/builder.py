@@ -81,6 +81,10 @@ class GraphBuilder:
 
     def _add(self, op, inputs: Sequence[Tensor], shape, dtype) -> Tensor:
         for t in inputs:
+            if (isinstance(t, Tensor) and t.builder is self and not isinstance(op, (Einsum, Gather))
+                    and getattr(self._nodes[t.id].op, "storage", None) is not None):
+                raise GraphError(f"{type(op).__name__.lower()}: {self._nodes[t.id].op.name!r} is "
+                                 "kept in a block format; only einsums and gathers read it")
             if not isinstance(t, Tensor) or t.builder is not self:
                 raise GraphError(f"{type(op).__name__.lower()}: operand {t!r} is not a tensor of "
                                  "this graph")

@@ -31,8 +31,8 @@ class Role(enum.Enum):
 class Input:
     name: str
     role: Role
-    #: a weight kept in a block format (`einpage.ir.storage`): its bytes are packed; ops still
-    #: see the logical tensor of the node's shape and dtype
+    #: a weight or KV store kept in a block format (`einpage.ir.storage`): its bytes are
+    #: packed; einsums and gathers read the logical tensor of the node's shape and dtype
     storage: Storage | None = None
 
 

@@ -53,7 +53,7 @@ class TensorInfo:
     role: str = "activation"  # weight | activation | cache | temp
     source: Source | None = None
     block: int | None = None  # provenance: the block of the plan's graph this tensor is
-    storage: Storage | None = None  # packed weight bytes (`einpage.ir.storage`)
+    storage: Storage | None = None  # packed weight or KV bytes (`einpage.ir.storage`)
 
 
 @dataclass(frozen=True, slots=True)

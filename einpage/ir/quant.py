@@ -34,16 +34,14 @@ def quantize(values: np.ndarray, storage: Storage) -> np.ndarray:
 
 
 def dequantize(packed: np.ndarray, storage: Storage, shape: tuple[int, ...],
-               dtype: np.dtype, out: np.ndarray | None = None,
-               rounded: np.dtype | None = None) -> np.ndarray:
+               dtype: np.dtype, rounded: np.dtype | None = None) -> np.ndarray:
     """The logical block of `shape` (in `dtype`) whose packed bytes are `packed`. With
     `rounded` (a narrower float type), the values are those of the block in `rounded`, held in
     `dtype`: what a contraction computing in float32 reads of an f16 block, without the f16
     copy (for the 4-bit formats only each group's 16 levels are rounded, then gathered)."""
     f = get_format(storage.format)
     rows = np.ascontiguousarray(packed).reshape(-1, f.group_bytes)
-    if out is None:
-        out = np.empty(shape, dtype=dtype)
+    out = np.empty(shape, dtype=dtype)
     flat = out.reshape(-1, f.group)
     if flat.shape[0] != rows.shape[0]:
         raise ValueError(f"{rows.shape[0]} {f.name} groups cannot fill a block of {list(shape)}")

@@ -27,7 +27,7 @@ class Block:
     role: str                    # weight | activation | cache | temp
     name: str
     source: Source | None = None  # set for blocks of graph inputs
-    storage: Storage | None = None  # a packed weight block (`einpage.ir.storage`)
+    storage: Storage | None = None  # a packed weight or KV block (`einpage.ir.storage`)
 
     @property
     def bytes(self) -> int:

@@ -18,7 +18,8 @@ writes into its bytes).
 Invariants:
 
 1. Structure: `MemGraph.verify()` (ids are positions, deps name earlier ids, duplicates
-   allowed; tensor ids named exist; a tensor's `bytes` is `prod(shape) * dtype.itemsize`);
+   allowed; tensor ids named exist; a tensor's `bytes` is `prod(shape) * dtype.itemsize`, or
+   its packed size with a `storage`);
    besides, `input.at` and `output.at` are `host` or `device`; an input at device and an
    output at device carry an offset, an input at host carries none.
 2. Placement: every instance lies inside `[0, device_bytes)`, at an offset that is a multiple of

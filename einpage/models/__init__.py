@@ -34,6 +34,8 @@ def _resolve(model: str, random_weights: bool, seed: int, dtype: DType | None,
 
     path = Path(model)
     if path.is_file():  # a GGUF file (its weights may come quantized)
+        if random_weights:
+            raise ModelError("--random-weights takes a preset name, not a GGUF file")
         return _gguf(path, dtype, quantize)
     if model in PRESETS and not path.is_dir():
         cfg = preset(model)

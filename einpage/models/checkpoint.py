@@ -38,6 +38,9 @@ class TensorRef:
     shape: tuple[int, ...]
 
 
+_FLOATS = (DType.f16, DType.bf16, DType.f32, DType.f64)  # what a dense weight may be
+
+
 def read_safetensors_header(path: Path) -> dict[str, TensorRef]:
     try:
         with open(path, "rb") as fh:
@@ -280,6 +283,10 @@ class CheckpointWeights:
         if packed is not None:
             return packed
         view = self.checkpoint.array(hf)
+        if self.checkpoint.tensors[hf].dtype not in _FLOATS:
+            raise CheckpointError(f"{self.checkpoint.directory}: tensor {hf!r} is {view.dtype}; a "
+                                  "weight is f16, bf16, f32 or f64 (int32 only in an AWQ/GPTQ "
+                                  "projection's qweight, qzeros)")
         want = schema.hf_shape(self.config, name)
         if tuple(view.shape) != want:
             raise CheckpointError(f"{self.checkpoint.directory}: tensor {hf!r} has shape "
@@ -328,7 +335,8 @@ class CheckpointWeights:
         reads its blocks with `preadv` instead of through the memory map (None for an AWQ/GPTQ
         projection, repacked as it is read)."""
         from einpage.ir.tensors import FileTensor
-        if self(name) is not None and self.storage(name) is not None:
+        self(name)  # checks the shape
+        if self.storage(name) is not None:
             return None
         ref = self.checkpoint.tensors[schema.hf_tensor(name)]
         return FileTensor(ref.file, ref.offset, ref.dtype,

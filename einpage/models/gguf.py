@@ -210,13 +210,8 @@ def slots(cfg: ModelConfig, permuted: bool) -> dict[str, Slot]:
     out = {}
     for name, shape in schema.weight_shapes(cfg).items():
         parts = name.split(".")
-        short, expert, file_shape = parts[-1], None, shape  # HF's [out, in], or flat
-        if short in ("wq", "wk", "wv"):
-            file_shape = (math.prod(shape[:-1]), shape[-1])
-        elif short == "wo":
-            file_shape = (shape[0], math.prod(shape[1:]))
-        elif short in ("bq", "bk", "bv", "q_norm", "k_norm"):
-            file_shape = (math.prod(shape),)
+        short, expert = parts[-1], None
+        file_shape = schema.hf_shape(cfg, name)  # HF's [out, in], or flat
         if len(parts) == 5:  # layers.<l>.experts.<e>.<w>: one of a stacked [E, out, in]
             tensor, expert = f"blk.{parts[1]}.{_EXPERTS[short]}", int(parts[3])
             file_shape = (cfg.experts,) + file_shape
@@ -226,7 +221,7 @@ def slots(cfg: ModelConfig, permuted: bool) -> dict[str, Slot]:
             tensor = _TOP[name]
         heads = {"wq": cfg.heads, "bq": cfg.heads, "wk": cfg.kv_heads,
                  "bk": cfg.kv_heads}.get(short, 0) if permuted else 0
-        out[name] = Slot(tensor, file_shape, shape, heads, expert, 4 if short == "wo" else 1)
+        out[name] = Slot(tensor, file_shape, shape, heads, expert, schema.row_axes(cfg, name))
     return out
 
 
@@ -391,7 +386,14 @@ class GGUFWeights:
     def storage(self, name: str) -> Storage | None:
         """How weight `name` is packed (None: dense)."""
         slot, _, kind = self._checked(name)
-        return None if isinstance(kind, DType) else storage_for(kind, slot.shape, slot.row_axes)
+        if isinstance(kind, DType):
+            return None
+        st = storage_for(kind, slot.shape, slot.row_axes)
+        if st is None:
+            raise CheckpointError(f"{self.model.path}: tensor {slot.tensor!r} is {kind}, but its "
+                                  f"rows of {slot.file_shape[-1]} values are not whole groups of "
+                                  f"{get_format(kind).group}")
+        return st
 
     def __call__(self, name: str) -> np.ndarray:
         slot, t, kind = self._checked(name)
@@ -401,7 +403,7 @@ class GGUFWeights:
         else:
             f = get_format(kind)
             array = raw.reshape(shape[:-1] + (shape[-1] // f.group * f.group_bytes,))
-            target = storage_for(kind, slot.shape, slot.row_axes).packed_shape(slot.shape)
+            target = self.storage(name).packed_shape(slot.shape)
         if slot.expert is not None:
             array = array[slot.expert]
         if slot.heads:  # llama.cpp's (head, j, half) rows back to HF's (head, half, j)

@@ -159,7 +159,8 @@ class KVStore:
 
     def rows(self, name: str, b: int) -> np.ndarray:
         """Row b's past in `name` in position order: [rows, kv_heads, 2, head_dim/2] (every
-        position, or a ring's last `capacity`)."""
+        position, or a ring's last `capacity`), as the store holds it (packed rows under a KV
+        format)."""
         n = int(self.pos[b])
         if not self.wraps or n <= self.capacity:
             return self.arrays[name][b, :n]

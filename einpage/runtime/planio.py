@@ -172,6 +172,10 @@ class PlanIO:
         dequantized where the plan keeps it unpacked)."""
         s = t.source
         if held is None:
+            if not t.storage.spec.writable:
+                raise CheckpointError(f"weight {s.input!r}: the plan reads it as "
+                                      f"{t.storage.format}, which only a file can hold (einpage "
+                                      "does not quantize to it), but the weights hold it unpacked")
             box = tuple(slice(o, o + n) for o, n in zip(s.origin, t.shape))
             return quantize(np.asarray(whole[box]), t.storage)
         if t.storage is not None and held.format != t.storage.format:

@@ -75,6 +75,11 @@ def _run(node: Node, args, inputs, weights, float64) -> np.ndarray:
                                  f"{tuple(node.shape)})")
             value = np.asarray(inputs[op.name])
             if op.storage is not None:  # a packed KV store, given packed
+                packed = op.storage.packed_shape(tuple(node.shape))
+                if tuple(value.shape) != packed:
+                    raise InputError(f"input {op.name!r} is kept as {op.storage.format}: "
+                                     f"expected its packed bytes of shape {packed}, got "
+                                     f"{tuple(value.shape)}")
                 value = dequantize(value, op.storage, tuple(node.shape), store)
         if tuple(value.shape) != tuple(node.shape):
             raise InputError(f"input {op.name!r}: expected shape {tuple(node.shape)}, got "

@@ -98,7 +98,8 @@ class Backend(ABC):
         row of the KV store). `offset`: the block stays on the device there; None: it streams
         from the host, where a backend that keeps its own host copy updates that copy (the
         caller has already updated the input itself). `values` is C-contiguous, in the block's
-        dtype, of the shape `block.shape[len(lead):]`: one contiguous run of the block."""
+        dtype, of the shape `block.shape[len(lead):]`: one contiguous run of the block (for a
+        packed block, `planio.stored`: its packed bytes, the session quantized them)."""
 
     def can_capture(self) -> bool:
         """Whether the pass of the open plan can be recorded once and replayed (CUDA graphs):
