@@ -44,12 +44,20 @@ def unpacked(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.nda
     if not any(tensors[a.tensor].storage is not None for a in n.reads):
         return reads
     out = []
-    for a, r in zip(n.reads, reads):
+    for k, (a, r) in enumerate(zip(n.reads, reads)):
         t = tensors[a.tensor]
-        out.append(r if t.storage is None else
-                   dequantize(r, t.storage, tuple(t.shape), t.dtype.compute,
-                              rounded=t.dtype.numpy))
+        if t.storage is None or (k == 0 and _gathers_packed_rows(n.op, t)):
+            out.append(r)  # (a gather dequantizes the rows it takes: `_gather`)
+        else:
+            out.append(dequantize(r, t.storage, tuple(t.shape), t.dtype.compute,
+                                  rounded=t.dtype.numpy))
     return out
+
+
+def _gathers_packed_rows(op: BlockOp, table: TensorInfo) -> bool:
+    """Whether `op` gathers whole packed rows of `table` (its rows are not in the span)."""
+    return (isinstance(op, GatherOp) and table.storage is not None
+            and table.storage.span < len(table.shape))
 
 
 def apply_value(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],
@@ -93,8 +101,16 @@ def _gather(op: GatherOp, table: np.ndarray, ids: np.ndarray, table_info: Tensor
     """A table block that holds every row range-checks its ids; a row block of a table cut by
     rows gives zeros for ids outside its rows (its partial results are summed)."""
     src = table_info.source
-    whole = src is not None and len(src.full_shape) > 0 and src.full_shape[0] == table.shape[0]
-    return kernels.gather(table, ids, op.row_offset, partial=not whole)
+    rows = table_info.shape[0] if table_info.shape else 0
+    whole = src is not None and len(src.full_shape) > 0 and src.full_shape[0] == rows
+    if not _gathers_packed_rows(op, table_info):
+        return kernels.gather(table, ids, op.row_offset, partial=not whole)
+    # a packed table (a quantized embedding): take the packed rows, dequantize only those (an id
+    # outside a partial block takes a row of zero bytes, which every format reads as zeros)
+    picked = kernels.gather(table, ids, op.row_offset, partial=not whole)
+    shape = tuple(np.shape(ids)) + tuple(table_info.shape[1:])
+    return dequantize(picked, table_info.storage, shape, table_info.dtype.compute,
+                      rounded=table_info.dtype.numpy)
 
 
 def _copy(op: CopyOp, reads: Sequence[np.ndarray], info: TensorInfo) -> np.ndarray:
