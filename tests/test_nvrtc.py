@@ -10,7 +10,8 @@ backend's `NVRTC_OPTIONS` plus what CuPy adds, all in one program. The kernels a
 plan (`apply_plan.plan_kernels`) of tiny LLaMA-3 (llama3 rope scaling), Mistral (sliding window),
 Qwen2 (q/k/v biases, tied embeddings), Qwen3 (q/k norm) and Mixtral (experts) models in f32, bf16
 and f16, prefill and decode, paged under a small budget, and every dequantization kernel of a
-packed (quantized) read (each storage format, k-quants included, to f32, f16 and bf16). The PTX
+packed (quantized) read (each storage format, k-quants included, to f32, f16 and bf16) and of
+a gather of a packed table (the same, written as f32, f16 and bf16, or summed into them). The PTX
 of one join shows what `--fmad=false` and CuPy's `-ftz=true` do to it.
 
 In CI (`$CI` set) a missing NVRTC fails the test; elsewhere it skips ("no CUDA compiler ...").
@@ -139,22 +140,64 @@ def dequant_kernels() -> list:
     return [(dequant_kernel(fmt, tag), 1) for fmt in FORMATS for tag in ("f32", "f16", "bf16")]
 
 
+def dequant_gather_kernels(every: bool = True) -> list:
+    """The gathers of a packed table (`cuda_source.dequant_gather_kernel`), with their two (raw)
+    array inputs (the packed bytes and the ids) before their scalars: every storage format x
+    logical table dtype x write dtype x writing or summing, or (`every` off) each format once,
+    the dtypes and the accumulation taken in turn so that each appears."""
+    from einpage.ir.storage import FORMATS
+    from einpage.runtime.backends.cuda_source import dequant_gather_kernel
+    tags = ("f32", "f16", "bf16")
+    if not every:
+        return [(dequant_gather_kernel(fmt, tags[(k + 1) % 3], tags[k % 3],
+                                       (None, "sum")[k % 2]), 2)
+                for k, fmt in enumerate(FORMATS)]
+    return [(dequant_gather_kernel(fmt, out, tag, combine), 2) for fmt in FORMATS
+            for tag in tags for out in tags for combine in (None, "sum")]
+
+
+def _compiles(compiler, mode, kernels, what: str, key: str, record_property) -> None:
+    """`kernels` in one NVRTC program for sm_90; the cubin defines each by name."""
+    nv, include = compiler
+    count = len(kernels)
+    assert len({src.name for src, _ in kernels}) == count
+    names, cubin, seconds = _compile(nv, mode, include, kernels)
+    assert cubin[:4] == b"\x7fELF" and len(names) == count * len(nvrtc.LAYOUTS)
+    missing = [n for n in names if n.encode() not in cubin]
+    assert not missing, f"kernels missing from the cubin: {missing[:5]}"
+    summary = (f"NVRTC {nv.version[0]}.{nv.version[1]} {nvrtc.ARCH} ({mode}): {count} {what} "
+               f"x {len(nvrtc.LAYOUTS)} layouts compiled in {seconds:.2f} s")
+    record_property(key, summary)
+    print(summary)
+
+
+@pytest.mark.parametrize("mode", ["standin", "cupy"])
+def test_each_dequant_gather_format_compiles_for_sm_90(compiler, mode, record_property):
+    """A gather of a packed table (a quantized embedding) per format, dequantizing only the
+    picked elements; every table dtype, write dtype and accumulation among them."""
+    _compiles(compiler, mode, dequant_gather_kernels(every=False),
+              "dequantizing gather kernels", "nvrtc_dequant_gather", record_property)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["standin", "cupy"])
+def test_every_dequant_gather_kernel_compiles_for_sm_90(compiler, mode, record_property):
+    """All 108 of them (about 7 s): `-m slow`."""
+    from einpage.ir.storage import FORMATS
+    kernels = dequant_gather_kernels()
+    assert len(kernels) == len(FORMATS) * 3 * 3 * 2
+    _compiles(compiler, mode, kernels, "dequantizing gather kernels",
+              "nvrtc_dequant_gather_all", record_property)
+
+
 @pytest.mark.parametrize("mode", ["standin", "cupy"])
 def test_every_dequant_kernel_compiles_for_sm_90(compiler, mode, record_property):
     """The kernels that dequantize packed (quantized) weight blocks, every format to every
-    logical dtype, in one NVRTC program; the cubin defines each by name."""
-    nv, include = compiler
+    logical dtype, in one NVRTC program."""
     kernels = dequant_kernels()
-    assert len(kernels) == 18 and len({src.name for src, _ in kernels}) == 18
-    names, cubin, seconds = _compile(nv, mode, include, kernels)
-    assert cubin[:4] == b"\x7fELF" and len(names) == 18 * len(nvrtc.LAYOUTS)
-    missing = [n for n in names if n.encode() not in cubin]
-    assert not missing, f"kernels missing from the cubin: {missing[:5]}"
-    summary = (f"NVRTC {nv.version[0]}.{nv.version[1]} {nvrtc.ARCH} ({mode}): {len(kernels)} "
-               f"dequantization kernels x {len(nvrtc.LAYOUTS)} layouts compiled in "
-               f"{seconds:.2f} s")
-    record_property("nvrtc_dequant", summary)
-    print(summary)
+    assert len(kernels) == 18
+    _compiles(compiler, mode, kernels, "dequantization kernels", "nvrtc_dequant",
+              record_property)
 
 
 def test_the_replica_is_the_text_cupy_generates(real_cupy, family_kernels):
@@ -162,6 +205,7 @@ def test_the_replica_is_the_text_cupy_generates(real_cupy, family_kernels):
     CuPy's own generators make of every kernel in every layout."""
     every = {k: v for found in family_kernels.values() for k, v in found.items()}
     every.update({(src.name, n): (src, n) for src, n in dequant_kernels()})
+    every.update({(src.name, n): (src, n) for src, n in dequant_gather_kernels()})
     for src, n_arrays in every.values():
         for layout in nvrtc.LAYOUTS:
             name = f"{src.name}__{layout.name}"

@@ -9,6 +9,9 @@ that a CPU test checks it (DESIGN.md, "Stream program").
   dequantizes it (`Unpack`: a `cuda_source.dequant_kernel` of its format and logical dtype) into
   a workspace slot holding its logical block in C order, and the op reads that slot where it
   would read the instance: the plan is made over the logical shapes and dtypes as for any read.
+  A gather whose table is packed by rows (a quantized embedding: its span leaves out axis 0)
+  is the exception: one `cuda_source.dequant_gather_kernel` reads the packed table and
+  dequantizes only the elements of the rows its ids pick, with no slot for the table.
 - **Workspace.** `workspace_bytes(mg)`: the largest sum of slots over the plan's applies (its
   dequantized operands included), plus a status word (a gather writes there when an id is out
   of range), all of it 256-byte aligned.
@@ -25,7 +28,8 @@ from einpage.ir.memgraph import ALIGNMENT, ApplyNode, MemGraph, TensorInfo
 from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, op_text
 from einpage.runtime.backends.cuda_source import (COMPUTE_CTYPE, ITEMSIZE, ElementwiseSource,
                                                   KernelSource, convert_kernel,
-                                                  dequant_kernel, fill_kernel, gather_kernel,
+                                                  dequant_gather_kernel, dequant_kernel,
+                                                  fill_kernel, gather_kernel,
                                                   join_kernel, reduce_kernel)
 from einpage.runtime.backends.gemm_plan import (MatmulPlan, contiguous_strides, matmul_plan,
                                                 nocopy_reshape_strides, operand_layout)
@@ -54,10 +58,12 @@ class Unpack:
 
 @dataclass(frozen=True)
 class ArrayView:
-    """Kernel input: read `read` of the apply viewed with `shape` and byte `strides`."""
+    """Kernel input: read `read` of the apply viewed with `shape` and byte `strides`; with
+    `packed`, its packed bytes (`uint8`) rather than its logical dtype."""
     read: int
     shape: tuple[int, ...]
     strides: tuple[int, ...]
+    packed: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,8 @@ def plan_apply(mg: MemGraph, n: ApplyNode) -> ApplyPlan:
                             "only inputs are packed")
         staged = overlaps_reads(mg, n)
         plan = _plan_op(n, reads, write, staged)
-        unpacks = tuple(_unpack(k, r) for k, r in enumerate(reads) if r.storage is not None)
+        unpacks = tuple(_unpack(k, r) for k, r in enumerate(reads) if r.storage is not None
+                        and not (k == 0 and gathers_packed_rows(n, r)))
         return replace(plan, unpacks=unpacks) if unpacks else plan
     except SpecError as exc:
         raise PlanError(f"{_where(n)}: {exc}") from None
@@ -168,6 +175,14 @@ def _plan_op(n: ApplyNode, reads: list[TensorInfo], write: TensorInfo,
     if isinstance(n.op, CopyOp):
         return _plan_copy(n, reads, write, staged)
     raise PlanError(f"unknown op {type(n.op).__name__}")
+
+
+def gathers_packed_rows(n: ApplyNode, table: TensorInfo) -> bool:
+    """Whether apply `n` gathers whole packed rows of `table` (its first read, packed with a
+    span that leaves out axis 0): then its kernel dequantizes the rows it picks itself (as
+    `blockops._gathers_packed_rows` does on the host)."""
+    return (isinstance(n.op, GatherOp) and table.storage is not None
+            and table.storage.span < len(table.shape))
 
 
 def _unpack(k: int, read: TensorInfo) -> Unpack:
@@ -252,9 +267,21 @@ def _plan_gather(n: ApplyNode, reads: list[TensorInfo], write: TensorInfo,
     src = table.source
     whole = src is not None and len(src.full_shape) > 0 and src.full_shape[0] == table.shape[0]
     rows, row_elems = int(table.shape[0]), math.prod(table.shape[1:])
-    arrays = (ArrayView(0, (math.prod(table.shape),), (ITEMSIZE[table.dtype.value],)),
-              ArrayView(1, (math.prod(ids.shape),), (8,)))
-    kernel = gather_kernel(table.dtype.value, write.dtype.value, "sum" if n.accumulate else None)
+    combine = "sum" if n.accumulate else None
+    ids_view = ArrayView(1, (math.prod(ids.shape),), (8,))
+    if gathers_packed_rows(n, table):  # dequantizes only the picked elements: no slot
+        why = table.storage.fits(tuple(table.shape))
+        if why:
+            raise PlanError(f"reads %t{table.id}, a {table.storage.format} block "
+                            f"{list(table.shape)}: {why}")
+        arrays = (ArrayView(0, (table.storage.nbytes(tuple(table.shape)),), (1,), True),
+                  ids_view)
+        kernel = dequant_gather_kernel(table.storage.format, write.dtype.value,
+                                       table.dtype.value, combine)
+    else:
+        arrays = (ArrayView(0, (math.prod(table.shape),), (ITEMSIZE[table.dtype.value],)),
+                  ids_view)
+        kernel = gather_kernel(table.dtype.value, write.dtype.value, combine)
     scalars = (rows, row_elems, int(n.op.row_offset), int(not whole))
     return KernelApply(kernel, arrays, scalars, None, True, True, staged, _staging(staged, write))
 
@@ -349,5 +376,6 @@ def plan_kernels(plan: ApplyPlan) -> tuple[KernelSource, ...]:
 
 
 __all__ = ["STATUS_BYTES", "ApplyPlan", "ArrayView", "CopyApply", "KernelApply", "MatmulApply",
-           "PiecePlan", "Unpack", "aligned", "overlaps_reads", "plan_applies", "plan_apply",
-           "plan_kernels", "slot_bytes", "workspace_bytes", "workspace_for"]
+           "PiecePlan", "Unpack", "aligned", "gathers_packed_rows", "overlaps_reads",
+           "plan_applies", "plan_apply", "plan_kernels", "slot_bytes", "workspace_bytes",
+           "workspace_for"]

@@ -6,6 +6,7 @@ conversions, one cuBLAS call per GEMM through `cublas_lib`, the epilogue kernel)
 A plan's packed reads (`Unpack`) are dequantized first, each by its kernel into the next
 workspace slot (`_bump`, on the compute stream, so in the apply's own stream order and in a
 captured CUDA graph); the op's views of that read then start at the slot instead of the arena.
+A gather of a packed table (`ArrayView.packed`) reads the packed bytes where they are instead.
 
 `DeviceApplies` is the part of `CupyBackend` that does it; it reads the backend's plan
 (`mg`, `_plans`), its arena views (`_array`, `_instance`, `_at`, `_bump`, `_temp`), the compute
@@ -106,15 +107,18 @@ class DeviceApplies:
         t = self.mg.tensors[n.reads[k].tensor]
         return self._cp.ndarray(tuple(t.shape), DEVICE_DTYPE[t.dtype.value], memptr=slot)
 
-    def _view(self, n: ApplyNode, k: int, shape, strides, offset: int = 0) -> Any:
+    def _view(self, n: ApplyNode, k: int, shape, strides, offset: int = 0,
+              packed: bool = False) -> Any:
         """Read `k` of the apply viewed with `shape` and byte `strides` from byte `offset` of
-        its instance (or of the slot it was dequantized into)."""
+        its instance (or of the slot it was dequantized into); `packed`: its packed bytes, as
+        `uint8`, read where they are (a gather dequantizing the rows it picks)."""
         read = n.reads[k]
-        ptr = self._unpacked.get(k)
+        ptr = None if packed else self._unpacked.get(k)
         if ptr is None:
             ptr, _ = self._instance(read.tensor, read.offset)
-        tag = self.mg.tensors[read.tensor].dtype.value
-        return self._cp.ndarray(tuple(shape), DEVICE_DTYPE[tag], memptr=ptr + offset,
+        dtype = (np.dtype(np.uint8) if packed
+                 else DEVICE_DTYPE[self.mg.tensors[read.tensor].dtype.value])
+        return self._cp.ndarray(tuple(shape), dtype, memptr=ptr + offset,
                                 strides=tuple(strides))
 
     def _run_kernel(self, plan: KernelApply, n: ApplyNode, write: Any) -> None:
@@ -124,7 +128,7 @@ class DeviceApplies:
             target = self._temp(write.shape, write.dtype)
             if n.accumulate:
                 cp.copyto(target, write)
-        args = [self._view(n, v.read, v.shape, v.strides) for v in plan.arrays]
+        args = [self._view(n, v.read, v.shape, v.strides, packed=v.packed) for v in plan.arrays]
         args += list(plan.scalars)
         out = cp.ndarray((target.size,), target.dtype, memptr=target.data) if plan.flat \
             else target

@@ -360,6 +360,19 @@ def fill_kernel(expr: sympy.Expr, ndim: int, out_tag: str,
                              out_params, operation, PREAMBLE + fn)
 
 
+#: a gather's prologue, per output element `i`: its row `ep_r` and column `ep_c`, the id, the
+#: row in the block `ep_local` and whether it is there `ep_in` (else status 1, id, rows
+#: unless `partial`)
+_GATHER_ROW = (
+    "const long long ep_r = i / row_elems;",
+    "const long long ep_c = i - ep_r * row_elems;",
+    "const long long ep_id = ids[ep_r];",
+    "const long long ep_local = ep_id - row_offset;",
+    "const bool ep_in = ep_local >= 0 && ep_local < rows;",
+    "if (!ep_in && !partial) { status[0] = 1; status[1] = ep_id; status[2] = rows; }",
+)
+
+
 @functools.lru_cache(maxsize=None)
 def gather_kernel(table_tag: str, out_tag: str, combine: str | None = None) -> ElementwiseSource:
     """Rows of a table block for an ids block, over the flat index `i` of the output. Inputs:
@@ -368,12 +381,7 @@ def gather_kernel(table_tag: str, out_tag: str, combine: str | None = None) -> E
     the backend reports after the pass (the NumPy executor raises at once)."""
     ctype = "long long" if table_tag == "i64" and out_tag == "i64" else COMPUTE_CTYPE[out_tag]
     operation = "\n".join([
-        "const long long ep_r = i / row_elems;",
-        "const long long ep_c = i - ep_r * row_elems;",
-        "const long long ep_id = ids[ep_r];",
-        "const long long ep_local = ep_id - row_offset;",
-        "const bool ep_in = ep_local >= 0 && ep_local < rows;",
-        "if (!ep_in && !partial) { status[0] = 1; status[1] = ep_id; status[2] = rows; }",
+        *_GATHER_ROW,
         f"const {ctype} ep_v = ep_in ? "
         f"{load(table_tag, 'table[ep_local * row_elems + ep_c]', ctype)} : ({ctype})0;",
         _finish(out_tag, "ep_v", ctype, combine),
@@ -474,6 +482,58 @@ def dequant_kernel(format: str, out_tag: str) -> ElementwiseSource:
                              in_params, out_params, operation, preamble)
 
 
+@functools.lru_cache(maxsize=None)
+def dequant_gather_kernel(format: str, out_tag: str, table_tag: str | None = None,
+                          combine: str | None = None) -> ElementwiseSource:
+    """`gather_kernel` over a packed table block (`format`'s groups; its span leaves out axis
+    0, so each row is whole groups): per output element `i`, the id of its row, then only that
+    element dequantized from the packed row (`DEQUANT_BODY`), with no dequantized copy of the
+    table. Inputs: `q` (the packed bytes, raw, flat), `ids` (raw, flat), `rows`, `row_elems`
+    (logical elements per row), `row_offset`, `partial`. The value, computed in float32 as
+    `quant.dequantize` computes it, is rounded to the table's logical dtype `table_tag`
+    (default `out_tag`) as `blockops` rounds it, then stored as `out_tag` (or folded into `y`
+    by `combine`). An id outside the block's rows gives 0 (what a group of zero bytes reads as:
+    -0.0 in some formats); unless `partial` it also sets `status[0..2] = 1, id, rows`, as
+    `gather_kernel` does."""
+    from einpage.ir.storage import get_format
+    spec = get_format(format)
+    table_tag = out_tag if table_tag is None else table_tag
+    if format not in DEQUANT_BODY:
+        raise PlanError(f"the CUDA backend cannot dequantize {format}")
+    if table_tag not in ("f16", "bf16", "f32"):
+        raise PlanError(f"a {format} block dequantizes to f16, bf16 or f32, not {table_tag}")
+    if out_tag not in ("f16", "bf16", "f32", "f64"):
+        raise PlanError(f"a gather of a {format} table writes a float block, not {out_tag}")
+    ctype = COMPUTE_CTYPE[out_tag]
+    fn = ("EP_FN float ep_dequant(const unsigned char* b, int e) {\n  "
+          + DEQUANT_BODY[format] + "\n}\n")
+    # outside the block: what a group of zero bytes reads as (the NumPy runtimes gather a row
+    # of zero bytes there), -0.0 for some formats, so that partial sums agree bit for bit
+    from einpage.ir.quant import dequantize
+    from einpage.ir.storage import Storage
+    zeros = dequantize(np.zeros(spec.group_bytes, np.uint8), Storage(format, 1), (spec.group,),
+                       np.dtype(np.float32))
+    zero = "-0.0F" if np.signbit(zeros[0]) else "0.0F"
+    rounded = load(table_tag, store(table_tag, "ep_q", "float"), ctype)
+    operation = "\n".join([
+        *_GATHER_ROW,
+        f"float ep_q = {zero};",
+        "if (ep_in) {",
+        "  const long long ep_f = ep_local * row_elems + ep_c;",
+        f"  const long long ep_g = ep_f / {spec.group};",
+        f"  ep_q = ep_dequant(&q[ep_g * {spec.group_bytes}], (int)(ep_f - ep_g * {spec.group}));",
+        "}",
+        f"const {ctype} ep_v = {rounded};",
+        _finish(out_tag, "ep_v", ctype, combine),
+    ])
+    in_params = ("raw uint8 q, raw int64 ids, int64 rows, int64 row_elems, int64 row_offset, "
+                 "int32 partial")
+    out_params = f"{_PARAM[out_tag]} y, raw int64 status"
+    preamble = PREAMBLE + DEQUANT_PREAMBLE + fn
+    return ElementwiseSource(_named(f"dequant_gather_{format}", in_params, out_params, operation,
+                                    fn), in_params, out_params, operation, preamble)
+
+
 def convert_kernel(src_tag: str, dst_tag: str, combine: str | None = None) -> ElementwiseSource:
     """`y = a0` across dtypes (one rounding), or `y = y + a0` with `combine`."""
     if src_tag == dst_tag == "i64":
@@ -487,6 +547,6 @@ def convert_kernel(src_tag: str, dst_tag: str, combine: str | None = None) -> El
 
 __all__ = ["COMPUTE_CTYPE", "DEQUANT_BODY", "DEQUANT_PREAMBLE", "DEVICE_DTYPE", "ITEMSIZE",
            "PREAMBLE", "ElementwiseSource", "KernelSource", "ReductionSource", "c_expression",
-           "convert_kernel", "dequant_kernel", "fill_function",
+           "convert_kernel", "dequant_gather_kernel", "dequant_kernel", "fill_function",
            "fill_kernel", "gather_kernel", "join_function", "join_kernel", "load",
            "reduce_kernel", "store", "tag_of"]
