@@ -424,7 +424,7 @@ def test_plans_of_other_formats_share_no_pinned_blocks(fake_cupy):
     for fmt in ("q8_0", "q4_0", None):
         c = resolve("small", quantize=fmt)[0]  # the same weights, packed as `fmt`
         graph = llama.prefill_graph(c).bind(B=1, S=16)
-        mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 6)).memgraph
+        mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 12)).memgraph
         want = executor.run(mg, {"tokens": tokens}, weights)
         prepare(mg)
         got = run_streams(mg, {"tokens": tokens}, weights, backend=CupyBackend()).outputs
