@@ -476,3 +476,20 @@ def test_a_quantized_bias_in_a_gguf_file_is_read_as_a_whole_row(tmp_path):
     mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 2)).memgraph
     got = run(mg, {"tokens": np.array([[1, 2, 3, 4]])}, weights)
     np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_gather_reads_a_packed_table_as_it_lies_in_the_cost_model():
+    """Priced as its kernel runs: no dequantization of the whole table block first."""
+    from einpage.ir.ops import GatherOp
+    from einpage.ir.taskgraph import Block
+    from einpage.predict.cost import apply_seconds, logical_bytes
+    from einpage.predict.devices import get_device
+    profile = get_device("h100-pcie")
+    st = Storage("q4_0", 1)
+    table = Block(0, 0, (0, 0), (32000, 4096), config.DType.f16, "weight", "embed", None, st)
+    plain = Block(0, 0, (0, 0), (32000, 4096), config.DType.f16, "weight", "embed")
+    ids = Block(1, 1, (0, 0), (1, 8), config.DType.i64, "activation", "tokens")
+    out = Block(2, 2, (0, 0, 0), (1, 8, 4096), config.DType.f16, "activation", "x")
+    packed = apply_seconds(profile, GatherOp(0), [table, ids], out, False)
+    unpacked = apply_seconds(profile, GatherOp(0), [plain, ids], out, False)
+    assert table.bytes < logical_bytes(table) and packed < unpacked

@@ -21,7 +21,7 @@ from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.policies import Policy, Residency, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
-from einpage.compiler.resident import (PassNeeds, choose_resident, everything_fits,
+from einpage.compiler.resident import (PassNeeds, everything_fits,
                                        memory_lower_bound, min_stream_bytes, paced_resident,
                                        pass_needs, persistent_blocks, streamed_bytes,
                                        weights_first, working_set)

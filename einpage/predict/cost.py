@@ -8,7 +8,7 @@ the join space. Bytes are every operand read once and the output written once (r
 when accumulating). A transfer costs its bytes over the link bandwidth plus the copy latency; a
 read from disk its bytes over the disk's read bandwidth plus its latency. A packed (quantized)
 operand moves and is held as its packed bytes, and costs a dequantization kernel before the op
-(`apply_seconds`).
+(`apply_seconds`), but for a gather's table, read as it lies.
 """
 from __future__ import annotations
 
@@ -54,12 +54,16 @@ def apply_seconds(profile: DeviceProfile, op: BlockOp, reads: Sequence, write,
     """`op_seconds` of an apply (or task) over tensor records (`.shape`, `.dtype`, `.bytes`,
     `.storage`): a packed (quantized) read is first dequantized into workspace by a kernel of its
     own (reading the packed bytes, writing the logical ones), and the op reads the logical
-    ones."""
+    ones; but a gather reads a packed table as it lies, dequantizing only what it picks (its
+    kernel does both)."""
+    def fused(k: int, r) -> bool:
+        return isinstance(op, GatherOp) and k == 0 and r.storage is not None
+
     unpack = sum((r.bytes + logical_bytes(r)) / profile.hbm_bandwidth + profile.launch_overhead
-                 for r in reads if r.storage is not None)
-    return unpack + op_seconds(profile, op, [r.shape for r in reads],
-                               sum(logical_bytes(r) for r in reads), write.shape, write.bytes,
-                               write.dtype.value, accumulate)
+                 for k, r in enumerate(reads) if r.storage is not None and not fused(k, r))
+    read = sum(r.bytes if fused(k, r) else logical_bytes(r) for k, r in enumerate(reads))
+    return unpack + op_seconds(profile, op, [r.shape for r in reads], read, write.shape,
+                               write.bytes, write.dtype.value, accumulate)
 
 
 def logical_bytes(record) -> int:
