@@ -353,6 +353,10 @@ CASES = [
           "storage", {"format": "q8_0", "group": 32, "span": 1}))),
     C("compile-quantize-unknown", "compile tiny --gpu-mem 1MB --seq 4 --quantize q2",
       "invalid choice: 'q2'"),
+    C("compile-kv-dtype-of-a-prefill", "compile llama-7b --gpu-mem 16GB --kv-dtype q8_0",
+      "--kv-dtype is the KV store a decode step reads; a prefill reads none"),
+    C("run-kv-dtype", "run tiny --random-weights --tokens 1,2 --kv-dtype q8_0",
+      "--kv-dtype is the KV store decode steps read; run is a prefill"),
     C("compile-zero-budget", "compile tiny --gpu-mem 0 --seq 4", "must be positive"),
 
     # --- device profiles (test_cli_predict, issue 16)

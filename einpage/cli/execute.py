@@ -197,6 +197,9 @@ def cmd_run(args) -> None:
         from einpage.models.gguf import is_gguf
         if not is_gguf(args.model):  # a GGUF file is a model; any other file, a plan
             return run_plan(args)
+    if args.kv_dtype:
+        raise InputError("--kv-dtype is the KV store decode steps read; run is a prefill, which "
+                         "reads none: use it with generate")
     if args.checkpoint:
         raise InputError("--checkpoint gives the weights of a plan file; "
                          f"{args.model} is not a plan file (its weights are its own)")

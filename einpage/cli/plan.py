@@ -105,6 +105,9 @@ def graph_from_args(args):
     if args.phase == "prefill":
         if args.past is not None or args.capacity is not None:
             raise InputError("--past and --capacity describe a decode step: add --phase decode")
+        if args.kv_dtype:
+            raise InputError("--kv-dtype is the KV store a decode step reads; a prefill reads "
+                             "none: add --phase decode (or --max-new-tokens)")
         graph = llama.prefill_graph(cfg).bind(B=args.batch, S=seq)
         tokens = args.batch * seq
         workload.update(seq=seq, tokens=tokens)
@@ -180,7 +183,8 @@ def _generation_report(args, profile, device_bytes: int) -> None:
         if value:
             raise InputError(f"{flag} writes one plan: compile --phase prefill or --phase "
                              "decode for it (--max-new-tokens compiles several)")
-    cfg, _ = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None)
+    cfg, _ = resolve(args.model, dtype=as_dtype(args.dtype) if args.dtype else None,
+                     quantize=args.quantize, kv_dtype=args.kv_dtype)
     host_bytes, _ = host_budget(args)
     options = CompileOptions(
         device_bytes=device_bytes, policy=args.policy, device=profile, host_bytes=host_bytes,
