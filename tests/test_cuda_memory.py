@@ -11,6 +11,7 @@ import pytest
 from fake_cupy import CONTEXT_BYTES, HANDLE_BYTES, installed
 from hypothesis import given
 from hypothesis import strategies as st
+from sessions import held_decode_steps
 
 from einpage.compiler import CompileOptions, compile_graph
 from einpage.errors import BudgetError
@@ -272,11 +273,8 @@ def test_decode_steps_replay_one_captured_graph(fake_cupy):
     """Without per-node timing, a session's second pass is captured as a CUDA graph and every
     pass from then on is one launch of it: no backend call per node, the KV rows written
     between steps seen by the next, every step equal to the threads backend's."""
-    from einpage.models.generation import decode_step_graph, prefill
-    from einpage.models.kvstore import KVStore
-    from einpage.runtime import evaluate
+    from einpage.models.generation import decode_step_graph
     from einpage.runtime.backends.threads import ThreadsBackend
-    from einpage.runtime.stream_executor import StreamSession
     cfg, weights = resolve("tiny", random_weights=True, seed=9)
     prompt = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]]) % cfg.vocab
     graph = decode_step_graph(cfg, 2, 8)
@@ -289,21 +287,7 @@ def test_decode_steps_replay_one_captured_graph(fake_cupy):
             super().run(n)
 
     def steps(backend, timing):
-        store = KVStore(cfg, 2, 8)
-        out = prefill(cfg, prompt, lambda g, i: evaluate(g, i, weights))
-        store.fill(out)
-        last = np.argmax(out["logits"][:, -1], axis=-1)
-        logits = []
-        with StreamSession(mg, weights, backend, timing=timing) as session:
-            for _ in range(3):
-                step = session.run({"tokens": last[:, None], "pos": store.pos.copy(),
-                                    **store.view(8)}).outputs
-                for name, lead, row in store.write(step):
-                    session.write(name, lead, row)
-                last = np.argmax(step["logits"][:, -1], axis=-1)
-                logits.append(step["logits"])
-            replays = session.replays
-        return np.stack(logits), replays
+        return held_decode_steps(cfg, weights, mg, prompt, backend, timing)
 
     want, _ = steps(ThreadsBackend(), True)
     backend = Counting()

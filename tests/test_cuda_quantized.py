@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from sessions import held_decode_steps
 from fake_cupy import installed
 
 from einpage.compiler import CompileOptions, compile_graph
@@ -43,7 +44,7 @@ from einpage.runtime.backends.cuda_source import (DEVICE_DTYPE, dequant_gather_k
 from einpage.runtime.backends.pinned import PinnedWeights
 from einpage.runtime.planio import stored
 from einpage.ir.quant import dequantize, quantize
-from einpage.runtime.stream_executor import StreamSession, run_streams
+from einpage.runtime.stream_executor import run_streams
 
 #: the logical dtypes a packed block dequantizes to
 TAGS = ("f32", "f16", "bf16")
@@ -435,9 +436,6 @@ def test_quantized_decode_session_replays_a_cuda_graph(fake_cupy):
     """A decode step of the quantized model held open: the second pass is captured (the
     dequantization kernels with the rest) and later passes replay it; every step's logits
     equal the threads backend's, and no pass allocates outside the workspace."""
-    from einpage.models.generation import prefill
-    from einpage.models.kvstore import KVStore
-    from einpage.runtime import evaluate
     from einpage.runtime.backends.threads import ThreadsBackend
     cfg, weights, _, compiled = quantized_plan("q4_0", phase="decode", fraction=3, seed=5)
     mg = compiled.memgraph
@@ -445,29 +443,14 @@ def test_quantized_decode_session_replays_a_cuda_graph(fake_cupy):
     prepare(mg)
     prompt = np.array([[4, 8, 15, 16, 23], [42, 1, 2, 3, 5]]) % cfg.vocab
 
-    def steps(backend, timing):
-        store = KVStore(cfg, 2, 8)
-        out = prefill(cfg, prompt, lambda g, i: evaluate(g, i, weights))
-        store.fill(out)
-        last = np.argmax(out["logits"][:, -1], axis=-1)
-        logits = []
-        with StreamSession(mg, weights, backend, timing=timing) as session:
-            for _ in range(3):
-                step = session.run({"tokens": last[:, None], "pos": store.pos.copy(),
-                                    **store.view(8)}).outputs
-                if isinstance(backend, CupyBackend):
-                    assert backend.hook.allocations == 0, backend.hook.bytes
-                    assert backend.hidden_allocations == 0, backend.hidden_bytes
-                for name, lead, row in store.write(step):
-                    session.write(name, lead, row)
-                last = np.argmax(step["logits"][:, -1], axis=-1)
-                logits.append(step["logits"])
-            replays = session.replays
-        return logits, replays
+    def allocates_nothing(backend):
+        assert backend.hook.allocations == 0, backend.hook.bytes
+        assert backend.hidden_allocations == 0, backend.hidden_bytes
 
-    want, _ = steps(ThreadsBackend(), True)
+    want, _ = held_decode_steps(cfg, weights, mg, prompt, ThreadsBackend(), True)
     backend = CupyBackend()
-    got, replays = steps(backend, False)
+    got, replays = held_decode_steps(cfg, weights, mg, prompt, backend, False,
+                                     after_pass=allocates_nothing)
     assert replays == 2  # the second pass captured and replayed, the third replayed
     for k, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"step {k}")
