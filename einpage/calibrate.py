@@ -31,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from einpage.predict.hosts import HostProfile
 from einpage.predict.devices import DeviceProfile
 
 SIZES = tuple(1 << k for k in range(16, 27, 2))   # 64 KB .. 64 MB
@@ -266,6 +267,59 @@ def calibrate(backend: str = "threads", progress: Callable[[str], None] | None =
             launch_overhead=overhead, source=source)
     finally:
         probe.close()
+
+
+def calibrate_host(progress: Callable[[str], None] | None = None) -> HostProfile:
+    """A host profile (`einpage.predict.hosts`) measured with NumPy on this machine: what a
+    host apply costs in einpage's runtime (the BLAS over every core, NumPy's casts and ufuncs
+    on one, the host pool's copies over every core)."""
+    from einpage.ir.quant import dequantize, quantize
+    from einpage.ir.storage import storage_for
+    from einpage.runtime import hostpool, kernels
+    from einpage.ir.scalar import x as arg
+    from einpage.ir.spec import EinsumSpec
+    say = progress or (lambda _: None)
+    rng = np.random.default_rng(0)
+    say("host matmul (float32, every core)")
+    n = 1024
+    a = rng.standard_normal((n, n)).astype(np.float32)
+    b = rng.standard_normal((n, n)).astype(np.float32)
+    matmul = 2 * n ** 3 / median_seconds(lambda: a @ b)
+    say("host memory (one core, every core)")
+    size = 1 << 24
+    src = np.ones(size * 4, np.float32)
+    dst = np.empty_like(src)
+    core = 2 * src.nbytes / median_seconds(lambda: np.copyto(dst, src))
+    cores = hostpool.workers()
+    parts = np.array_split(np.arange(src.size), cores)
+
+    def pooled_copy() -> None:
+        pool = hostpool._executor()
+        futures = [pool.submit(np.copyto, dst[p[0]:p[-1] + 1], src[p[0]:p[-1] + 1])
+                   for p in parts if len(p)]
+        for f in futures:
+            f.result()
+
+    memory = max(core, 2 * src.nbytes / median_seconds(pooled_copy))
+    say("host elementwise, casts and dequantization (one core)")
+    x, y = src[:size], dst[:size]
+    vector = 2 * size / median_seconds(lambda: np.add(x, x, out=y))
+    half = np.ones(size, np.float16)
+    convert = size / median_seconds(lambda: np.copyto(y, half))
+    w = rng.standard_normal((256, 4096)).astype(np.float32)
+    q4 = storage_for("q4_0", w.shape, 1)
+    packed = quantize(w, q4)
+    dequant = w.size / median_seconds(lambda: dequantize(packed, q4, w.shape, np.float32))
+    spec = EinsumSpec.parse("ij,jk->ik")
+    small = [np.ones((8, 8), np.float32)] * 2
+    overhead = median_seconds(lambda: kernels.einsum(spec, arg(0) * arg(1), "sum", small,
+                                                     np.dtype(np.float32)))
+    return HostProfile(
+        name=f"{platform.node() or 'this-host'}-calibrated", matmul_flops=matmul,
+        vector_flops=vector, memory_bandwidth=memory, core_bandwidth=core, cores=cores,
+        convert_rate=convert, dequant_rate=dequant, apply_overhead=overhead + 10e-6,
+        source=f"einpage calibrate --host-out on {platform.node() or 'this host'} "
+               f"({cores} cores, NumPy {np.__version__}), {date.today().isoformat()}")
 
 
 def _probe(backend: str):

@@ -137,15 +137,37 @@ def test_version_2_capabilities_not_built_are_named(plan, field, value, what):
         MemGraph.from_json(data)
 
 
-def test_placement_and_unknown_storage_formats_are_named(plan):
+def test_guards_and_unknown_storage_formats_are_named(plan):
     data = plan.to_json()
     data["tensors"][0]["storage"] = {"format": "q3_k", "group": 256, "span": 1}
     with pytest.raises(PlanError, match="storage format 'q3_k', which this einpage does not run"):
         MemGraph.from_json(data)
     data = plan.to_json()
-    next(n for n in data["nodes"] if n["kind"] == "apply")["on"] = "host"
-    with pytest.raises(PlanError, match="placement"):
+    next(n for n in data["nodes"] if n["kind"] == "apply")["guard"] = {"tensor": 0, "expert": 1}
+    with pytest.raises(PlanError, match="guarded applies"):
         MemGraph.from_json(data)
+
+
+def test_a_placement_the_reader_cannot_run_is_refused(plan):
+    """`on` takes "device" or "host"; a host apply names host copies (no offsets); version 1
+    files hold no placement."""
+    data = plan.to_json()
+    apply = next(n for n in data["nodes"] if n["kind"] == "apply")
+    apply["on"] = "host"  # with its device offsets
+    with pytest.raises(PlanError, match="host apply names host copies by tensor alone"):
+        validate(MemGraph.from_json(data))
+    apply["on"] = "gpu1"
+    with pytest.raises(PlanError, match="on is 'gpu1'"):
+        validate(MemGraph.from_json(data))
+    v1 = plan.to_json()
+    v1["version"] = 1
+    v1.pop("graph")
+    for n in v1["nodes"]:
+        if n["kind"] == "apply":
+            n.pop("task")
+    next(n for n in v1["nodes"] if n["kind"] == "apply")["on"] = "host"
+    with pytest.raises(PlanError, match="version 1 plan cannot place an apply on the host"):
+        MemGraph.from_json(v1)
 
 
 # ---------------------------------------------------------------- each rule refuses its mutant

@@ -19,6 +19,10 @@ def add_commands(sub) -> None:
                    help="measure the CPU through the threads backend, or the GPU through cupy")
     c.add_argument("-o", "--output", action=OutputPath,
                    help="write the profile here (JSON); default: print it")
+    c.add_argument("--host-out", action=OutputPath,
+                   help="also measure this machine as a host (what an apply placed on the host "
+                        "costs: BLAS, casts, memory over every core) and write that profile "
+                        "here (for --host-file)")
     c.add_argument("--disk", help="also measure the read bandwidth and latency of the drive "
                                   "holding this file or directory (1 GB is written there and "
                                   "removed; reads bypass the page cache where the OS allows)")
@@ -74,6 +78,13 @@ def cmd_devices(args) -> None:
         print(f"{p.name:<10} {p.matmul_flops['f16'] / 1e12:>11.1f} "
               f"{p.matmul_flops['f32'] / 1e12:>11.1f} {p.hbm_bandwidth / 1e9:>9.0f} "
               f"{p.h2d_bandwidth / 1e9:>8.2f} {format_size(p.memory_bytes):>9}  {p.source}")
+    from einpage.predict.hosts import DEFAULT_HOST, HOSTS
+    print(f"\nhosts (--host; default {DEFAULT_HOST}):")
+    print(f"{'name':<10} {'cores':>5} {'f32 TFLOP/s':>11} {'memory GB/s':>11} "
+          f"{'f16->f32 G/s/core':>17}  source")
+    for h in HOSTS.values():
+        print(f"{h.name:<10} {h.cores:>5} {h.matmul_flops / 1e12:>11.2f} "
+              f"{h.memory_bandwidth / 1e9:>11.0f} {h.convert_rate / 1e9:>17.2f}  {h.source}")
 
 
 def cmd_calibrate(args) -> None:
@@ -87,8 +98,10 @@ def cmd_calibrate(args) -> None:
     text = json.dumps(profile.to_json(), indent=1)
     if not args.output:
         print(text)
+        _host_out(args)
         return
     write_text(args.output, text + "\n")
+    _host_out(args)
     mm = profile.matmul_flops
     print(f"wrote {args.output}: h2d {profile.h2d_bandwidth / 1e9:.2f} GB/s, d2h "
           f"{profile.d2h_bandwidth / 1e9:.2f} GB/s, matmul f32 {mm['f32'] / 1e9:.1f} GFLOP/s, "
@@ -96,6 +109,22 @@ def cmd_calibrate(args) -> None:
           f"{profile.launch_overhead * 1e6:.0f} us"
           + (f", disk {profile.disk_bandwidth / 1e9:.2f} GB/s ({profile.disk_latency * 1e3:.2f} ms "
              "per read)" if args.disk else ""))
+
+
+def _host_out(args) -> None:
+    """`--host-out`: measure the host profile and write it."""
+    if not args.host_out:
+        return
+    import sys
+
+    from einpage.calibrate import calibrate_host
+    from einpage.cli.common import write_text
+    host = calibrate_host(lambda what: print(f"measuring {what} ...", file=sys.stderr))
+    write_text(args.host_out, json.dumps(host.to_json(), indent=1) + "\n")
+    print(f"wrote {args.host_out}: {host.cores} cores, matmul f32 "
+          f"{host.matmul_flops / 1e9:.1f} GFLOP/s, memory {host.memory_bandwidth / 1e9:.1f} "
+          f"GB/s ({host.core_bandwidth / 1e9:.1f} on one core), f16->f32 "
+          f"{host.convert_rate / 1e9:.2f} G/s per core")
 
 
 HANDLERS = {"models": cmd_models, "devices": cmd_devices, "calibrate": cmd_calibrate}

@@ -258,6 +258,14 @@ def add_device_args(p) -> None:
     p.add_argument("--device-file", help="device profile(s) as JSON: what einpage calibrate -o "
                                          "or einpage devices --json writes (pick one of several "
                                          "with --device)")
+    p.add_argument("--host", help="host profile: what an apply placed on the host costs "
+                                  "(default server-16c; see einpage devices)")
+    p.add_argument("--host-file", help="host profile as JSON: what einpage calibrate --host-out "
+                                       "writes")
+    p.add_argument("--host-compute", choices=("auto", "off"), default="auto",
+                   help="auto (default): place applies on the host where the simulated pass is "
+                        "faster (a decode step's attention over a KV store in host memory, "
+                        "experts whose weights stay there); off: every apply on the device")
     p.add_argument("--h2d-bandwidth", help="override host<->device bandwidth, e.g. 25GB/s")
     p.add_argument("--flops", help="override peak matmul FLOP/s, e.g. 500T")
     p.add_argument("--disk-bandwidth", help="read bandwidth of the drive the checkpoint lies "
@@ -272,11 +280,18 @@ def add_device_args(p) -> None:
 
 def profile_from_args(args, default: str | None = None):
     """The device profile the flags ask for: `--device` or `--device-file` (with `--device`:
-    the profile of that name in the file; else `default`, else the cost model's default), then
-    `--h2d-bandwidth` (both directions) and `--flops`."""
+    the profile of that name in the file; else `default`, else the cost model's default), in the
+    host of `--host` or `--host-file`, then `--h2d-bandwidth` (both directions) and `--flops`."""
+    from dataclasses import replace
+
     from einpage.predict import DEFAULT_DEVICE, get_device, load_device_file, with_overrides
+    from einpage.predict.hosts import get_host, load_host_file
     profile = (load_device_file(args.device_file, args.device) if args.device_file
                else get_device(args.device or default or DEFAULT_DEVICE))
+    host_file, host = getattr(args, "host_file", None), getattr(args, "host", None)
+    if host_file or host:
+        profile = replace(profile, host=load_host_file(host_file) if host_file
+                          else get_host(host))
     h2d, flops = getattr(args, "h2d_bandwidth", None), getattr(args, "flops", None)
     disk = getattr(args, "disk_bandwidth", None)
     return with_overrides(

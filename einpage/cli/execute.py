@@ -67,6 +67,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                     "einpage devices); with --device-file, the one of that name")
     p.add_argument("--device-file", help="device profile(s) as JSON (einpage calibrate -o, "
                                          "einpage devices --json) for --timing")
+    p.add_argument("--host", help="host profile the plans are priced with (default "
+                                  "server-16c; see einpage devices)")
+    p.add_argument("--host-file", help="host profile as JSON (einpage calibrate --host-out)")
+    p.add_argument("--host-compute", choices=("auto", "off"), default="auto",
+                   help="auto (default): run applies on the host where the plan's simulated "
+                        "pass is faster; off: every apply on the device")
     p.add_argument("--out", action=OutputPath,
                    help="save results to this .npy file, exactly as named (no .npy is added; "
                         "run: float32 logits (batch, longest prompt, vocab), rows padded on the "
@@ -128,14 +134,15 @@ def _runner(args, weights):
         print(f"einpage: warning: {over}", file=sys.stderr)
     host_bytes, _ = host_budget(args)
     options = CompileOptions(device_bytes=budget, policy=args.policy or "reuse-distance",
-                             device=_profile(args), host_bytes=host_bytes)
+                             device=_profile(args), host_bytes=host_bytes,
+                             host_compute=args.host_compute == "auto")
     return runners.PlanRunner(weights, options, args.backend,
                               timing=bool(args.timing or args.trace), arena=bool(args.arena))
 
 
 def _profile(args):
     """The profile predictions are made with: --device / --device-file, else the default."""
-    if args.device or args.device_file:
+    if args.device or args.device_file or args.host or args.host_file:
         from einpage.cli.common import profile_from_args
         return profile_from_args(args)
     return None

@@ -154,7 +154,8 @@ def cmd_compile(args) -> None:
         device_bytes=device_bytes, policy=args.policy, device=profile,
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         sources=sources, workload={**workload, "host_budget": host_source},
-        progress=progress, host_bytes=host_bytes, **lookahead_options(args.lookahead))
+        progress=progress, host_bytes=host_bytes, host_compute=args.host_compute == "auto",
+        **lookahead_options(args.lookahead))
     try:
         compiled = compile_graph(graph, options)
     finally:
@@ -188,7 +189,7 @@ def _generation_report(args, profile, device_bytes: int) -> None:
     host_bytes, _ = host_budget(args)
     options = CompileOptions(
         device_bytes=device_bytes, policy=args.policy, device=profile, host_bytes=host_bytes,
-        block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
+        host_compute=args.host_compute == "auto", block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         **lookahead_options(args.lookahead))
     seq = DEFAULT_SEQ if args.seq is None else args.seq
     f = forecast_generation(cfg, args.batch, seq, args.max_new_tokens, options)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Mapping, NamedTuple
 
-from einpage.compiler import search
+from einpage.compiler import placement, search
 from einpage.compiler.allocator import aligned
 from einpage.compiler.lowering import LowerOptions
 from einpage.compiler.order import memory_aware_order
@@ -54,6 +54,8 @@ class CompileOptions:
     progress: Callable[[str, int, int], None] | None = None  # (stage, done, total)
     drop_constant_blocks: bool = True   # no tasks for blocks known at partition time (masks)
     host_bytes: int | None = None       # host budget (--cpu-mem); None: unlimited, no disk tier
+    host_compute: bool = False          # weigh applies placed on the host (the CLI's
+                                        # --host-compute auto, its default, sets it)
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,14 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             best = planned.trials.best().simulation.makespan_s
             if finer.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
                 planned = finer
+    if options.host_compute and not planned.fits:
+        _place(planned, options)
     tg, trials = planned.tg, planned.trials
     best = trials.best()
+    if best.on_host:  # the bound of the placement it runs (a device-only bound does not hold)
+        rungs = [planned.rung._replace(
+            min_stream_bytes=best.simulation.h2d_min_bytes,
+            compute_s=max(best.simulation.compute_s, best.simulation.host_s))]
     tiered = place_tiers(best.memgraph, best.simulation, options.host_bytes, trials.profile)
     if tiered.choice.disk_bytes and planned.needs.kv_bytes:
         tiered, best = _weights_first(planned, best, tiered, options)
@@ -144,7 +152,8 @@ def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
         return tiered, best
     try:
         mg, resident = search.lower_shrinking(tg, trials.order, replace(
-            trials.base, resident=resident, lookahead_seconds=best.window))
+            trials.base, resident=resident, lookahead_seconds=best.window, on_host=best.on_host,
+            task_seconds=tuple(task_seconds(trials.profile, tg, best.on_host))))
     except BudgetError:
         return tiered, best
     sim = simulate(mg, trials.profile)
@@ -153,6 +162,51 @@ def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
         return tiered, best
     return other, replace(best, resident=resident, memgraph=mg, simulation=sim,
                           live_peak=mg.live_peak())
+
+
+def _place(planned: "_Planned", options: CompileOptions) -> None:
+    """Host placement (`einpage.compiler.placement`) weighed beside the device-only plans: for
+    each candidate set of blocks kept in host memory that the best plan streams (the KV store,
+    the experts' weights), the tasks that read them run on the host, and paced resident sets
+    over the other persistent blocks are searched as the device-only ones were (unless the host
+    tasks alone would outlast the device-only pass: no lowering then). Every trial
+    joins the partition's; a placement wins only by more than AUTO_TOLERANCE, so a tie keeps
+    the device-only plan."""
+    trials, tg = planned.trials, planned.tg
+    order, profile = trials.order, trials.profile
+    device = trials.best()
+    budget = options.device_bytes
+    tried: set[frozenset] = set()
+    for kind in placement.KINDS:
+        kept = placement.host_blocks(tg, kind)
+        if not kept - device.resident:
+            continue  # they stay on the device already: nothing to save
+        on_host = placement.place_on_host(tg, order, kept)
+        if not on_host or on_host in tried:
+            continue
+        tried.add(on_host)
+        seconds = tuple(task_seconds(profile, tg, on_host))
+        if sum(seconds[t] for t in on_host) >= device.simulation.makespan_s:
+            continue  # the host alone would take longer than the device-only pass
+        placed = search.Trials(tg, order, replace(trials.base, on_host=on_host,
+                                                  task_seconds=seconds), profile,
+                               options.progress)
+
+        def paced(at: float, placed=placed, seconds=seconds, kept=kept) -> search.Trial:
+            room = int(budget - planned.needs.activation_peak - at * budget)
+            return placed.run(paced_resident(tg, order, room, seconds,
+                                             max(1, int(at * budget / 2)), exclude=kept),
+                              device.window)
+
+        try:
+            search.search_room(paced)
+        except BudgetError:
+            continue
+        trials.adopt(placed)
+    best = trials.best()
+    if best.on_host and not (best.simulation.makespan_s < device.simulation.makespan_s
+                             * (1 - search.AUTO_TOLERANCE)):
+        trials.items = [t for t in trials.items if not t.on_host]
 
 
 class _Rung(NamedTuple):

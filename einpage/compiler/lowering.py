@@ -19,6 +19,12 @@ last); the allocator places the bytes.
 
 Resident blocks (weights and KV-store blocks that stay on the device for every pass) are placed at fixed offsets at
 the bottom of the arena as `input at device` and never freed or evicted.
+
+Tasks placed on the host (`LowerOptions.on_host`) take no device memory: at the execution horizon
+each becomes an apply on host copies, after an offload of every block it reads that has no
+current host copy; the block it writes then has a host copy only, which a device task reloads
+like any other (its reservation waits until every host writer of the block has run). Every
+writer of a block runs in one place.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from einpage.compiler.allocator import Allocation, Allocator, aligned
 from einpage.compiler.policies import Candidate, Group, Policy
-from einpage.errors import BudgetError
+from einpage.errors import BudgetError, PlanError
 from einpage.ir.memgraph import (ALIGNMENT, Access, ApplyNode, FreeNode, InputNode, MemGraph,
                                  OffloadNode, OutputRef, ReloadNode, TensorInfo)
 from einpage.ir.ops import op_text
@@ -47,6 +53,7 @@ class LowerOptions:
     lookahead_bytes: int | None = None           # cap on bytes reserved ahead of execution
     lookahead_seconds: float | None = None       # cap on predicted compute ahead of execution
     task_seconds: tuple[float, ...] = ()         # predicted seconds of each task, by task id
+    on_host: frozenset[int] = frozenset()        # tasks that run on the host (placement)
     progress: object = None                      # callable(done_tasks, total_tasks) or None
 
 
@@ -99,6 +106,15 @@ class _Lowering:
                               opt.device_bytes)
         self.resident_bytes = resident_bytes
         self.alloc = Allocator(resident_bytes, opt.device_bytes)
+        # block -> host writers not yet run (a device reader's reservation waits for them)
+        self.host_pending: dict[int, int] = {}
+        for tid in opt.on_host:
+            w = tg.tasks[tid].write
+            self.host_pending[w] = self.host_pending.get(w, 0) + 1
+        for w, count in self.host_pending.items():
+            if count != len(tg.writers[w]):
+                raise PlanError(f"block {w} ({tg.blocks[w].name}) has writers on the host and on "
+                                "the device; every writer of a block runs in one place")
 
     # ------------------------------------------------------------ emission
     def emit(self, node) -> int:
@@ -144,10 +160,11 @@ class _Lowering:
         self.live.add(b)
 
     # ------------------------------------------------------------ reservation
-    def _needs(self, p: int) -> list[int]:
+    def _needs(self, p: int, own: bool = True) -> list[int]:
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
-        need = [b for b in dict.fromkeys((*t.reads, t.write)) if blocks[b].offset is None]
+        need = ([b for b in dict.fromkeys((*t.reads, t.write)) if blocks[b].offset is None]
+                if own else [])
         for g in self.group_at.get(p, ()):  # a group the policy keeps together starts here
             if g.stage in self.pinned_groups:  # pinned at an earlier try to reserve `p`
                 continue
@@ -161,9 +178,12 @@ class _Lowering:
         """Reserve task `p`'s memory; returns the bytes reserved, or None (nothing changed)."""
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
+        host = t.id in self.opt.on_host
+        if not host and any(self.host_pending.get(b) for b in t.reads):
+            return None  # its host writers have not run (a == e never gets here: they came first)
         for b in (*t.reads, t.write):
             blocks[b].pins += 1
-        need = self._needs(p)
+        need = self._needs(p, own=not host)
         got: list[tuple[int, Allocation]] = []
         for b in need:
             a = self.alloc.allocate(blocks[b].size)
@@ -327,9 +347,35 @@ class _Lowering:
         self.live.discard(b)
 
     # ------------------------------------------------------------ execution
+    def _host_apply(self, t) -> None:
+        """Task `t` on the host: its reads' host copies (offloaded first where the device holds
+        the only current one), its write's host copy."""
+        blocks = self.blocks
+        deps = set()
+        for b in dict.fromkeys(t.reads):
+            st = blocks[b]
+            if not st.host_valid or st.host_node is None:  # (a resident block: no host copy)
+                oid = self.emit(OffloadNode(self._next_id(), b, st.offset, (st.last_writer,)))
+                st.host_node, st.host_valid = oid, True
+                st.accesses.append(oid)
+                st.since_write.append(oid)
+            deps.add(st.host_node)
+        w, ws = t.write, blocks[t.write]
+        if t.accumulate:
+            deps.add(ws.host_node)
+        reads = tuple(Access(b, None) for b in t.reads)
+        nid = self.emit(ApplyNode(self._next_id(), reads, Access(w, None), t.accumulate, t.op,
+                                  tuple(sorted(deps)), task=t.id, on="host"))
+        ws.host_node, ws.host_valid = nid, True
+        self.host_pending[w] -= 1
+
     def execute(self, p: int) -> None:
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
+        if t.id in self.opt.on_host:
+            self._host_apply(t)
+            self._release(t, p)
+            return
         deps = {blocks[b].last_writer for b in t.reads}
         w, ws = t.write, blocks[t.write]
         if t.accumulate:
@@ -350,6 +396,12 @@ class _Lowering:
         ws.since_write = []
         ws.last_writer = nid
         ws.host_valid = False
+        self._release(t, p)
+
+    def _release(self, t, p: int) -> None:
+        """After task `t` at position `p` ran: unpin its blocks (and the groups that end here),
+        and free the device instances it used for the last time."""
+        blocks, w = self.blocks, t.write
         for b in (*t.reads, w):
             blocks[b].pins -= 1
             blocks[b].last_touch = p

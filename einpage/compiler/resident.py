@@ -172,7 +172,8 @@ def choose_resident(tg: TaskGraph, order: list[int], budget: int) -> frozenset[i
 
 
 def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequence[float],
-                   largest: int, roles: frozenset[str] = PERSISTENT_ROLES) -> frozenset[int]:
+                   largest: int, roles: frozenset[str] = PERSISTENT_ROLES,
+                   exclude: frozenset[int] = frozenset()) -> frozenset[int]:
     """Persistent blocks to keep resident within `budget` bytes, the streamed ones paced by the
     pass's predicted compute time (`seconds`: each task's, by task id) rather than by bytes.
 
@@ -187,13 +188,14 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
     `largest` bytes stay resident (their prefetch would need that much room free at once, which
     the pass near its activation peak does not have: the lm_head of an 8B model is 1 GB); if the
     walk streams less than S, it is walked again with a proportionally faster pace, and what
-    still exceeds `budget` streams from the end. Only blocks of `roles` are candidates."""
+    still exceeds `budget` streams from the end. Only blocks of `roles` are candidates, and
+    none in `exclude` (blocks kept in host memory for the tasks placed there)."""
     first = first_reads(tg, order)
     clock = [0.0]
     for tid in order:
         clock.append(clock[-1] + seconds[tid])
     total = clock[-1]
-    blocks = sorted((b for b in tg.input_blocks if b.role in roles),
+    blocks = sorted((b for b in tg.input_blocks if b.role in roles and b.id not in exclude),
                     key=lambda b: (first.get(b.id, len(order)), b.id))
     sizes = [aligned(b.bytes) for b in blocks]
     at = [clock[first.get(b.id, len(order))] for b in blocks]

@@ -43,6 +43,7 @@ class Trial:
     simulation: Simulation
     spill_bytes: int
     live_peak: int
+    on_host: frozenset = frozenset()  # the tasks it runs on the host (`compiler.placement`)
 
 
 class Trials:
@@ -63,7 +64,7 @@ class Trials:
         opts = replace(self.base, resident=resident, lookahead_seconds=window, progress=progress)
         mg, resident = lower_shrinking(self.tg, self.order, opts)
         self.items.append(Trial(window, resident, mg, simulate(mg, self.profile),
-                                Traffic.of(mg).offload_bytes, mg.live_peak()))
+                                Traffic.of(mg).offload_bytes, mg.live_peak(), self.base.on_host))
         self._drop_losers()
         return replace(self.items[-1], memgraph=None)
 
@@ -84,6 +85,12 @@ class Trials:
             self.run(resident, window)
         except BudgetError:
             pass
+
+    def adopt(self, other: "Trials") -> None:
+        """Take `other`'s trials (the same taskgraph and order lowered from another base: a
+        placement) as candidates of this search."""
+        self.items.extend(other.items)
+        self._drop_losers()
 
     def _drop_losers(self) -> None:
         fastest = min(t.simulation.makespan_s for t in self.items) * (1 + AUTO_TOLERANCE)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from einpage.errors import BudgetError
-from einpage.ir.memgraph import (HOST_ALIGNMENT, InputNode, MemGraph, MemNode, OffloadNode,
-                                 ReadNode, ReloadNode)
+from einpage.ir.memgraph import (HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph, MemNode,
+                                 OffloadNode, ReadNode, ReloadNode)
 from einpage.predict.devices import DeviceProfile
 from einpage.predict.simulator import Simulation, simulate
 from einpage.units import format_size
@@ -46,9 +46,11 @@ def host_aligned(nbytes: int) -> int:
 class HostNeeds:
     """Host memory a plan needs whatever its tier choice (`fixed_bytes`), and the weight blocks it
     streams, which may stay pinned in host memory or be read from disk."""
-    offload_bytes: int          # host copies of offloaded blocks and written-back outputs
+    offload_bytes: int          # host copies of offloaded blocks, written-back outputs and the
+                                # blocks applies on the host write
     kv_bytes: int               # the KV store's backup on the host
-    input_bytes: int            # activation inputs (token ids, positions)
+    input_bytes: int            # activation inputs (token ids, positions), and the weight blocks
+                                # only applies on the host read (they stay in host memory)
     streamed: tuple[int, ...]   # weight tensors a reload reads from the host, in first-use order
     streamed_bytes: int
     reloads: dict               # tensor -> how many reloads read it
@@ -61,6 +63,9 @@ class HostNeeds:
 def host_needs(mg: MemGraph) -> HostNeeds:
     tensors = mg.tensors
     offloaded = {n.tensor for n in mg.nodes if isinstance(n, OffloadNode)}
+    offloaded |= {n.write.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host}
+    host_read = {a.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host
+                 for a in n.reads}
     inputs: dict[int, str] = {}
     for n in mg.nodes:
         if isinstance(n, InputNode):
@@ -77,8 +82,13 @@ def host_needs(mg: MemGraph) -> HostNeeds:
                 order.append(n.tensor)
             reloads[n.tensor] = reloads.get(n.tensor, 0) + 1
     size = lambda ts: sum(host_aligned(tensors[t].bytes) for t in ts)  # noqa: E731
-    return HostNeeds(size(offloaded), size(kv - offloaded), size(acts - offloaded), tuple(order),
-                     size(order), reloads)
+    # weights applies on the host read stay in host memory (never at disk), reloaded or not
+    weights_on_host = {t for t in host_read if inputs.get(t) == "host"
+                       and tensors[t].role == "weight"}
+    order = [t for t in order if t not in weights_on_host]
+    return HostNeeds(size(offloaded), size(kv - offloaded),
+                     size((acts - offloaded) | weights_on_host), tuple(order), size(order),
+                     {t: k for t, k in reloads.items() if t not in weights_on_host})
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,10 @@ its block, each apply its task, and a version 2 file records that graph with its
 Node kinds: `input` (at host, at disk, or at device with an offset), `read` (disk -> a staging
 buffer at `host_offset` of the host arena), `reload` (host -> device; from the staging buffer at
 `host_offset` when it has one), `offload` (device -> host; the device copy stays live), `free`
-(ends a device instance), `apply` (a block op: reads, one write, optionally accumulating). `nodes` is one valid sequential order; the edges
-alone must make every topological order correct (see `einpage.ir.validator`).
+(ends a device instance), `apply` (a block op: reads, one write, optionally accumulating; on the
+device, or `on: "host"`: it reads and writes host copies, named by tensor, with no offsets).
+`nodes` is one valid sequential order; the edges alone must make every topological order correct
+(see `einpage.ir.validator`).
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ FORMAT = "einpage.memgraph"
 #: what `save` writes for a plan with provenance (a plan without one is written as version 1)
 VERSION = 2
 VERSIONS = (1, 2)
+#: where an apply may run (`ApplyNode.on`)
+PLACES = ("device", "host")
 ALIGNMENT = 256
 #: staging buffers in the host arena start at page boundaries (direct I/O needs them)
 HOST_ALIGNMENT = 4096
@@ -59,7 +63,7 @@ class TensorInfo:
 @dataclass(frozen=True, slots=True)
 class Access:
     tensor: int
-    offset: int
+    offset: int | None  # None: the tensor's host copy (an apply on the host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +126,37 @@ class ApplyNode:
     deps: tuple[int, ...]
     frees: tuple[Access, ...] = ()
     task: int | None = None  # provenance: the task of the plan's graph this apply runs
+    #: where it runs: "device" (on the arena's instances) or "host" (on host copies, on a queue
+    #: of its own; its accesses carry no offset and it frees nothing)
+    on: str = "device"
     kind = "apply"
+
+    @property
+    def on_host(self) -> bool:
+        return self.on == "host"
 
 
 MemNode = Union[InputNode, ReadNode, ReloadNode, OffloadNode, FreeNode, ApplyNode]
 _NODE_TYPES = (InputNode, ReadNode, ReloadNode, OffloadNode, FreeNode, ApplyNode)
+
+
+def _check_place(mg: "MemGraph", n: ApplyNode) -> None:
+    """An apply runs on the device with an offset for every access, or on the host with none
+    and no `frees` (it touches no device instance)."""
+    if n.on not in PLACES:
+        raise mg.error(n.id, f"node %{n.id} (apply): on is {n.on!r}, expected one of "
+                             f"{', '.join(PLACES)}")
+    accesses = (*n.reads, n.write)
+    if n.on_host:
+        if n.frees:
+            raise mg.error(n.id, f"node %{n.id} (apply on host): frees device instances; a host "
+                                 "apply touches none (a free node ends them)")
+        if any(a.offset is not None for a in accesses):
+            raise mg.error(n.id, f"node %{n.id} (apply on host): an access has a device offset; "
+                                 "a host apply names host copies by tensor alone")
+    elif any(a.offset is None for a in (*accesses, *n.frees)):
+        raise mg.error(n.id, f"node %{n.id} (apply): an access has no offset (only an apply on "
+                             "the host names host copies)")
 
 
 def _tensor_ids(n: MemNode) -> list:
@@ -222,6 +252,8 @@ class MemGraph:
                 if not isinstance(t, int) or not 0 <= t < count:
                     raise self.error(k, f"node %{k} ({node.kind}): names tensor {t!r}, but the "
                                         f"plan has tensors %t0..%t{count - 1}")
+            if isinstance(node, ApplyNode):
+                _check_place(self, node)
         for o in self.outputs:
             if not isinstance(o.tensor, int) or not 0 <= o.tensor < count:
                 raise PlanError(f"output {o.name!r}{list(o.origin)}: names tensor {o.tensor!r}, "
@@ -288,7 +320,7 @@ class MemGraph:
             if isinstance(n, ApplyNode):
                 for a in n.frees:
                     end(a.tensor, n.id)
-                if not n.accumulate:
+                if not n.accumulate and not n.on_host:
                     create(n.write.tensor, n.write.offset, n.id)
             elif isinstance(n, ReloadNode) or (isinstance(n, InputNode) and n.at == "device"):
                 create(n.tensor, n.offset, n.id)
@@ -304,7 +336,8 @@ class MemGraph:
             accesses = (*n.reads, n.write, *n.frees) if isinstance(n, ApplyNode) else (
                 [Access(n.tensor, n.offset)] if getattr(n, "offset", None) is not None else [])
             for a in accesses:
-                top = max(top, a.offset + self.tensors[a.tensor].bytes)
+                if a.offset is not None:
+                    top = max(top, a.offset + self.tensors[a.tensor].bytes)
         for o in self.outputs:
             if o.at == "device" and o.offset is not None:
                 top = max(top, o.offset + self.tensors[o.tensor].bytes)
@@ -551,8 +584,8 @@ def _refuse_unbuilt(data: dict) -> None:
         what = "several ranks (rank, world)"
     else:
         for n in nodes:
-            if isinstance(n, dict) and ("on" in n or "guard" in n):
-                what = "placement (an apply's on or guard)"
+            if isinstance(n, dict) and "guard" in n:
+                what = "guarded applies (an apply's guard)"
                 break
             if isinstance(n, dict) and n.get("kind") in ("send", "recv"):
                 what = "several ranks (send, recv)"
@@ -601,7 +634,7 @@ def _logical_from(d: dict) -> LogicalTensor:
 
 
 def _access(d: dict) -> Access:
-    return Access(int(d["tensor"]), int(d["offset"]))
+    return Access(int(d["tensor"]), _opt_int(d["offset"]))
 
 
 def _node_json(n: MemNode, proven: bool) -> dict:
@@ -621,6 +654,8 @@ def _node_json(n: MemNode, proven: bool) -> dict:
             out["task"] = n.task
         else:
             out["op"] = _op_json(n.op)
+        if n.on_host:
+            out["on"] = n.on
     elif isinstance(n, ReadNode):
         out.update(tensor=n.tensor, host_offset=n.host_offset)
     else:
@@ -636,6 +671,10 @@ def _node_from(d: dict, graph: TaskGraph | None) -> MemNode:
     if kind == "input":
         return InputNode(nid, int(d["tensor"]), str(d["at"]), _opt_int(d.get("offset")), deps)
     if kind == "apply":
+        on = d.get("on", "device")
+        if on != "device" and graph is None:
+            raise PlanError("a version 1 plan cannot place an apply on the host (placement "
+                            "came with version 2)")
         task = None
         if graph is None:
             op = _op_from(d["op"])
@@ -650,7 +689,7 @@ def _node_from(d: dict, graph: TaskGraph | None) -> MemNode:
             op = graph.tasks[task].op
         return ApplyNode(nid, tuple(map(_access, d["reads"])), _access(d["write"]),
                          bool(d["accumulate"]), op, deps,
-                         tuple(map(_access, d.get("frees", ()))), task)
+                         tuple(map(_access, d.get("frees", ()))), task, str(on))
     if kind == "read":
         return ReadNode(nid, int(d["tensor"]), int(d["host_offset"]), deps)
     if kind == "reload":
@@ -674,8 +713,11 @@ def format_node(mg: MemGraph, n: MemNode) -> str:
         return (f"%{n.id} = reload %t{n.tensor} host @0x{n.host_offset:08x} -> "
                 f"@0x{n.offset:08x}{deps}")
     if isinstance(n, ApplyNode):
-        args = ", ".join(f"%t{a.tensor}@0x{a.offset:08x}" for a in n.reads)
+        def at(a: Access) -> str:
+            return f"%t{a.tensor}@0x{a.offset:08x}" if a.offset is not None else f"%t{a.tensor}"
+        args = ", ".join(at(a) for a in n.reads)
         acc = " +=" if n.accumulate else ""
-        return (f"%{n.id} = apply {op_text(n.op)}({args}) ->{acc} %t{n.write.tensor} "
-                f"@0x{n.write.offset:08x}{deps}")
+        place = " on host" if n.on_host else ""
+        out = at(n.write).replace("@", " @")
+        return f"%{n.id} = apply{place} {op_text(n.op)}({args}) ->{acc} {out}{deps}"
     return f"%{n.id} = {n.kind} %t{n.tensor} @0x{n.offset:08x}{deps}"

@@ -51,9 +51,17 @@ Invariants:
    offset, whose read is an ancestor; a tensor has one staging buffer at a time, and every read
    is consumed by the end.
 
-Host-side hazards need no rule of their own: by 3, 4, 6 and 8 every write of a tensor, every
-reload and every offload of it are totally ordered by the edges, so its versions, and the host
-copy each reload reads, are the same in every topological order.
+10. Applies on the host (`on: "host"`, version 2) read and write host copies, not instances:
+    every tensor it reads has a current host copy (its latest version), one of whose makers is
+    an ancestor; its write makes the tensor's host copy (a new version), so the tensor has no
+    live device instance then (that instance would hold a stale version), an accumulating host
+    write has the host copy's maker and every reader of it since as ancestors, and so does any
+    node that replaces a host copy with a newer version (an offload, a host write): every
+    reader of the copy it replaces (a reload, a host apply) is its ancestor.
+
+With 10, every write of a tensor, every reload and every offload of it are totally ordered by
+the edges (by 3, 4, 6 and 8 on the device side), so its versions, and the host copy each reload
+or host apply reads, are the same in every topological order.
 
 Cost. Checks reduce to few ancestor queries by transitivity: the last writer of an instance has
 every earlier access of it as an ancestor (4), so 3 checks only the last writer and 4 only the last
@@ -95,6 +103,7 @@ class ValidationReport:
     reads: int = 0            # disk -> host staging reads (the disk tier)
     read_bytes: int = 0
     host_arena_bytes: int = 0
+    host_applies: int = 0     # applies on the host (placement, version 2)
     #: proven to compute the graph the plan carries (`einpage.ir.translation`); False for a plan
     #: without one (a version 1 file): its memory and order were checked, its computation not
     proven: bool = False
@@ -106,6 +115,7 @@ class ValidationReport:
                 f"{self.offload_bytes} B"
                 + (f", read {self.reads}x {self.read_bytes} B through a host arena of "
                    f"{self.host_arena_bytes} B" if self.reads else "")
+                + (f", {self.host_applies} applies on the host" if self.host_applies else "")
                 + ("; proven to compute its graph" if self.proven else
                    "; not proven to compute a graph (the plan carries none)"))
 
@@ -291,6 +301,8 @@ class _Checker:
         self.last_write: dict[int, int] = {}        # tensor -> the apply that last wrote it
         self.host_version: dict[int, int] = {}      # tensor -> version its host copy holds
         self.host_nodes: dict[int, list[int]] = {}  # tensor -> nodes that made that host copy
+        self.host_readers: dict[int, list[int]] = {}  # tensor -> readers of that host copy
+        self.host_applies = 0
         self.host_inputs: dict[int, list[int]] = {}  # tensor -> its inputs at host
         self.instances = 0
         self.traffic = {"reload": [0, 0], "offload": [0, 0], "read": [0, 0]}
@@ -317,7 +329,7 @@ class _Checker:
             reloads=traffic["reload"][0], reload_bytes=traffic["reload"][1],
             offloads=traffic["offload"][0], offload_bytes=traffic["offload"][1],
             reads=traffic["read"][0], read_bytes=traffic["read"][1],
-            host_arena_bytes=self.mg.host_arena_bytes)
+            host_arena_bytes=self.mg.host_arena_bytes, host_applies=self.host_applies)
 
     # ------------------------------------------------------------ messages
     def _occupy(self, arena: _Arena, node, inst: _Instance, doing: Callable[[], str],
@@ -428,13 +440,43 @@ class _Checker:
         return inst
 
     def _host_copy(self, node: MemNode, t: int) -> None:
-        """`node` leaves the tensor's current version on the host."""
+        """`node` leaves the tensor's current version on the host (rule 10: a newer version
+        replaces the old copy only after every reader of it)."""
         v = self.version.get(t, 0)
         if self.host_version.get(t) == v:
             self.host_nodes[t].append(node.id)
-        else:
-            self.host_version[t] = v
-            self.host_nodes[t] = [node.id]
+            return
+        missing = self.ancestry.missing(self.host_readers.get(t, []), node.id)
+        if missing:
+            self._fail(node, f"replaces the host copy of {self._name(t)}, but "
+                             f"{self._kind(missing[0])}, which reads that copy, is not an "
+                             "ancestor (a missing write-after-read edge on the host)")
+        writers = [h for h in self.host_nodes.get(t, ()) if self.nodes[h].kind != "input"]
+        missing = self.ancestry.missing(writers, node.id)
+        if missing:
+            self._fail(node, f"replaces the host copy of {self._name(t)}, but "
+                             f"{self._kind(missing[0])}, which wrote that copy, is not an "
+                             "ancestor (a missing write-after-write edge on the host)")
+        self.host_version[t] = v
+        self.host_nodes[t] = [node.id]
+        self.host_readers[t] = []
+
+    def _host_current(self, node: MemNode, t: int, verb: str) -> None:
+        """Rules 6 and 10: `node` reads the host copy of `t`, which holds its latest version and
+        was made by an ancestor."""
+        host = self.host_nodes.get(t)
+        if host is None:
+            disk = " (it is at disk: a read must stage it)" if t in self.disk_inputs else ""
+            self._fail(node, f"{verb} {self._name(t)}, which has no host copy (no input at host "
+                             f"or offload of it comes before){disk}")
+        if self.host_version[t] != self.version.get(t, 0):
+            self._fail(node, f"{verb} a stale host copy of {self._name(t)}: made by "
+                             f"{self._kind(host[-1])}, but {self._kind(self.last_write[t])} wrote "
+                             f"the tensor since")
+        if not self.ancestry.any_of(host, node.id):
+            made = ", ".join(self._kind(h) for h in host)
+            self._fail(node, f"{verb} {self._name(t)}, but no host copy of it ({made}) is an "
+                             f"ancestor")
 
     # ------------------------------------------------------------ one method per node kind
     def _input(self, node: InputNode) -> None:
@@ -502,20 +544,8 @@ class _Checker:
         if node.host_offset is not None:
             self._reload_staged(node, t)
             return
-        host = self.host_nodes.get(t)
-        if host is None:
-            disk = " (it is at disk: a read must stage it)" if t in self.disk_inputs else ""
-            self._fail(node, f"reloads {self._name(t)}, which has no host copy (no input at host "
-                             f"or offload of it comes before){disk}")
-        v = self.version.get(t, 0)
-        if self.host_version[t] != v:
-            self._fail(node, f"reloads a stale host copy of {self._name(t)}: made by "
-                             f"{self._kind(host[-1])}, but {self._kind(self.last_write[t])} wrote "
-                             f"the tensor since")
-        if not self.ancestry.any_of(host, node.id):
-            made = ", ".join(self._kind(h) for h in host)
-            self._fail(node, f"reloads {self._name(t)}, but no host copy of it ({made}) is an "
-                             f"ancestor")
+        self._host_current(node, t, "reloads")
+        self.host_readers.setdefault(t, []).append(node.id)
         self.traffic["reload"][0] += 1
         self.traffic["reload"][1] += self.tensors[t].bytes
 
@@ -552,6 +582,9 @@ class _Checker:
         self._end(node, inst)
 
     def _apply(self, node: ApplyNode) -> None:
+        if node.on_host:
+            self._host_apply(node)
+            return
         read = []
         for a in node.reads:
             inst = self._live(node, self._tensor(node, a.tensor), a.offset, "reads")
@@ -583,6 +616,34 @@ class _Checker:
             target.readers = []
         else:
             self._create(node, w, node.write.offset)
+
+    def _host_apply(self, node: ApplyNode) -> None:
+        """Rule 10: an apply on host copies."""
+        reads = [self._tensor(node, a.tensor) for a in node.reads]
+        for t in reads:
+            self._host_current(node, t, "reads on the host")
+        w = self._tensor(node, node.write.tensor)
+        inst = self.live.get(w)
+        if inst is not None:
+            self._fail(node, f"writes {self._name(w)} on the host while it has a live device "
+                             f"instance at {_at(inst.offset)} (created by "
+                             f"{self._kind(inst.creator)}), which would hold a stale version")
+        if node.accumulate:
+            self._host_current(node, w, "accumulates on the host into")
+            missing = self.ancestry.missing(self.host_readers.get(w, []), node.id)
+            if missing:
+                self._fail(node, f"accumulates into the host copy of {self._name(w)}, but its "
+                                 f"reader {self._kind(missing[0])} is not an ancestor")
+        missing = self.ancestry.missing(self.host_inputs.get(w, []), node.id)
+        if missing:
+            self._fail(node, f"writes {self._name(w)}, but its {self._kind(missing[0])} at host "
+                             f"is not an ancestor")
+        for t in dict.fromkeys(reads):
+            self.host_readers.setdefault(t, []).append(node.id)
+        self.version[w] = self.version.get(w, 0) + 1
+        self.last_write[w] = node.id
+        self._host_copy(node, w)
+        self.host_applies += 1
 
     # ------------------------------------------------------------ the end
     def _check_outputs(self) -> None:

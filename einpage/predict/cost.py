@@ -18,6 +18,7 @@ from typing import Sequence
 from einpage.ir import scalar
 from einpage.ir.ops import BlockOp, CopyOp, EinsumOp, FillOp, GatherOp
 from einpage.predict.devices import DeviceProfile
+from einpage.predict.hosts import HostProfile
 
 
 def op_work(op: BlockOp, read_shapes: Sequence[Sequence[int]], read_bytes: int,
@@ -66,6 +67,30 @@ def apply_seconds(profile: DeviceProfile, op: BlockOp, reads: Sequence, write,
                                write.bytes, write.dtype.value, accumulate)
 
 
+def host_apply_seconds(host: HostProfile, op: BlockOp, reads: Sequence, write,
+                       accumulate: bool) -> float:
+    """Seconds of an apply placed on the host (`einpage.predict.hosts`), as einpage's NumPy
+    runs it: a contraction over unpacked operands cut into a chunk per core (the BLAS rate, the
+    memory bandwidth of every core, and each core converting its share of the f16/bf16 operands
+    to float32), anything else on one core (NumPy's ufuncs; packed operands dequantized first);
+    plus the apply's dispatch."""
+    narrow = [r for r in reads if r.storage is None and r.dtype.itemsize < 4]
+    packed = [r for r in reads if r.storage is not None]
+    converted = sum(math.prod(r.shape) for r in narrow)
+    unpack = sum(math.prod(r.shape) for r in packed)
+    read = sum(r.bytes for r in reads)
+    flops, moved, matmul, _ = op_work(op, [r.shape for r in reads], read, write.shape,
+                                      write.bytes, write.dtype.value, accumulate)
+    if isinstance(op, EinsumOp) and not packed:
+        cores = host.cores
+        busy = max(flops / (host.matmul_flops if matmul else host.vector_flops * cores),
+                   moved / host.memory_bandwidth, converted / (host.convert_rate * cores))
+    else:
+        busy = (max(flops / host.vector_flops, moved / host.core_bandwidth)
+                + converted / host.convert_rate + unpack / host.dequant_rate)
+    return busy + host.apply_overhead
+
+
 def logical_bytes(record) -> int:
     """The bytes of a tensor record in its logical dtype (packed or not)."""
     return math.prod(record.shape) * record.dtype.itemsize
@@ -83,11 +108,14 @@ def disk_seconds(profile: DeviceProfile, nbytes: int) -> float:
     return nbytes / profile.disk_bandwidth + profile.disk_latency
 
 
-def task_seconds(profile: DeviceProfile, tg) -> list[float]:
-    """Predicted compute seconds of every task of a `TaskGraph`, by task id."""
+def task_seconds(profile: DeviceProfile, tg, on_host: frozenset[int] = frozenset()
+                 ) -> list[float]:
+    """Predicted compute seconds of every task of a `TaskGraph`, by task id (those `on_host`
+    priced on the profile's host)."""
     blocks = tg.blocks
     out = []
     for t in tg.tasks:
-        out.append(apply_seconds(profile, t.op, [blocks[b] for b in t.reads], blocks[t.write],
-                                 t.accumulate))
+        price = host_apply_seconds if t.id in on_host else apply_seconds
+        out.append(price(profile.host if t.id in on_host else profile, t.op,
+                         [blocks[b] for b in t.reads], blocks[t.write], t.accumulate))
     return out

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from einpage.errors import InputError
+from einpage.predict.hosts import DEFAULT_HOST, HOSTS, HostProfile
 
 _PCIE = {3: 15.75e9, 4: 31.5e9, 5: 63.0e9}  # raw bytes/s per direction, x16
 _PINNED_SHARE = 0.8
@@ -50,6 +51,8 @@ class DeviceProfile:
     source: str = ""
     disk_bandwidth: float = DEFAULT_DISK_BANDWIDTH  # bytes/s, checkpoint file -> host memory
     disk_latency: float = DEFAULT_DISK_LATENCY      # seconds per read
+    #: the host the device sits in: what an apply placed on the host costs (`--host`)
+    host: HostProfile = field(default=HOSTS[DEFAULT_HOST], compare=False)
 
     def flops(self, dtype: str, matmul: bool) -> float:
         table = self.matmul_flops if matmul else self.vector_flops

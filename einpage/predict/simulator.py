@@ -1,13 +1,14 @@
 """The stream simulator: a memgraph run as the CuPy runtime runs it, in predicted seconds.
 
-Four engines, each in order: the compute stream runs `apply` nodes, the host->device copy engine
-runs `reload` nodes, the device->host copy engine runs `offload` nodes and the disk reader runs
-`read` nodes (disk -> host staging), each in the order of the node list (CUDA streams are FIFO and the runtime enqueues nodes in that order). A node starts when
+Five engines, each in order: the compute stream runs `apply` nodes, the host->device copy engine
+runs `reload` nodes, the device->host copy engine runs `offload` nodes, the disk reader runs
+`read` nodes (disk -> host staging) and the host's CPU runs the applies placed on the host
+(priced on the profile's host, `einpage.predict.hosts`), each in the order of the node list (CUDA streams are FIFO and the runtime enqueues nodes in that order). A node starts when
 every dependency has finished and its engine is free; `input` and `free` nodes take no time (they
 finish when their dependencies do). Durations come from `einpage.predict.cost`.
 
-The lower bound for the same graph is `max(compute, min h2d bytes / h2d bandwidth, d2h bytes /
-d2h bandwidth, min disk bytes / disk bandwidth)`, where the minimum host->device bytes count each
+The lower bound for the same graph is `max(compute, host compute, min h2d bytes / h2d bandwidth,
+d2h bytes / d2h bandwidth, min disk bytes / disk bandwidth)`, where the minimum host->device bytes count each
 tensor that starts on the host (or the disk) and is needed on the device once (a weight block
 that does not stay resident, the token ids), and the minimum disk bytes each tensor at disk that
 is read, once.
@@ -18,11 +19,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph
-from einpage.predict.cost import apply_seconds, d2h_seconds, disk_seconds, h2d_seconds
+from einpage.predict.cost import (apply_seconds, d2h_seconds, disk_seconds, h2d_seconds,
+                                  host_apply_seconds)
 from einpage.predict.devices import DeviceProfile
 
-ENGINES = ("compute", "h2d", "d2h", "disk")
+ENGINES = ("compute", "h2d", "d2h", "disk", "host")
 _ENGINE_OF = {"apply": "compute", "reload": "h2d", "offload": "d2h", "read": "disk"}
+
+
+def engine_of(n) -> str | None:
+    """The engine a node runs on (None: it takes no time)."""
+    if isinstance(n, ApplyNode) and n.on_host:
+        return "host"
+    return _ENGINE_OF.get(n.kind)
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class Simulation:
     disk_s: float = 0.0             # busy time of the disk reader
     disk_bytes: int = 0             # read from disk this pass
     disk_min_bytes: int = 0         # ... of which no plan with this tier choice can avoid
+    host_s: float = 0.0             # busy time of the host's CPU (applies placed on the host)
 
     @property
     def efficiency(self) -> float:
@@ -62,9 +72,11 @@ def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
             reads = [tensors[a.tensor] for a in n.reads]
             w = tensors[n.write.tensor]
             key = (n.op, tuple((t.shape, t.bytes, t.dtype, t.storage) for t in reads), w.shape,
-                   w.bytes, w.dtype, n.accumulate)
+                   w.bytes, w.dtype, n.accumulate, n.on)
             if key not in priced:
-                priced[key] = apply_seconds(profile, n.op, reads, w, n.accumulate)
+                priced[key] = (host_apply_seconds(profile.host, n.op, reads, w, n.accumulate)
+                               if n.on_host else
+                               apply_seconds(profile, n.op, reads, w, n.accumulate))
             out.append(priced[key])
         elif n.kind == "reload":
             out.append(h2d_seconds(profile, tensors[n.tensor].bytes))
@@ -111,7 +123,7 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
         for d in n.deps:
             if end[d] > ready:
                 ready, last = end[d], d
-        eng = _ENGINE_OF.get(n.kind)
+        eng = engine_of(n)
         if eng is None:
             start[n.id] = end[n.id] = ready
             continue
@@ -128,7 +140,7 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
             h2d_bytes += mg.tensors[n.tensor].bytes
         elif eng == "d2h":
             d2h_bytes += mg.tensors[n.tensor].bytes
-        else:
+        elif eng == "disk":
             disk_bytes += mg.tensors[n.tensor].bytes
         start[n.id], end[n.id] = t0, t0 + dur[n.id]
         free_at[eng] = end[n.id]
@@ -136,9 +148,9 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
     makespan = max(end, default=0.0)
     h2d_min = min_h2d_bytes(mg)
     disk_min = min_disk_bytes(mg)
-    lower = max(busy["compute"], h2d_min / profile.h2d_bandwidth,
+    lower = max(busy["compute"], busy["host"], h2d_min / profile.h2d_bandwidth,
                 d2h_bytes / profile.d2h_bandwidth, disk_min / profile.disk_bandwidth)
     return Simulation(profile.name, tuple(start), tuple(end), tuple(engine), makespan,
                       busy["compute"], busy["h2d"], busy["d2h"], stall, stall_h2d, len(late),
                       h2d_bytes, h2d_min,
-                      d2h_bytes, lower, busy["disk"], disk_bytes, disk_min)
+                      d2h_bytes, lower, busy["disk"], disk_bytes, disk_min, busy["host"])

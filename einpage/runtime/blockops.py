@@ -13,7 +13,7 @@ from einpage.errors import PlanError
 from einpage.ir import scalar
 from einpage.ir.memgraph import Access, ApplyNode, TensorInfo
 from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text
-from einpage.runtime import kernels
+from einpage.runtime import hostpool, kernels
 from einpage.ir.quant import dequantize
 
 
@@ -34,6 +34,16 @@ def apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.n
     for a in n.frees if release is not None else ():
         release(a)
     write[...] = result
+
+
+def host_apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],
+                    write: np.ndarray) -> None:
+    """An apply placed on the host: a contraction over unpacked operands on the host pool, a
+    chunk per core (`einpage.runtime.hostpool`); anything else as `apply_into` does."""
+    if (isinstance(n.op, EinsumOp) and all(tensors[a.tensor].storage is None for a in n.reads)
+            and hostpool.pooled_einsum(n.op, reads, write, n.accumulate)):
+        return
+    apply_into(n, tensors, reads, write)
 
 
 def unpacked(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray]

@@ -22,8 +22,8 @@ from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGrap
                                  OutputRef, ReadNode, ReloadNode)
 from einpage.ir.tensors import WeightSource
 from einpage.ir.validator import checked
-from einpage.runtime.blockops import apply_into
-from einpage.runtime.planio import PlanIO, arena_view, typed_view
+from einpage.runtime.blockops import apply_into, host_apply_into
+from einpage.runtime.planio import PlanIO, arena_view, stored, typed_view
 
 #: The byte freed (and not yet written) arena bytes hold with `poison_freed`: NaN in f16, bf16,
 #: f32 and f64; -1 in i64.
@@ -160,10 +160,33 @@ class NumpyExecutor:
         self._release(Access(n.tensor, n.offset))
 
     def _apply(self, n: ApplyNode) -> None:
+        if n.on_host:
+            self._host_apply(n)
+            return
         reads = [self._view(a.tensor, a.offset) for a in n.reads]
         write = self._view(n.write.tensor, n.write.offset)
         # consumed inputs are released first: the write may take their bytes
         apply_into(n, self.mg.tensors, reads, write, self._release)
+
+    def _host_apply(self, n: ApplyNode) -> None:
+        """An apply on host copies: its write's host copy is a fresh array (or, accumulating,
+        the current one, updated)."""
+        reads = [self._host_copy(a.tensor) for a in n.reads]
+        t = self.mg.tensors[n.write.tensor]
+        if n.accumulate:
+            write = self._host_copy(n.write.tensor)
+        else:
+            dtype, shape = stored(t)
+            write = np.empty(shape, dtype)
+        host_apply_into(n, self.mg.tensors, reads, write)
+        self.host[n.write.tensor] = write
+
+    def _host_copy(self, tid: int) -> np.ndarray:
+        if tid not in self.host:
+            raise PlanError(f"%t{tid} has no host copy (no input at host, offload or host apply "
+                            "of it ran before)")
+        data = self.host[tid]
+        return self.io.source_block(tid) if data is None else data
 
     # -------------------------------------------------------------- memory
     def _view(self, tid: int, offset: int | None) -> np.ndarray:

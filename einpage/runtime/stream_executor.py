@@ -47,6 +47,9 @@ from einpage.runtime.planio import PlanIO
 from einpage.ir.quant import quantize
 from einpage.runtime.streams import QUEUES, StreamProgram, compile_streams, queue_of
 
+#: the queues whose nodes move a tensor's bytes (the others compute)
+_COPIES = ("h2d", "d2h", "disk")
+
 #: how often a blocked caller looks up from waiting on the workers (Ctrl-C is seen between looks)
 _POLL_S = 0.05
 
@@ -249,7 +252,7 @@ def _spans(mg: MemGraph, backend: Backend, origin: Any,
     spans = []
     for q, marks in stamps.items():
         for nid, a, b in marks:
-            nbytes = mg.tensors[mg.nodes[nid].tensor].bytes if q != "compute" else 0
+            nbytes = mg.tensors[mg.nodes[nid].tensor].bytes if q in _COPIES else 0
             spans.append(Span(nid, q, backend.seconds(origin, a), backend.seconds(origin, b),
                               nbytes))
     early = min((s.start for s in spans), default=0.0)
@@ -334,7 +337,7 @@ class _Crew:
                             or (q == "h2d" and program.preloaded))
         self.steps = _queue_steps(mg, program, self.queues)
         issue = {"compute": backend.run, "h2d": backend.copy_h2d, "d2h": backend.copy_d2h,
-                 "disk": backend.read_disk}
+                 "disk": backend.read_disk, "host": backend.run_host}
         self.issue = tuple(issue[q] for q in self.queues)
         self.preloaded = tuple(_Step(mg.nodes[n], (), False) for n in program.preloaded)
         self.board = _Board(len(self.queues))

@@ -1,7 +1,8 @@
 """The stream program: a memgraph put on in-order queues, the way the plan was priced.
 
 Every node that does work goes on one queue: `compute` (apply), `h2d` (reload, input at device),
-`d2h` (offload), `disk` (read: checkpoint file -> host staging buffer). `free` nodes and inputs at
+`d2h` (offload), `disk` (read: checkpoint file -> host staging buffer), `host` (an apply placed
+on the host: it computes on host copies, on the CPU). `free` nodes and inputs at
 host or disk move no byte: they only order, so they fold
 into the nodes that depend on them (a node's *queue deps* are its deps with every folded node
 replaced by that node's own queue deps, transitively). A queue runs its nodes in plan order, so
@@ -28,14 +29,14 @@ from einpage.ir.memgraph import (ApplyNode, InputNode, MemGraph, MemNode, Offloa
                                  ReloadNode)
 from einpage.ir.tensors import PERSISTENT_ROLES
 
-QUEUES = ("compute", "h2d", "d2h", "disk")
+QUEUES = ("compute", "h2d", "d2h", "disk", "host")
 
 
 def queue_of(n: MemNode) -> str | None:
     """The queue a node runs on, or None for a node that only orders (free, input at host or
     disk)."""
     if isinstance(n, ApplyNode):
-        return "compute"
+        return "host" if n.on_host else "compute"
     if isinstance(n, ReloadNode) or (isinstance(n, InputNode) and n.at == "device"):
         return "h2d"
     if isinstance(n, OffloadNode):

@@ -341,8 +341,8 @@ def _cover_exactly(boxes: list, shape: tuple[int, ...]) -> bool:
 
 
 def plan_applies(mg: MemGraph) -> dict[int, ApplyPlan]:
-    """The plan of every apply of `mg`, by node id."""
-    return {n.id: plan_apply(mg, n) for n in mg.nodes if isinstance(n, ApplyNode)}
+    """The plan of every apply of `mg` that runs on the device, by node id."""
+    return {n.id: plan_apply(mg, n) for n in mg.nodes if isinstance(n, ApplyNode) and not n.on_host}
 
 
 def slot_bytes(plan: ApplyPlan) -> int:

@@ -4,7 +4,8 @@ which queue, the waits, stopping every queue on an error, timing, assembling out
 stream executor's (`einpage.runtime.stream_executor`), shared by every backend.
 
 The executor calls a backend from one worker thread per queue: `copy_h2d` only from the h2d
-thread, `copy_d2h` only from the d2h thread, `run` only from the compute thread, `read_disk` only
+thread, `copy_d2h` only from the d2h thread, `run` only from the compute thread, `run_host` only from the
+host thread (an apply on host copies, done on the CPU before the call returns), `read_disk` only
 from the disk thread (the reader: checkpoint file -> host staging buffer, done on the host before
 the call returns; a `wait` of the disk queue blocks the reader until the awaited node is
 complete, since the staging bytes it overwrites may still be in use). A call *issues*
@@ -26,6 +27,7 @@ import numpy as np
 from einpage.errors import PlanError
 from einpage.ir.memgraph import (ALIGNMENT, HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph,
                                  OffloadNode, OutputRef, ReadNode, ReloadNode)
+from einpage.runtime.blockops import host_apply_into
 from einpage.runtime.planio import PlanIO, typed_view
 
 
@@ -62,6 +64,12 @@ class Backend(ABC):
     @abstractmethod
     def run(self, n: ApplyNode) -> None:
         """Issue an apply: read its instances, write (or accumulate into) its write."""
+
+    @abstractmethod
+    def run_host(self, n: ApplyNode) -> None:
+        """Run an apply on the host (`n.on_host`): read host copies (an earlier offload or host
+        write, see `host_reads`, or the input's source), write the tensor's host copy; done when
+        the call returns."""
 
     @abstractmethod
     def record(self, queue: str, node: int) -> None:
@@ -131,32 +139,45 @@ class Backend(ABC):
 @dataclass(frozen=True)
 class HostLayout:
     """Where each host-side tensor lives in one host buffer allocated once: offsets aligned to
-    `ALIGNMENT`, `nbytes` in all. `offloaded` holds every tensor some `offload` copies out (its
-    host copy); `streamed` every input block that a `reload` reads from its source (a weight block
-    that does not stay resident), for backends that stage those in (pinned) host memory."""
+    `ALIGNMENT`, `nbytes` in all. `copied` holds every tensor whose host copy the plan makes (an
+    `offload` copies it out, or an apply on the host writes it); `streamed` every input block
+    that a `reload` reads from its source (a weight block that does not stay resident), for
+    backends that stage those in (pinned) host memory."""
     offsets: dict[int, int]
     nbytes: int
-    offloaded: frozenset[int]
+    copied: frozenset[int]
     streamed: frozenset[int]
 
 
 def host_layout(mg: MemGraph, stage_sources: bool,
                 exclude: frozenset[int] = frozenset()) -> HostLayout:
-    """The host buffer of `mg`: every offloaded tensor, and with `stage_sources` every input block
-    that a reload reads from its source (but those in `exclude`, which the backend keeps
-    elsewhere), each once, in order of first use."""
-    offloaded = {n.tensor for n in mg.nodes if isinstance(n, OffloadNode)}
+    """The host buffer of `mg`: every tensor whose host copy the plan makes, and with
+    `stage_sources` every input block that a reload reads from its source (but those in
+    `exclude`, which the backend keeps elsewhere), each once, in order of first use."""
+    copied = {n.tensor for n in mg.nodes if isinstance(n, OffloadNode)}
+    copied |= {n.write.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host}
     at_host = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at == "host"}
     streamed = {n.tensor for n in mg.nodes
-                if isinstance(n, ReloadNode) and n.tensor in at_host and n.tensor not in offloaded}
-    wanted = offloaded | ((streamed - exclude) if stage_sources else set())
+                if isinstance(n, ReloadNode) and n.tensor in at_host and n.tensor not in copied}
+    wanted = copied | ((streamed - exclude) if stage_sources else set())
     offsets, end = {}, 0
     for n in mg.nodes:
-        tid = getattr(n, "tensor", None)
-        if tid in wanted and tid not in offsets:
-            offsets[tid] = end
-            end += -(-mg.tensors[tid].bytes // ALIGNMENT) * ALIGNMENT
-    return HostLayout(offsets, end, frozenset(offloaded), frozenset(streamed))
+        tids = ([n.write.tensor] if n.on_host else []) if isinstance(n, ApplyNode) else [n.tensor]
+        for tid in tids:
+            if tid in wanted and tid not in offsets:
+                offsets[tid] = end
+                end += -(-mg.tensors[tid].bytes // ALIGNMENT) * ALIGNMENT
+    return HostLayout(offsets, end, frozenset(copied), frozenset(streamed))
+
+
+def host_apply(n: ApplyNode, mg: MemGraph, io: PlanIO, host: np.ndarray,
+               layout: HostLayout) -> None:
+    """Run apply `n` on the host: it reads the host copies in `host` (laid out by `layout`), or
+    for a tensor the plan never copies, its input's source (a weight block in host memory, a
+    block of the KV store), and writes (or accumulates into) the host copy of its write."""
+    reads = [host_view(host, mg, layout, a.tensor) if a.tensor in layout.copied
+             else io.source_block(a.tensor) for a in n.reads]
+    host_apply_into(n, mg.tensors, reads, host_view(host, mg, layout, n.write.tensor))
 
 
 def host_view(buffer: np.ndarray, mg: MemGraph, layout: HostLayout, tid: int) -> np.ndarray:

@@ -73,7 +73,7 @@ from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.runtime.backends import cublas_lib
 from einpage.runtime.backends.apply_plan import (STATUS_BYTES, aligned, plan_applies,
                                                  workspace_bytes, workspace_for)
-from einpage.runtime.backends.base import (Backend, HostLayout, host_layout, host_view,
+from einpage.runtime.backends.base import (Backend, HostLayout, host_apply, host_layout, host_view,
                                            staging_view)
 from einpage.runtime.backends.cuda_apply import DeviceApplies
 from einpage.runtime.backends.cuda_memory import Regions, regions
@@ -287,9 +287,10 @@ class CupyBackend(DeviceApplies, Backend):
             self._region[name] = cp.cuda.UnownedMemory(base + at, max(size, 1), None,
                                                        self.device_id)
         self.arena = cp.ndarray((device_bytes,), np.uint8, memptr=self._at("arena", 0))
-        # the disk queue's reads run on the host; its stream only carries its events
+        # the disk queue's reads and the host queue's applies run on the CPU: their streams only
+        # carry their events (recorded once the CPU work is done)
         self._streams = {q: cp.cuda.Stream(non_blocking=True)
-                         for q in ("compute", "h2d", "d2h", "disk")}
+                         for q in ("compute", "h2d", "d2h", "disk", "host")}
         self._at("status", 0).memset_async(0, STATUS_BYTES, self._streams["compute"])
         # an event per pinned slot, recorded after each copy out of it (one never recorded is
         # complete): a slot is reused once its event is
@@ -316,7 +317,7 @@ class CupyBackend(DeviceApplies, Backend):
         compute = self._streams["compute"]
         with self._queue_context("compute", warm=True):
             for n in self.mg.nodes:
-                if isinstance(n, ApplyNode) and self._plans[n.id] not in seen:
+                if isinstance(n, ApplyNode) and not n.on_host and self._plans[n.id] not in seen:
                     seen.add(self._plans[n.id])
                     self._apply(n)
             self._at("status", 0).memset_async(0, STATUS_BYTES, compute)
@@ -437,7 +438,7 @@ class CupyBackend(DeviceApplies, Backend):
             event.record(self._streams[queue])
 
     def wait(self, queue: str, node: int) -> None:
-        if queue == "disk":  # the reader writes host memory now: the awaited copy must be done
+        if queue in ("disk", "host"):  # the CPU touches host memory now: the copy must be done
             self._events[node].synchronize()
             return
         self._streams[queue].wait_event(self._events[node])
@@ -465,8 +466,10 @@ class CupyBackend(DeviceApplies, Backend):
 
     # ------------------------------------------------------------------ CUDA graphs
     def can_capture(self) -> bool:
-        """A pass with no host work in it (no disk reads) replays as one CUDA graph."""
-        return not any(isinstance(n, ReadNode) for n in self.mg.nodes)
+        """A pass with no host work in it (no disk reads, no applies on the host) replays as one
+        CUDA graph."""
+        return not any(isinstance(n, ReadNode) or (isinstance(n, ApplyNode) and n.on_host)
+                       for n in self.mg.nodes)
 
     def begin_capture(self) -> None:
         """The compute stream captures; the copy streams join it by waiting on its first
@@ -601,10 +604,14 @@ class CupyBackend(DeviceApplies, Backend):
             with self._device:  # into pageable memory: returns once the copy is complete
                 src.copy_to_host_async(out.ctypes.data, nbytes, compute)
             return out
-        if ref.tensor in self.layout.offloaded:
+        if ref.tensor in self.layout.copied:
             return host_view(self.host, self.mg, self.layout, ref.tensor).copy()
         return self.io.source_block(ref.tensor)
 
     # ------------------------------------------------------------------ compute
     def run(self, n: ApplyNode) -> None:
         self._apply(n)
+
+    def run_host(self, n: ApplyNode) -> None:
+        """On the CPU, on the pinned host copies (the offloads it waited for are complete)."""
+        host_apply(n, self.mg, self.io, self.host, self.layout)

@@ -11,6 +11,7 @@ import numpy as np
 from einpage.ir.memgraph import MemGraph, OutputRef
 from einpage.runtime.backends.base import Backend
 from einpage.runtime.planio import PlanIO
+from einpage.runtime.streams import QUEUES
 
 
 class Wrapped(Backend):
@@ -44,6 +45,10 @@ class Wrapped(Backend):
     def run(self, n) -> None:
         self._before("compute")
         self.inner.run(n)
+
+    def run_host(self, n) -> None:
+        self._before("host")
+        self.inner.run_host(n)
 
     def record(self, queue: str, node: int) -> None:
         self.inner.record(queue, node)
@@ -84,7 +89,7 @@ class Delayed(Wrapped):
         super().__init__(inner)
         self.max_delay_s = max_delay_s
         self.rngs = {q: np.random.default_rng([seed, k])
-                     for k, q in enumerate(("compute", "h2d", "d2h", "disk"))}
+                     for k, q in enumerate(QUEUES)}
 
     def _before(self, queue: str) -> None:
         time.sleep(float(self.rngs[queue].random()) * self.max_delay_s)

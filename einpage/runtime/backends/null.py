@@ -29,6 +29,9 @@ class NullBackend(Backend):
     def run(self, n) -> None:
         pass
 
+    def run_host(self, n) -> None:
+        pass
+
     def record(self, queue: str, node: int) -> None:
         pass
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from einpage.ir.memgraph import (ApplyNode, InputNode, MemGraph, OffloadNode, OutputRef, ReadNode,
                                  ReloadNode)
-from einpage.runtime.backends.base import (Backend, HostLayout, aligned_empty, host_layout,
-                                           host_view, staging_view)
+from einpage.runtime.backends.base import (Backend, HostLayout, aligned_empty, host_apply,
+                                           host_layout, host_view, staging_view)
 from einpage.runtime.blockops import apply_into
 from einpage.runtime.diskread import DiskReader
 from einpage.runtime.planio import PlanIO, arena_view
@@ -59,7 +59,7 @@ class ThreadsBackend(Backend):
         out = self._view(n.tensor, n.offset)
         if isinstance(n, ReloadNode) and n.host_offset is not None:
             np.copyto(out, staging_view(self.staging, self.mg, n.tensor, n.host_offset))
-        elif n.tensor in self.layout.offloaded and isinstance(n, ReloadNode):
+        elif n.tensor in self.layout.copied and isinstance(n, ReloadNode):
             np.copyto(out, host_view(self.host, self.mg, self.layout, n.tensor))
         else:
             self.io.read_into(n.tensor, out)
@@ -72,6 +72,9 @@ class ThreadsBackend(Backend):
         reads = [self._view(a.tensor, a.offset) for a in n.reads]
         write = self._view(n.write.tensor, n.write.offset)
         apply_into(n, self.mg.tensors, reads, write)
+
+    def run_host(self, n: ApplyNode) -> None:
+        host_apply(n, self.mg, self.io, self.host, self.layout)
 
     def write_input(self, tid: int, offset: int | None, lead: tuple[int, ...],
                     values: np.ndarray) -> None:
@@ -96,7 +99,7 @@ class ThreadsBackend(Backend):
     def output(self, ref: OutputRef) -> np.ndarray:
         if ref.at == "device":
             return self._view(ref.tensor, ref.offset).copy()
-        if ref.tensor in self.layout.offloaded:
+        if ref.tensor in self.layout.copied:
             return host_view(self.host, self.mg, self.layout, ref.tensor).copy()
         return self.io.source_block(ref.tensor)
 

@@ -1,0 +1,339 @@
+"""Applies placed on the host (issue "The host computes too", first step): the placement, plans
+that run host applies in version 2, the validator's rule 10 refusing what breaks them, every
+runtime giving the dense reference's answers for such plans, the host pool, the host cost model
+and the planner choosing a placement only where the simulated pass is faster."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from fake_cupy import installed
+from test_cli import assert_one_line_error, cli
+
+from einpage.compiler import CompileOptions, compile_graph
+from einpage.compiler.lowering import LowerOptions, lower
+from einpage.compiler.order import memory_aware_order
+from einpage.compiler.partitioner import PartitionOptions, partition
+from einpage.compiler.placement import host_blocks, place_on_host
+from einpage.compiler.policies import get_policy
+from einpage.errors import InputError, PlanError
+from einpage.ir import MemGraph, validate
+from einpage.ir.dtypes import DType
+from einpage.ir.memgraph import ApplyNode, OffloadNode, ReloadNode
+from einpage.ir.ops import EinsumOp
+from einpage.ir.spec import EinsumSpec
+from einpage.models import llama, resolve
+from einpage.predict.cost import host_apply_seconds
+from einpage.predict.devices import get_device
+from einpage.predict.hosts import HOSTS, HostProfile, get_host, load_host_file
+from einpage.runtime import hostpool, kernels, reference, run
+from einpage.runtime.backends.cuda import CupyBackend
+from einpage.runtime.backends.inject import Delayed
+from einpage.runtime.backends.threads import ThreadsBackend
+from einpage.runtime.stream_executor import run_streams
+from einpage.ir import scalar
+
+MIXTRAL = "tiny-mixtral"
+
+
+def _decode(model: str, hf_fixture=None, batch: int = 2, capacity: int = 64):
+    if hf_fixture is not None:
+        cfg, weights = resolve(str(hf_fixture(model)))
+    else:
+        cfg, weights = resolve(model, random_weights=True, seed=1)
+    graph = llama.decode_graph(cfg).bind(B=batch, C=capacity)
+    rng = np.random.default_rng(0)
+    inputs = {"tokens": rng.integers(0, cfg.vocab, (batch, 1)),
+              "pos": rng.integers(1, capacity - 1, batch)}
+    return cfg, weights, graph, inputs
+
+
+def _placed(cfg, graph, kind: str, share: int = 3):
+    budget = cfg.weight_bytes() // share
+    tg = partition(graph, PartitionOptions(budget // 8))
+    order = memory_aware_order(tg)
+    kept = host_blocks(tg, kind)
+    on_host = place_on_host(tg, order, kept)
+    mg = lower(tg, order, LowerOptions(budget, get_policy("reuse-distance"),
+                                       outputs_to_host=True, on_host=on_host))
+    return tg, kept, on_host, mg
+
+
+def _inputs_for(mg, inputs):
+    rng = np.random.default_rng(7)
+    out = dict(inputs)
+    for t in mg.inputs:
+        if t.role == "cache":
+            out[t.name] = rng.standard_normal(t.shape).astype(t.dtype.numpy)
+    return out
+
+
+def _close(got, want):
+    assert set(got) == set(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=1e-4, rtol=1e-5, err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def llama_placed():
+    cfg, weights, graph, inputs = _decode("tiny")
+    tg, kept, on_host, mg = _placed(cfg, graph, "kv")
+    inputs = _inputs_for(mg, inputs)
+    return graph, weights, inputs, tg, kept, on_host, mg, reference.evaluate(graph, inputs,
+                                                                            weights)
+
+
+# ------------------------------------------------------------------ placement
+
+def test_placement_keeps_every_writer_of_a_block_in_one_place(llama_placed):
+    _, _, _, tg, kept, on_host, _, _ = llama_placed
+    assert kept and all(tg.blocks[b].role == "cache" for b in kept)
+    assert all(t.id in on_host for t in tg.tasks if any(b in kept for b in t.reads))
+    for ws in tg.writers:
+        assert len({w in on_host for w in ws}) <= 1
+    # the projections by device weights stay on the device
+    assert not any(tg.tasks[t].reads and any(tg.blocks[b].role == "weight"
+                                               for b in tg.tasks[t].reads) for t in on_host)
+    order = memory_aware_order(tg)
+    assert place_on_host(tg, order, kept) == on_host  # deterministic
+    assert place_on_host(tg, order, frozenset()) == frozenset()
+
+
+# ------------------------------------------------------------------ plans and their runs
+
+def test_a_placed_plan_is_valid_and_round_trips_version_2(llama_placed):
+    *_, mg, _ = llama_placed
+    report = validate(mg)
+    assert report.proven and report.host_applies == sum(
+        1 for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host) > 0
+    data = mg.to_json()
+    assert data["version"] == 2
+    host = [n for n in data["nodes"] if n.get("on") == "host"]
+    assert host and all(a["offset"] is None for n in host for a in (*n["reads"], n["write"]))
+    again = MemGraph.from_json(json.loads(json.dumps(data)))
+    shape = lambda g: [(n.kind, getattr(n, "on", None), n.deps) for n in g.nodes]  # noqa: E731
+    assert shape(again) == shape(mg)
+    validate(again)
+    assert " on host " in str(mg)
+
+
+@pytest.mark.parametrize("order", ["sequential", 1, 2, 3])
+def test_numpy_executor_gives_the_reference_in_any_order(llama_placed, order):
+    _, weights, inputs, *_, mg, want = llama_placed
+    _close(run(mg, inputs, weights, order=order), want)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_threads_backend_gives_the_reference_with_random_delays(llama_placed, seed):
+    _, weights, inputs, *_, mg, want = llama_placed
+    got = run_streams(mg, inputs, weights, Delayed(ThreadsBackend(poison=True), seed, 2e-3))
+    _close(got.outputs, want)
+    assert any(s.queue == "host" for s in got.measured.spans)
+
+
+@pytest.mark.parametrize("kind", ["experts", "kv+experts"])
+def test_mixtral_experts_on_the_host(hf_fixture, kind):
+    cfg, weights, graph, inputs = _decode(MIXTRAL, hf_fixture)
+    tg, kept, on_host, mg = _placed(cfg, graph, kind)
+    assert any(".experts." in tg.blocks[b].source.input for b in kept) and on_host
+    inputs = _inputs_for(mg, inputs)
+    want = reference.evaluate(graph, inputs, weights)
+    for order in ("sequential", 5):
+        _close(run(mg, inputs, weights, order=order), want)
+    _close(run_streams(mg, inputs, weights, "threads").outputs, want)
+
+
+def test_cupy_backend_runs_host_applies_beside_its_streams(monkeypatch, tmp_path_factory,
+                                                           llama_placed):
+    _, weights, inputs, *_, mg, want = llama_placed
+    gen = installed(monkeypatch, tmp_path_factory)
+    next(gen)
+    try:
+        backend = CupyBackend()
+        assert not _captures(backend, mg)
+        _close(run_streams(mg, inputs, weights, backend).outputs, want)
+    finally:
+        gen.close()
+
+
+def _captures(backend, mg) -> bool:
+    backend.mg = mg
+    return backend.can_capture()
+
+
+# ------------------------------------------------------------------ the validator's rule 10
+
+def _mutant(mg, node_id: int, drop: int) -> MemGraph:
+    nodes = list(mg.nodes)
+    n = nodes[node_id]
+    nodes[node_id] = dataclasses.replace(n, deps=tuple(d for d in n.deps if d != drop))
+    return dataclasses.replace(mg, nodes=tuple(nodes))
+
+
+def test_a_host_read_without_its_host_copy_is_refused(llama_placed):
+    *_, mg, _ = llama_placed
+    for n in mg.nodes:
+        if isinstance(n, ApplyNode) and n.on_host:
+            made = [d for d in n.deps if isinstance(mg.nodes[d], OffloadNode)]
+            if made and len(n.deps) == len(set(n.deps)):
+                broken = _mutant(mg, n.id, made[0])
+                if any(d == made[0] for d in broken.nodes[n.id].deps):
+                    continue
+                with pytest.raises(PlanError, match="reads on the host .* no host copy|"
+                                                    "is not an ancestor"):
+                    validate(broken)
+                return
+    pytest.fail("no host apply reads an offloaded block")
+
+
+def test_a_reload_before_the_host_write_is_refused(llama_placed):
+    *_, mg, _ = llama_placed
+    for n in mg.nodes:
+        if isinstance(n, ReloadNode):
+            writers = [d for d in n.deps if isinstance(mg.nodes[d], ApplyNode)
+                       and mg.nodes[d].on_host]
+            if writers:
+                with pytest.raises(PlanError, match="no host copy of it .* is an ancestor"):
+                    validate(_mutant(mg, n.id, writers[0]))
+                return
+    pytest.fail("no reload reads a host apply's write")
+
+
+def test_a_host_write_over_a_live_device_instance_is_refused(llama_placed):
+    *_, mg, _ = llama_placed
+    live = {}
+    for n in mg.nodes:  # turn the first device apply whose write is read on the device later
+        if isinstance(n, ApplyNode) and not n.on_host and not n.accumulate:
+            live[n.write.tensor] = n
+    n = next(iter(live.values()))
+    nodes = list(mg.nodes)
+    # the same apply, on the host: its write's device instance is still live (created earlier)
+    nodes.insert(n.id + 1, dataclasses.replace(
+        n, id=n.id + 1, on="host", reads=tuple(dataclasses.replace(a, offset=None)
+                                               for a in n.reads),
+        write=dataclasses.replace(n.write, offset=None), accumulate=True, deps=(n.id,)))
+    nodes = nodes[:n.id + 2]
+    broken = dataclasses.replace(mg, nodes=tuple(nodes), outputs=(), graph=None)
+    with pytest.raises(PlanError, match="on the host while it has a live device instance|"
+                                        "reads on the host"):
+        validate(broken)
+
+
+# ------------------------------------------------------------------ the host pool
+
+def test_the_pool_cuts_a_contraction_and_gives_the_same_numbers(monkeypatch):
+    monkeypatch.setattr(hostpool, "MIN_POOLED_BYTES", 0)
+    monkeypatch.setattr(hostpool, "workers", lambda: 3)
+    spec = EinsumSpec.parse("bsnguj,btnuj->bngst")
+    op = EinsumOp(spec, scalar.x(0) * scalar.x(1) * 0.125, "sum", DType.f32)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 4, 2, 2, 8)).astype(np.float16)
+    k = rng.standard_normal((2, 7, 4, 2, 8)).astype(np.float16)
+    assert hostpool.split_axis(op, [q.shape, k.shape]) == "n"  # cuts both operands
+    want = kernels.einsum(spec, op.join, "sum", [q, k], np.dtype(np.float32))
+    out = np.empty(want.shape, np.float32)
+    assert hostpool.pooled_einsum(op, [q, k], out, accumulate=False)
+    np.testing.assert_array_equal(out, want)
+    assert hostpool.pooled_einsum(op, [q, k], out, accumulate=True)
+    np.testing.assert_allclose(out, 2 * want, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ cost and planning
+
+def test_host_apply_cost_is_bound_by_the_cast_of_f16_operands():
+    host = get_host("server-16c")
+
+    class R:
+        def __init__(self, shape, dtype, storage=None):
+            self.shape, self.dtype, self.storage = shape, dtype, storage
+            self.bytes = int(np.prod(shape)) * dtype.itemsize
+
+    spec = EinsumSpec.parse("bsnguj,btnuj->bngst")
+    op = EinsumOp(spec, scalar.x(0) * scalar.x(1), "sum", DType.f32)
+    q, k = R((16, 1, 32, 1, 2, 64), DType.f16), R((16, 4096, 32, 2, 64), DType.f16)
+    out = R((16, 32, 1, 1, 4096), DType.f32)
+    s = host_apply_seconds(host, op, [q, k], out, False)
+    cast = (np.prod(q.shape) + np.prod(k.shape)) / (host.convert_rate * host.cores)
+    assert s == pytest.approx(cast + host.apply_overhead, rel=1e-6)
+    wide = [R(q.shape, DType.f32), R(k.shape, DType.f32)]
+    assert host_apply_seconds(host, op, wide, out, False) < s  # memory-bound instead
+
+
+def _profile(host: HostProfile):
+    return dataclasses.replace(get_device("h100-pcie"), host=host)
+
+
+def test_the_planner_places_on_the_host_only_where_it_is_faster():
+    cfg, weights, graph, inputs = _decode("tiny", capacity=256)
+    budget = cfg.weight_bytes() // 3
+    fast = HostProfile("fast", 1e15, 1e15, 1e15, 1e15, 64, convert_rate=1e15, dequant_rate=1e15,
+                       apply_overhead=0.0)
+    slow = dataclasses.replace(fast, name="slow", matmul_flops=1e6, vector_flops=1e6,
+                               convert_rate=1e3, apply_overhead=1.0)
+    placed = compile_graph(graph, CompileOptions(budget, device=_profile(fast),
+                                                 host_compute=True))
+    device = compile_graph(graph, CompileOptions(budget, device=_profile(fast),
+                                                 host_compute=False))
+    never = compile_graph(graph, CompileOptions(budget, device=_profile(slow),
+                                                host_compute=True))
+    host_applies = lambda c: sum(1 for n in c.memgraph.nodes  # noqa: E731
+                                 if isinstance(n, ApplyNode) and n.on_host)
+    assert host_applies(placed) > 0 and host_applies(device) == host_applies(never) == 0
+    assert placed.simulation.makespan_s < device.simulation.makespan_s
+    assert placed.simulation.host_s > 0 and placed.report.efficiency <= 1.0 + 1e-9
+    inputs = _inputs_for(placed.memgraph, inputs)
+    _close(run(placed.memgraph, inputs, weights, order=4),
+           reference.evaluate(graph, inputs, weights))
+
+
+# ------------------------------------------------------------------ profiles and the CLI
+
+def test_host_profiles_and_files(tmp_path):
+    assert "server-16c" in HOSTS and get_host("server-16c").cores == 16
+    with pytest.raises(InputError, match="unknown host 'nope'"):
+        get_host("nope")
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps(get_host("desktop-8c").to_json()))
+    assert load_host_file(path) == get_host("desktop-8c")
+    path.write_text(json.dumps({"name": "x", "matmul_flops": 1e12}))
+    with pytest.raises(InputError, match="lacks"):
+        load_host_file(path)
+    bad = {**get_host("desktop-8c").to_json(), "cores": -1}
+    path.write_text(json.dumps(bad))
+    with pytest.raises(InputError, match="cores must be a positive number"):
+        load_host_file(path)
+
+
+def test_cli_host_flags(capsys, tmp_path):
+    base = ("compile", "tiny", "--phase", "decode", "--past", "5", "--gpu-mem", "300KB",
+            "--quiet", "--json")
+    assert cli(*base, "--host", "server-64c", "--host-compute", "off") == 0
+    capsys.readouterr()
+    assert_one_line_error(capsys, cli(*base, "--host", "mainframe"), "unknown host 'mainframe'")
+    (tmp_path / "h.json").write_text("{")
+    assert_one_line_error(capsys, cli(*base, "--host-file", tmp_path / "h.json"),
+                          "not a JSON host profile")
+    assert cli("devices") == 0
+    assert "server-16c" in capsys.readouterr().out
+
+
+def test_a_host_budget_keeps_what_host_applies_read_in_host_memory(hf_fixture):
+    """Under a host budget that sends weights to disk, the experts' weights the host computes
+    on stay in host memory (a host apply reads no file), and they count against the budget."""
+    from einpage.compiler.tiers import host_needs, place_tiers
+    from einpage.predict.simulator import simulate
+    cfg, weights, graph, inputs = _decode(MIXTRAL, hf_fixture)
+    tg, kept, on_host, mg = _placed(cfg, graph, "experts")
+    needs = host_needs(mg)
+    kept_tensors = {t.id for t in mg.tensors if t.block in kept}
+    assert not kept_tensors & set(needs.streamed)
+    profile = get_device("h100-pcie")
+    tiered = place_tiers(mg, simulate(mg, profile), needs.fixed_bytes + 64 * 4096, profile)
+    validate(tiered.memgraph)
+    disk = {n.tensor for n in tiered.memgraph.nodes if n.kind == "read"}
+    assert disk and not disk & kept_tensors
+    inputs = _inputs_for(mg, inputs)
+    _close(run(tiered.memgraph, inputs, weights, order=2),
+           reference.evaluate(graph, inputs, weights))
