@@ -20,6 +20,7 @@ What is measured, each a median of several repeats after a warm-up:
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -294,11 +295,8 @@ def calibrate_host(progress: Callable[[str], None] | None = None) -> HostProfile
     parts = np.array_split(np.arange(src.size), cores)
 
     def pooled_copy() -> None:
-        pool = hostpool._executor()
-        futures = [pool.submit(np.copyto, dst[p[0]:p[-1] + 1], src[p[0]:p[-1] + 1])
-                   for p in parts if len(p)]
-        for f in futures:
-            f.result()
+        hostpool.run_all([functools.partial(np.copyto, dst[p[0]:p[-1] + 1], src[p[0]:p[-1] + 1])
+                          for p in parts if len(p)])
 
     memory = max(core, 2 * src.nbytes / median_seconds(pooled_copy))
     say("host elementwise, casts and dequantization (one core)")

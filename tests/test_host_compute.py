@@ -145,22 +145,17 @@ def test_mixtral_experts_on_the_host(hf_fixture, kind):
     _close(run_streams(mg, inputs, weights, "threads").outputs, want)
 
 
-def test_cupy_backend_runs_host_applies_beside_its_streams(monkeypatch, tmp_path_factory,
-                                                           llama_placed):
+@pytest.fixture
+def fake_cupy(monkeypatch, tmp_path_factory):
+    yield from installed(monkeypatch, tmp_path_factory)
+
+
+def test_cupy_backend_runs_host_applies_beside_its_streams(fake_cupy, llama_placed):
     _, weights, inputs, *_, mg, want = llama_placed
-    gen = installed(monkeypatch, tmp_path_factory)
-    next(gen)
-    try:
-        backend = CupyBackend()
-        assert not _captures(backend, mg)
-        _close(run_streams(mg, inputs, weights, backend).outputs, want)
-    finally:
-        gen.close()
-
-
-def _captures(backend, mg) -> bool:
-    backend.mg = mg
-    return backend.can_capture()
+    backend = CupyBackend()
+    backend.mg = mg  # what `open` sets: a pass with host applies is not captured
+    assert not backend.can_capture()
+    _close(run_streams(mg, inputs, weights, backend).outputs, want)
 
 
 # ------------------------------------------------------------------ the validator's rule 10
@@ -177,10 +172,8 @@ def test_a_host_read_without_its_host_copy_is_refused(llama_placed):
     for n in mg.nodes:
         if isinstance(n, ApplyNode) and n.on_host:
             made = [d for d in n.deps if isinstance(mg.nodes[d], OffloadNode)]
-            if made and len(n.deps) == len(set(n.deps)):
+            if made:
                 broken = _mutant(mg, n.id, made[0])
-                if any(d == made[0] for d in broken.nodes[n.id].deps):
-                    continue
                 with pytest.raises(PlanError, match="reads on the host .* no host copy|"
                                                     "is not an ancestor"):
                     validate(broken)
@@ -203,21 +196,15 @@ def test_a_reload_before_the_host_write_is_refused(llama_placed):
 
 def test_a_host_write_over_a_live_device_instance_is_refused(llama_placed):
     *_, mg, _ = llama_placed
-    live = {}
-    for n in mg.nodes:  # turn the first device apply whose write is read on the device later
-        if isinstance(n, ApplyNode) and not n.on_host and not n.accumulate:
-            live[n.write.tensor] = n
-    n = next(iter(live.values()))
-    nodes = list(mg.nodes)
-    # the same apply, on the host: its write's device instance is still live (created earlier)
-    nodes.insert(n.id + 1, dataclasses.replace(
-        n, id=n.id + 1, on="host", reads=tuple(dataclasses.replace(a, offset=None)
-                                               for a in n.reads),
-        write=dataclasses.replace(n.write, offset=None), accumulate=True, deps=(n.id,)))
-    nodes = nodes[:n.id + 2]
-    broken = dataclasses.replace(mg, nodes=tuple(nodes), outputs=(), graph=None)
-    with pytest.raises(PlanError, match="on the host while it has a live device instance|"
-                                        "reads on the host"):
+    n = next(n for n in mg.nodes if isinstance(n, ApplyNode) and not n.on_host
+             and not n.accumulate)
+    # right after the device apply that created its write's instance, a host apply writes the
+    # same tensor (reading nothing, so that only the write can break a rule)
+    host = dataclasses.replace(n, id=n.id + 1, on="host", reads=(),
+                               write=dataclasses.replace(n.write, offset=None), deps=(n.id,))
+    broken = dataclasses.replace(mg, nodes=(*mg.nodes[:n.id + 1], host), outputs=(),
+                                 graph=None)
+    with pytest.raises(PlanError, match="on the host while it has a live device instance"):
         validate(broken)
 
 

@@ -262,10 +262,6 @@ def add_device_args(p) -> None:
                                   "(default server-16c; see einpage devices)")
     p.add_argument("--host-file", help="host profile as JSON: what einpage calibrate --host-out "
                                        "writes")
-    p.add_argument("--host-compute", choices=("auto", "off"), default="auto",
-                   help="auto (default): place applies on the host where the simulated pass is "
-                        "faster (a decode step's attention over a KV store in host memory, "
-                        "experts whose weights stay there); off: every apply on the device")
     p.add_argument("--h2d-bandwidth", help="override host<->device bandwidth, e.g. 25GB/s")
     p.add_argument("--flops", help="override peak matmul FLOP/s, e.g. 500T")
     p.add_argument("--disk-bandwidth", help="read bandwidth of the drive the checkpoint lies "

@@ -59,6 +59,10 @@ def add_commands(sub) -> None:
                    help="write the predicted pass as a Chrome trace (Perfetto)")
     add_host_args(c)
     add_device_args(c)
+    c.add_argument("--host-compute", choices=("auto", "off"), default="auto",
+                   help="auto (default): place applies on the host where the simulated pass is "
+                        "faster (a decode step's attention over a KV store in host memory, "
+                        "experts whose weights stay there); off: every apply on the device")
     i = sub.add_parser("inspect", help="report on a saved plan (validated and simulated)")
     i.add_argument("plan", help="a plan file (einpage compile -o)")
     i.add_argument("--json", action="store_true", help="print the report as one JSON object")

@@ -12,10 +12,11 @@ operands' precision (each output element is computed by one worker, with the sam
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -37,12 +38,16 @@ def workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _executor() -> ThreadPoolExecutor:
+def run_all(jobs: Sequence[Callable[[], object]]) -> None:
+    """Run `jobs` on the pool (made at first use, `workers()` threads) and wait for all of them;
+    the first failure is raised."""
     global _pool
     with _lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="einpage-host")
-        return _pool
+        pool = _pool
+    for f in [pool.submit(job) for job in jobs]:
+        f.result()
 
 
 def split_axis(op: EinsumOp, shapes: Sequence[tuple[int, ...]]) -> str | None:
@@ -93,10 +98,8 @@ def pooled_einsum(op: EinsumOp, reads: Sequence[np.ndarray], write: np.ndarray,
                                    part.astype(op.dtype.compute, copy=False))
         out[...] = part.astype(write.dtype, copy=False)
 
-    futures = [_executor().submit(chunk, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-    for f in futures:
-        f.result()
+    run_all([functools.partial(chunk, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo])
     return True
 
 
-__all__ = ["MIN_POOLED_BYTES", "pooled_einsum", "split_axis", "workers"]
+__all__ = ["MIN_POOLED_BYTES", "pooled_einsum", "run_all", "split_axis", "workers"]
