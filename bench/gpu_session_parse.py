@@ -155,6 +155,9 @@ def parse_sanitized(ctx: Context, record: dict, text: str) -> None:
         n["sanitizer_errors"] = sums[-1]
     if m := list(_RACE.finditer(text)):
         n["race_hazards"], n["race_errors"], n["race_warnings"] = (int(g) for g in m[-1].groups())
+        if not sums:  # racecheck prints only its own summary (seen on an H200, 2026-11-27)
+            sums = [n["race_hazards"]]
+            n["sanitizer_errors"] = sums[-1]
     passes = parse_timing(text)
     if passes:
         disk = passes[0].get("disk bytes", {})
@@ -166,7 +169,8 @@ def parse_sanitized(ctx: Context, record: dict, text: str) -> None:
         n["decode_steps"] = summary["decode_steps"]
     if record["status"] == "ok" and not ctx.dry_run:
         if not sums:
-            record.update(status="failed", note="no ERROR SUMMARY line from compute-sanitizer")
+            record.update(status="failed", note="no ERROR SUMMARY (nor RACECHECK SUMMARY) line "
+                                                "from compute-sanitizer")
         elif sums[-1]:
             record.update(status="failed", note=f"{sums[-1]} sanitizer errors")
     if record["status"] == "ok" and record["name"].endswith("-disk") and not n.get("disk_bytes"):

@@ -39,6 +39,7 @@ HANDLE_BYTES = 4 << 20
 CUBLAS_DEFAULT_WORKSPACE = 32 << 20
 #: cudaMalloc's granularity
 ALLOC_GRANULE = 2 << 20
+MEMCPY_H2D, MEMCPY_D2H = 1, 2  # cudaMemcpyKind (CuPy: runtime.memcpyHostToDevice, ...)
 
 
 class Raw:
@@ -323,9 +324,29 @@ class FakeCupy(types.ModuleType):
                     fake.used[device] += HANDLE_BYTES
                 return fake.handles[key]["id"]
 
+        def memcpy_async(dst, src, size, kind, stream_ptr):
+            """cudaMemcpyAsync between host and device on the stream whose handle is
+            `stream_ptr` (0, the legacy stream, is refused as everywhere here); captured
+            like any work when the stream captures, from pinned memory only."""
+            stream = next((s for s in list(fake.streams) if s.ptr == stream_ptr), None)
+            assert stream is not None, f"memcpyAsync on an unknown stream {stream_ptr:#x}"
+            if kind == MEMCPY_H2D:
+                fake._device_range(int(dst), size, "a copy's destination")
+                host = int(src)
+            elif kind == MEMCPY_D2H:
+                fake._device_range(int(src), size, "a copy's source")
+                host = int(dst)
+            else:
+                raise CUDARuntimeError("cudaErrorInvalidMemcpyDirection",
+                                       f"memcpyAsync kind {kind} (the backend copies "
+                                       "host<->device only)")
+            fake._copy(int(dst), int(src), int(size), host, stream)
+
         runtime = types.SimpleNamespace(
             getDeviceCount=lambda: len(fake.used), memGetInfo=mem_get_info,
-            getDevice=current_device, CUDARuntimeError=CUDARuntimeError)
+            getDevice=current_device, CUDARuntimeError=CUDARuntimeError,
+            memcpyAsync=memcpy_async, memcpyHostToDevice=MEMCPY_H2D,
+            memcpyDeviceToHost=MEMCPY_D2H)
         self.cuda = types.SimpleNamespace(
             is_available=lambda: True, runtime=runtime,
             Memory=Memory, UnownedMemory=UnownedMemory,
@@ -602,11 +623,20 @@ class Pointer:
         self.fake._launch(lambda: ctypes.memset(ptr, value, size), stream,
                           [(ptr, size, "memset")])
 
+    # CuPy 14 refuses these two on a capturing stream, even from pinned memory, where CUDA
+    # would capture the copy (cupy/cuda/memory.pyx): a captured pass copies through
+    # `runtime.memcpyAsync`. The first GPU run failed here (2026-11-27).
     def copy_from_host_async(self, mem, size, stream=None):
+        if self.fake._stream(stream).capture is not None:
+            raise RuntimeError("the current stream is capturing, so H2D transfers are "
+                               "disallowed")
         self.fake._device_range(self.ptr, size, "a copy's destination")
         self.fake._copy(self.ptr, int(mem), size, int(mem), stream)
 
     def copy_to_host_async(self, mem, size, stream=None):
+        if self.fake._stream(stream).capture is not None:
+            raise RuntimeError("the current stream is capturing, so D2H transfers are "
+                               "disallowed")
         self.fake._device_range(self.ptr, size, "a copy's source")
         self.fake._copy(int(mem), self.ptr, size, int(mem), stream)
 

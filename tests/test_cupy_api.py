@@ -731,7 +731,9 @@ def test_signatures_the_backend_relies_on(cupy):
     assert cupy.cuda.PinnedMemory(0).ptr == 0  # set in __init__; size 0 reaches no driver
     binds(cupy.cuda.using_allocator, None)
     binds(cupy.cuda.get_elapsed_time, None, None)
-    assert not cupy.cuda.is_available()  # this check runs without a GPU
+    # the plan's copies (a captured pass too: CuPy's copy_*_async refuse a capturing stream)
+    binds(cupy.cuda.runtime.memcpyAsync, 0, 0, 8, cupy.cuda.runtime.memcpyHostToDevice, 0)
+    assert (cupy.cuda.runtime.memcpyHostToDevice, cupy.cuda.runtime.memcpyDeviceToHost) == (1, 2)
 
 
 def test_the_backends_kernels_are_cupy_kernels_with_its_options(cupy):

@@ -219,6 +219,13 @@ def test_parse_pytest_and_sanitizer_summaries(gs):
     gs.parse_sanitized(ctx, record, "========= RACECHECK SUMMARY: 0 hazards displayed "
                                     "(0 errors, 0 warnings)\n========= ERROR SUMMARY: 0 errors\n")
     assert record["status"] == "ok" and record["numbers"]["sanitizer_errors"] == 0
+    # racecheck on a real GPU prints its own summary and no ERROR SUMMARY line
+    for race, status in (("0 hazards displayed (0 errors, 0 warnings)", "ok"),
+                         ("2 hazards displayed (1 error, 1 warning)", "failed")):
+        record = {"name": "san-racecheck-decode", "status": "ok", "rc": 0, "numbers": {},
+                  "note": ""}
+        gs.parse_sanitized(ctx, record, f"========= RACECHECK SUMMARY: {race}\n")
+        assert record["status"] == status, record
     record = {"name": "san-memcheck-prefill", "status": "ok", "rc": 0, "numbers": {},
               "note": ""}
     gs.parse_sanitized(ctx, record, "row 0: next token 1\n")

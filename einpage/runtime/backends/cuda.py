@@ -557,32 +557,38 @@ class CupyBackend(DeviceApplies, Backend):
         arena = self.host[self._arena_at:]
         self.reader.read(n.tensor, staging_view(arena, self.mg, n.tensor, n.host_offset))
 
+    def _h2d(self, dst: Any, host_ptr: int, nbytes: int) -> None:
+        """Pinned host memory -> the device on the h2d stream. Through cudaMemcpyAsync
+        itself: CuPy's `MemoryPointer.copy_from_host_async` refuses a capturing stream
+        (CuPy 14), where CUDA captures a copy from pinned memory as a graph node."""
+        rt = self._cp.cuda.runtime
+        rt.memcpyAsync(dst.ptr, host_ptr, nbytes, rt.memcpyHostToDevice,
+                       self._streams["h2d"].ptr)
+
     def copy_h2d(self, n: ReloadNode | InputNode) -> None:
         dst, nbytes = self._instance(n.tensor, n.offset)
-        h2d = self._streams["h2d"]
         if isinstance(n, ReloadNode) and n.host_offset is not None:
-            dst.copy_from_host_async(self._pinned_ptr + self._arena_at + n.host_offset, nbytes,
-                                     h2d)
+            self._h2d(dst, self._pinned_ptr + self._arena_at + n.host_offset, nbytes)
             return
         if isinstance(n, ReloadNode):
             if n.tensor not in self._host_at:
                 raise PlanError(f"reload %{n.id}: %t{n.tensor} has no host copy")
-            dst.copy_from_host_async(self._host_ptr(n.tensor), nbytes, h2d)
+            self._h2d(dst, self._host_ptr(n.tensor), nbytes)
             return
         if n.at != "device":
             raise PlanError(f"input %{n.id} at {n.at!r} is not copied to the device")
         if n.id in self._fixed:  # an activation: its own slot, refilled before every replay
             at = self._fixed[n.id]
             self._read_input(n.tensor, at, nbytes)
-            dst.copy_from_host_async(self._pinned_ptr + at, nbytes, h2d)
+            self._h2d(dst, self._pinned_ptr + at, nbytes)
             return
         k = self._next_slot
         self._next_slot = (k + 1) % STAGING_SLOTS
         self._staging[k].synchronize()  # the slot's last copy has read it
         at = self._staging_at + k * self._slot
         self._read_input(n.tensor, at, nbytes)
-        dst.copy_from_host_async(self._pinned_ptr + at, nbytes, h2d)
-        self._staging[k].record(h2d)
+        self._h2d(dst, self._pinned_ptr + at, nbytes)
+        self._staging[k].record(self._streams["h2d"])
 
     def _read_input(self, tid: int, at: int, nbytes: int) -> None:
         """Read input block `tid` into pinned memory at `at` (a packed block: its bytes)."""
@@ -592,7 +598,9 @@ class CupyBackend(DeviceApplies, Backend):
         src, nbytes = self._instance(n.tensor, n.offset)
         if n.tensor not in self.layout.offsets:
             raise PlanError(f"offload %{n.id}: %t{n.tensor} has no host slot")
-        src.copy_to_host_async(self._host_ptr(n.tensor), nbytes, self._streams["d2h"])
+        rt = self._cp.cuda.runtime  # not CuPy's copy_to_host_async: see _h2d
+        rt.memcpyAsync(self._host_ptr(n.tensor), src.ptr, nbytes, rt.memcpyDeviceToHost,
+                       self._streams["d2h"].ptr)
 
     def output(self, ref: OutputRef) -> np.ndarray:
         t = self.mg.tensors[ref.tensor]
