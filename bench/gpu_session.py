@@ -683,6 +683,12 @@ def py_soak(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
                 free, total = cupy.cuda.runtime.memGetInfo()
                 marks.append({"step": k, "device_free": int(free), "device_total": int(total),
                               "rss": _rss()})
+        # CuPy allocations outside the arena and workspace since the session's warm-up: the
+        # pool (the memory hook, every queue) and the allocator the compute thread sets
+        backend = session._streams.backend
+        hook = {"hook_allocations": int(backend.hook.allocations),
+                "hook_bytes": int(backend.hook.bytes),
+                "hidden_allocations": int(backend.hidden_allocations)}
     at = {m["step"]: m for m in marks}
     first, end = at[SOAK_MARK], at[steps]
     growth = (end["rss"] - first["rss"]) / first["rss"] * 100
@@ -690,7 +696,7 @@ def py_soak(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
     n = {"fixture": SMALL_FIXTURE, "backend": runner.backend, "batch": batch, "steps": steps,
          "arena_bytes": arena, "capacity": capacity, "marks": marks,
          "device_free_delta_bytes": end["device_free"] - first["device_free"],
-         "rss_growth_pct": growth, "passes_kept": len(runner.passes),
+         "rss_growth_pct": growth, "passes_kept": len(runner.passes), **hook,
          "step_p50_s": ordered[len(ordered) // 2],
          "step_p95_s": ordered[max(int(len(ordered) * 0.95) - 1, 0)],
          "tokens_last": last.tolist()}
@@ -700,6 +706,10 @@ def py_soak(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
                         f"step {SOAK_MARK} and {steps}")
     if growth > 1.0:
         problems.append(f"host RSS grew {growth:.2f}% (> 1%)")
+    if hook["hook_allocations"] or hook["hidden_allocations"]:
+        problems.append(f"{hook['hook_allocations']} allocations through CuPy's pool "
+                        f"({hook['hook_bytes']} B) and {hook['hidden_allocations']} through the "
+                        "compute thread's allocator outside the arena and workspace")
     return ("failed", "; ".join(problems), n) if problems else ("ok", "", n)
 
 

@@ -356,7 +356,9 @@ def _key(record: dict) -> str:
         return text
     if kind == "soak" and "steps" in n:
         return (f"{n['steps']} steps, device free {n.get('device_free_delta_bytes')} B apart, "
-                f"RSS {n.get('rss_growth_pct', 0):+.2f}%")
+                f"RSS {n.get('rss_growth_pct', 0):+.2f}%, "
+                f"{n.get('hook_allocations', 0) + n.get('hidden_allocations', 0)} allocations "
+                "outside the arena")
     if kind == "agree" and "fixtures" in n:
         good = sum(1 for f in n["fixtures"].values() if f.get("ok"))
         return f"{good}/{len(n['fixtures'])} families agree"

@@ -12,7 +12,9 @@ every fixture exactly as this module does, and write their checkpoints with it.
 from __future__ import annotations
 
 import json
+import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -394,6 +396,7 @@ class RandomArray:
 
     dtype = np.dtype(np.float32)
     _CHUNK = 1 << 16  # elements hashed at a time: the temporaries stay in cache
+    _PARALLEL_CHUNKS = 16  # a box of this many chunks or more is hashed on every core
 
     def __init__(self, shape: tuple[int, ...], key: int, loc: float, scale: float):
         self.shape, self.key = tuple(int(s) for s in shape), key
@@ -424,20 +427,56 @@ class RandomArray:
         if len(steps) > 1:  # the offsets of one row's elements, in C order
             inner = sum(np.ix_(*steps[1:]), np.zeros((), np.int64)).ravel()
         lead = steps[0] if steps else np.zeros(1, np.int64)
-        for start in range(0, rows.shape[0], per_row):
+
+        def fill(start: int) -> None:
             flat = (base + lead[start:start + per_row, None] + inner[None, :]).astype(np.uint64)
             rows[start:start + per_row] = self._values(flat)
+
+        starts = range(0, rows.shape[0], per_row)
+        if len(starts) < self._PARALLEL_CHUNKS:
+            for start in starts:
+                fill(start)
+        else:  # NumPy's ufuncs release the GIL: chunks in parallel on every core
+            list(_pool().map(fill, starts))
         return out
 
     def _values(self, flat: np.ndarray) -> np.ndarray:
-        z = flat * np.uint64(_GAMMA) + np.uint64(self.key)
-        z ^= z >> np.uint64(30)
+        """SplitMix64 of `flat` (consumed) in place, then `loc + scale * u` (u of unit variance):
+        `2u - 1` is exact in float32, the affine map in float64, rounded once to float32."""
+        z = flat
+        z *= np.uint64(_GAMMA)
+        z += np.uint64(self.key)
+        t = z >> np.uint64(30)
+        z ^= t
         z *= np.uint64(0xBF58476D1CE4E5B9)
-        z ^= z >> np.uint64(27)
+        np.right_shift(z, np.uint64(27), out=t)
+        z ^= t
         z *= np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-        u = (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)  # [0, 1), exact
-        return (self.loc + self.scale * np.sqrt(3.0) * (2.0 * u - 1.0)).astype(np.float32)
+        np.right_shift(z, np.uint64(31), out=t)
+        z ^= t
+        z >>= np.uint64(40)
+        u = z.astype(np.float32)  # 24 bits: [0, 2^24), exact
+        u *= np.float32(2.0 ** -23)
+        u -= np.float32(1.0)  # 2u - 1 with u in [0, 1), exact
+        w = t.view(np.float64)  # the shift buffer, reused
+        np.multiply(u, self.scale * np.sqrt(3.0), out=w)
+        w += self.loc
+        return w.astype(np.float32)
+
+
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool():
+    """The process's pool for hashing large boxes (one thread per core, made on first use)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                                       thread_name_prefix="einpage-random-weights")
+        return _POOL
 
 
 def _basic_index(index, ndim: int) -> list:
