@@ -80,7 +80,8 @@ def test_the_file_round_trips_with_its_hash(plan, tmp_path):
     assert (tmp_path / "again.json").read_bytes() == path.read_bytes()
     np.testing.assert_allclose(run(back, INPUTS, WEIGHTS.__getitem__)["y"],
                                reference.evaluate(_graph(), INPUTS, WEIGHTS.__getitem__)["y"],
-                               rtol=1e-5, atol=1e-5)
+                               rtol=1e-5, atol=1e-4)  # outputs up to ~60 in float32: an
+    # element that cancels to 0.17 keeps the rounding of its terms (1.6e-5 on this BLAS)
 
 
 @pytest.mark.parametrize("edit", [
@@ -144,7 +145,7 @@ def test_guards_and_unknown_storage_formats_are_named(plan):
         MemGraph.from_json(data)
     data = plan.to_json()
     next(n for n in data["nodes"] if n["kind"] == "apply")["guard"] = {"tensor": 0, "expert": 1}
-    with pytest.raises(PlanError, match="guarded applies"):
+    with pytest.raises(PlanError, match="names no guard of its own"):
         MemGraph.from_json(data)
 
 

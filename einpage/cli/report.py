@@ -45,6 +45,8 @@ def report_lines(r: PlanReport, source: str | None = None) -> list[str]:
                  f"host->device), {t.offload_count} activation spills ({_gb(t.offload_bytes)} "
                  f"device->host, reloaded later), {t.writeback_count} outputs written back "
                  f"({_gb(t.writeback_bytes)})")
+    if r.routing is not None:
+        lines.append("  " + routing_sentence(r.routing))
     if c is not None:
         lines.append(f"  tasks {c.tasks}, memgraph nodes {r.nodes}; compiled in "
                      f"{c.compile_seconds:.2f} s")
@@ -55,6 +57,18 @@ def report_lines(r: PlanReport, source: str | None = None) -> list[str]:
         if key in r.notes:
             lines.append(f"  {label} {r.notes[key]}")
     return lines
+
+
+def routing_sentence(g) -> str:
+    """The guarded applies (experts run only where the router picks them) and what that makes
+    of the prediction: an expectation."""
+    share = (f"{g.share_min:.3f}" if g.share_min == g.share_max
+             else f"{g.share_min:.3f} to {g.share_max:.3f}")
+    where = f", {g.on_host} of them on the host" if g.on_host else ""
+    return (f"routing: {g.applies} guarded applies{where} (experts, each run only where the "
+            f"router picks it), priced at the expected share {share} of a pass: the "
+            "predicted time is an expectation; a pass whose tokens pick more experts takes "
+            "longer")
 
 
 def _headline(r: PlanReport, source: str | None) -> str:

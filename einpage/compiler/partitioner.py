@@ -37,7 +37,7 @@ from einpage.compiler.cuts import AxisClasses, CutOp, choose_class_parts
 from einpage.errors import BudgetError, GraphError
 from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
                               Slice)
-from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, Piece
+from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, GuardedOp, Piece
 from einpage.ir.spec import EinsumSpec
 from einpage.ir.taskgraph import Block, OutputBlock, Task, TaskGraph, prune_dead
 from einpage.ir.tensors import LogicalTensor, Source
@@ -123,14 +123,40 @@ class _Partitioner:
     def _append(self, reads, write, accumulate, op, node: Node) -> None:
         if len(self.tasks) >= self.opt.max_tasks:
             raise self._too_many(f"stopped at node %{node.id} of {len(self.g.nodes)}")
+        if node.guard is not None:  # the guard's block is the task's last read
+            block, index = self._guard_element(node)
+            reads, op = (*reads, block), GuardedOp(op, index, float(node.guard.share))
         self.tasks.append(Task(len(self.tasks), tuple(reads), write, accumulate, op, node.id,
                                node.stage))
         self.written.add(write)
 
+    def _guard_element(self, node: Node) -> tuple[int, int]:
+        """(the block of `node`'s guard tensor holding its guard element, the element's flat
+        index in that block), the block written first if it is a constant not yet written."""
+        g = node.guard
+        src = self.g.nodes[g.tensor]
+        bounds = self.primary.get(g.tensor) or tuple((0, s) for s in src.shape)
+        at = [int(v) for v in divmod_all(g.index, src.shape)]
+        for bid in self.layout(g.tensor, bounds).blocks.values():
+            blk = self.blocks[bid]
+            if all(o <= a < o + n for a, o, n in zip(at, blk.origin, blk.shape)):
+                if bid in self.pending:
+                    self._materialize(bid)
+                local = [a - o for a, o in zip(at, blk.origin)]
+                return bid, sum(v * math.prod(blk.shape[k + 1:]) for k, v in enumerate(local))
+        raise GraphError(f"partition: no block of %{g.tensor} holds guard element {g.index}")
+
     # ------------------------------------------------------------ constant blocks
     def _set_constant(self, bid: int, value: float) -> None:
         """Block `bid` holds `value` everywhere (already as its dtype stores it): no task writes
-        it unless some task reads it."""
+        it unless some task reads it. A guarded node's block is zero where its guard is off, so
+        it is no constant: a (guarded) fill writes it now."""
+        blk = self.blocks[bid]
+        node = self.g.nodes[blk.node]
+        if node.guard is not None:
+            self._append((), bid, bid in self.written, FillOp(constant_expr(value), blk.origin),
+                         node)
+            return
         self.known[bid] = value
         self.pending[bid] = value
         self.const_nodes.add(self.blocks[bid].node)
@@ -510,6 +536,15 @@ class _Partitioner:
                         for n in self.g.outputs)
         tg = TaskGraph(tuple(self.blocks), tuple(self.tasks), tuple(outputs), inputs, results)
         return tg
+
+
+def divmod_all(index: int, shape) -> tuple[int, ...]:
+    """The multi-index of flat (C order) `index` in `shape`."""
+    out = []
+    for size in reversed(shape):
+        index, rest = divmod(index, size)
+        out.append(rest)
+    return tuple(reversed(out))
 
 
 def partition(graph: Graph, options: PartitionOptions) -> TaskGraph:

@@ -124,6 +124,26 @@ class ProblemBound:
                             disk, disk / disk_bw if disk and disk_bw else 0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """A plan's guarded applies (`einpage.ir.ops.GuardedOp`: a mixture-of-experts task run only
+    where the router chose its expert): how many, how many on the host, and the least and the
+    largest expected share they are priced at. The predicted pass is then an expectation."""
+    applies: int
+    on_host: int
+    share_min: float
+    share_max: float
+
+    @staticmethod
+    def of(mg: MemGraph) -> "Routing | None":
+        guarded = [n for n in mg.nodes if n.kind == "apply" and n.guard is not None]
+        if not guarded:
+            return None
+        shares = [n.guard.share for n in guarded]
+        return Routing(len(guarded), sum(1 for n in guarded if n.on_host), min(shares),
+                       max(shares))
+
+
 @dataclass(frozen=True)
 class PlanReport:
     """Memory: `live_peak_bytes` is what the plan needs (the most bytes live at once in its node
@@ -145,6 +165,7 @@ class PlanReport:
     bound: ProblemBound | None = None              # None: the plan file does not say
     proven: bool | None = None   # proven to compute its graph (None: not validated)
     graph_hash: str | None = None  # of the graph it was proven against (a plan read from a file)
+    routing: Routing | None = None  # guarded applies (None: the plan has none)
 
     @staticmethod
     def of_plan(mg: MemGraph, valid: ValidationReport | None, simulation: Simulation,
@@ -165,7 +186,7 @@ class PlanReport:
                           MappingProxyType(dict(mg.meta)), bound=bound,
                           proven=valid.proven if valid else None,
                           graph_hash=mg.graph_hash if compiled is None and valid and valid.proven
-                          else None)
+                          else None, routing=Routing.of(mg))
 
     @property
     def peak_bytes(self) -> int:
@@ -240,5 +261,10 @@ class PlanReport:
                 out["trials"] = [{f.name: getattr(t, f.name) for f in fields(TrialSummary)}
                                  for t in c.trials]
         out.update(proven=self.proven, graph_hash=self.graph_hash)
+        r = self.routing
+        out.update(guarded_applies=r.applies if r else 0,
+                   guarded_host_applies=r.on_host if r else 0,
+                   guarded_share_min=r.share_min if r else None,
+                   guarded_share_max=r.share_max if r else None)
         out.update(self.notes)
         return out

@@ -24,8 +24,8 @@ import sympy
 from einpage.errors import GraphError, ShapeError, SpecError
 from einpage.ir import scalar
 from einpage.ir.dtypes import DType, as_dtype
-from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
-                              Role, Size, Slice, check_not_empty, verify_node)
+from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Guard, Input, Node, Output,
+                              Reshape, Role, Size, Slice, check_not_empty, verify_node)
 from einpage.ir.spec import EinsumSpec
 from einpage.ir.storage import Storage
 
@@ -69,6 +69,7 @@ class GraphBuilder:
     def __init__(self) -> None:
         self._nodes: list[Node] = []
         self._stage = 0
+        self._guard: Guard | None = None
 
     @contextlib.contextmanager
     def stage(self, number: int):
@@ -78,6 +79,23 @@ class GraphBuilder:
             yield
         finally:
             self._stage = old
+
+    @contextlib.contextmanager
+    def guard(self, tensor: Tensor, index: int, share=1):
+        """Nodes made inside are computed only where element `index` (flat) of `tensor` is
+        nonzero, and are all zeros elsewhere (`einpage.ir.graph.Guard`): guard only what the
+        model then multiplies by zero. `share`: the expected fraction of passes the guard is
+        on (a number or an expression of the size symbols), for prediction."""
+        self._check_tensors("guard", (tensor,))
+        if self._guard is not None:
+            raise GraphError("guards do not nest")
+        if not isinstance(share, (int, float)):
+            share = sympy.sympify(share)
+        self._guard = Guard(tensor.id, int(index), share)
+        try:
+            yield
+        finally:
+            self._guard = None
 
     def _add(self, op, inputs: Sequence[Tensor], shape, dtype) -> Tensor:
         for t in inputs:
@@ -89,7 +107,8 @@ class GraphBuilder:
                 raise GraphError(f"{type(op).__name__.lower()}: operand {t!r} is not a tensor of "
                                  "this graph")
         node = Node(len(self._nodes), op, tuple(t.id for t in inputs),
-                    tuple(_size(s) for s in shape), as_dtype(dtype), self._stage)
+                    tuple(_size(s) for s in shape), as_dtype(dtype), self._stage,
+                    None if isinstance(op, (Input, Output, Fill)) else self._guard)
         verify_node(self._nodes, node, set(), set())  # the new node only: O(1) per add
         self._nodes.append(node)
         return Tensor(self, node.id)

@@ -81,6 +81,19 @@ Op = Union[Input, Einsum, Fill, Gather, Reshape, Concat, Slice, Output]
 
 
 @dataclass(frozen=True, slots=True)
+class Guard:
+    """A node computed only where element `index` (flat, C order) of node `tensor` is nonzero;
+    elsewhere its value is all zeros. A model guards what it then multiplies by zero anyway (a
+    mixture of experts: an expert's FFN, guarded by whether any token chose it), so a runtime
+    may skip the work. `share` is the expected fraction of passes the guard is on (a number in
+    (0, 1], or an expression of the size symbols until `bind`): prediction prices the node at
+    that share."""
+    tensor: int
+    index: int
+    share: Size = 1
+
+
+@dataclass(frozen=True, slots=True)
 class Node:
     id: int
     op: Op
@@ -88,6 +101,7 @@ class Node:
     shape: tuple[Size, ...]
     dtype: DType
     stage: int = 0  # a scheduling hint: the layer a node belongs to (0 where there are none)
+    guard: Guard | None = None
 
     @property
     def kind(self) -> str:
@@ -112,6 +126,8 @@ class Graph:
             for i in n.inputs:
                 if 0 <= i < len(users):
                     users[i].append(n.id)
+            if n.guard is not None and 0 <= n.guard.tensor < len(users):
+                users[n.guard.tensor].append(n.id)
         object.__setattr__(self, "_users", tuple(tuple(u) for u in users))
 
     def users(self, node_id: int) -> tuple[int, ...]:
@@ -140,6 +156,8 @@ class Graph:
                     out |= s.free_symbols
             if isinstance(n.op, Fill):
                 out |= {s for s in n.op.expr.free_symbols if not s.name.startswith("i")}
+            if n.guard is not None and isinstance(n.guard.share, sympy.Basic):
+                out |= n.guard.share.free_symbols
         return out
 
     @property
@@ -168,7 +186,12 @@ class Graph:
                 op = Fill(op.expr.xreplace(table))
             elif isinstance(op, Slice):
                 op = Slice(op.axis, _subs(op.start, table), _subs(op.stop, table))
-            nodes.append(replace(n, op=op, shape=tuple(_subs(s, table) for s in n.shape)))
+            guard = n.guard
+            if guard is not None and isinstance(guard.share, sympy.Basic):
+                share = guard.share.xreplace(table)
+                guard = replace(guard, share=float(share) if share.is_number else share)
+            nodes.append(replace(n, op=op, shape=tuple(_subs(s, table) for s in n.shape),
+                                 guard=guard))
         g = Graph(tuple(nodes))
         g.verify()
         check_not_empty(g.nodes, "bind", sizes)
@@ -196,6 +219,8 @@ class Graph:
            and concat keep their operands' dtype; a gather keeps its table's.
         7. An output has its input's shape and dtype.
         8. Fills mention only index symbols `i<k>` with k < rank, and size symbols.
+        9. A guard names an earlier node that is no output, an element inside it, and a share
+           in (0, 1] once concrete; inputs, outputs and fills are never guarded.
         """
         names: set[str] = set()
         outs: set[str] = set()
@@ -239,8 +264,10 @@ def _arity(n: Node, want: int) -> None:
 
 
 def verify_node(nodes, n: Node, names: set, outs: set) -> None:
-    """Invariants 2-8 of `Graph.verify` for one node; `nodes` holds at least its inputs."""
+    """Invariants 2-9 of `Graph.verify` for one node; `nodes` holds at least its inputs."""
     op = n.op
+    if n.guard is not None:
+        _verify_guard(nodes, n)
     shapes = [nodes[i].shape for i in n.inputs]
     where = _where(n)
     if isinstance(op, Input):
@@ -313,6 +340,23 @@ def verify_node(nodes, n: Node, names: set, outs: set) -> None:
             raise GraphError(f"{where}: output differs from its input in shape or dtype")
 
 
+def _verify_guard(nodes, n: Node) -> None:
+    g, where = n.guard, _where(n)
+    if isinstance(n.op, (Input, Output, Fill)):
+        raise GraphError(f"{where}: an {n.kind} cannot be guarded")
+    if not 0 <= g.tensor < n.id or isinstance(nodes[g.tensor].op, Output):
+        raise GraphError(f"{where}: its guard %{g.tensor} is not an earlier node's tensor")
+    size = math.prod(nodes[g.tensor].shape)
+    if g.index < 0 or (isinstance(size, int) and g.index >= size):
+        raise GraphError(f"{where}: guard element {g.index} is outside %{g.tensor} "
+                         f"({size} elements)")
+    share = g.share
+    if isinstance(share, sympy.Basic) and share.is_number:
+        share = float(share)
+    if isinstance(share, (int, float)) and not 0 < share <= 1:
+        raise GraphError(f"{where}: guard share {share} is not in (0, 1]")
+
+
 def _verify_concat(n: Node, shapes) -> None:
     op = n.op
     where = _where(n)
@@ -364,4 +408,5 @@ def format_node(n: Node) -> str:
     """`%5 = einsum[bsm,nm->bsn, agg=sum](%3, %4) f16[B,S,N]`: one deterministic line per node."""
     args = ", ".join(f"%{i}" for i in n.inputs)
     call = f"({args})" if n.inputs else ""
-    return f"%{n.id} = {_op_text(n)}{call} {n.dtype}[{_shape_text(n.shape)}]"
+    guard = f" if %{n.guard.tensor}[{n.guard.index}]" if n.guard is not None else ""
+    return f"%{n.id} = {_op_text(n)}{call} {n.dtype}[{_shape_text(n.shape)}]{guard}"

@@ -30,7 +30,7 @@ from typing import Mapping, Union
 from einpage.errors import EinpageError, PlanError
 from einpage.outputs import atomic_open
 from einpage.ir.dtypes import DType, as_dtype
-from einpage.ir.ops import BlockOp, op_from_json, op_text
+from einpage.ir.ops import BlockOp, GuardedOp, op_from_json, op_text
 from einpage.ir.provenance import graph_from_json, graph_hash, graph_json, json_int
 from einpage.ir.storage import Storage, storage_from_json, tensor_bytes
 from einpage.ir.taskgraph import TaskGraph
@@ -134,6 +134,16 @@ class ApplyNode:
     @property
     def on_host(self) -> bool:
         return self.on == "host"
+
+    @property
+    def guard(self) -> GuardedOp | None:
+        """The guard of a guarded op (`einpage.ir.ops.GuardedOp`; its block the last read)."""
+        return self.op if isinstance(self.op, GuardedOp) else None
+
+    def unguarded(self) -> "ApplyNode":
+        """The apply its guard runs when on: its op, reading all but the guard block."""
+        op = self.op
+        return replace(self, op=op.op, reads=self.reads[:-1]) if isinstance(op, GuardedOp) else self
 
 
 MemNode = Union[InputNode, ReadNode, ReloadNode, OffloadNode, FreeNode, ApplyNode]
@@ -394,6 +404,9 @@ class MemGraph:
         if not proven and any(t.storage is not None for t in self.tensors):
             raise PlanError("a plan with storage formats is written as version 2, which "
                             "carries the plan's graph; this plan has none")
+        if not proven and any(isinstance(n, ApplyNode) and n.guard for n in self.nodes):
+            raise PlanError("a plan with guarded applies is written as version 2, which "
+                            "carries the plan's graph; this plan has none")
         return {
             "format": FORMAT, "version": VERSION if proven else 1,
             "device_bytes": self.device_bytes, **host,
@@ -585,8 +598,8 @@ def _refuse_unbuilt(data: dict) -> None:
     else:
         for n in nodes:
             if isinstance(n, dict) and "guard" in n:
-                what = "guarded applies (an apply's guard)"
-                break
+                raise PlanError(f"node {n.get('id')!r}: an apply names no guard of its own; a "
+                                "guarded apply's op is a guarded op (its task's)")
             if isinstance(n, dict) and n.get("kind") in ("send", "recv"):
                 what = "several ranks (send, recv)"
                 break
@@ -678,6 +691,9 @@ def _node_from(d: dict, graph: TaskGraph | None) -> MemNode:
         task = None
         if graph is None:
             op = _op_from(d["op"])
+            if isinstance(op, GuardedOp):
+                raise PlanError("a version 1 plan cannot guard an apply (guards came with "
+                                "version 2)")
         else:  # version 2: the op is the task's
             if "op" in d:
                 raise ValueError("a version 2 apply takes its op from its task; this one "

@@ -68,7 +68,29 @@ class CopyOp:
                             "dst_box": [list(b) for b in p.dst_box]} for p in self.pieces]}
 
 
-BlockOp = Union[EinsumOp, FillOp, GatherOp, CopyOp]
+@dataclass(frozen=True, slots=True)
+class GuardedOp:
+    """`op` run only where element `index` (flat, C order) of the task's last read, its guard
+    block, is nonzero: a mixture-of-experts task runs only where the router chose its expert.
+    Skipped, a task that creates its block writes zeros and a partial adds nothing, so every
+    block of a guarded node is zero where its guard is off (the graph's meaning of a guard,
+    `einpage.ir.graph.Guard`). The other reads are `op`'s operands. `share` is the expected
+    fraction of passes the guard is on: prediction prices the op at that share."""
+    op: "BlockOp"
+    index: int
+    share: float = 1.0
+
+    def to_json(self) -> dict:
+        return {"kind": "guarded", "index": self.index, "share": self.share,
+                "op": self.op.to_json()}
+
+
+BlockOp = Union[EinsumOp, FillOp, GatherOp, CopyOp, GuardedOp]
+
+
+def unguarded(op: BlockOp) -> tuple[BlockOp, GuardedOp | None]:
+    """(the op a task computes, its guard or None)."""
+    return (op.op, op) if isinstance(op, GuardedOp) else (op, None)
 
 
 def _box(value) -> Box:
@@ -90,10 +112,19 @@ def op_from_json(data: dict) -> BlockOp:
         return CopyOp(tuple(Piece(int(p["src"]), _box(p["src_box"]), _box(p["dst_box"]))
                             for p in data["pieces"]),
                       tuple(int(v) for v in view) if view is not None else None)
+    if kind == "guarded":
+        inner = op_from_json(data["op"])
+        index, share = int(data["index"]), float(data["share"])
+        if isinstance(inner, GuardedOp) or index < 0 or not 0.0 < share <= 1.0:
+            raise ValueError("a guarded op holds one unguarded op, an index >= 0 and a share "
+                             "in (0, 1]")
+        return GuardedOp(inner, index, share)
     raise ValueError(f"unknown op kind {kind!r}")
 
 
 def op_text(op: BlockOp) -> str:
+    if isinstance(op, GuardedOp):
+        return f"{op_text(op.op)} if guard[{op.index}]"
     if isinstance(op, EinsumOp):
         extra = "" if op.join == scalar.product(len(op.spec.inputs)) else f" {scalar.to_text(op.join)}"
         return f"einsum[{op.spec}]{extra}" + (f" {op.agg}" if op.agg else "")

@@ -41,7 +41,7 @@ from typing import Sequence
 
 from einpage.errors import PlanError
 from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph, ReadNode, TensorInfo
-from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, op_text
+from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, GuardedOp, op_text
 from einpage.ir.taskgraph import TaskGraph
 
 
@@ -58,6 +58,16 @@ def check_ops(mg: MemGraph) -> None:
 
 def op_misfit(op, reads: Sequence[TensorInfo], write: TensorInfo) -> str | None:
     """Why `op` cannot read `reads` and write `write`, or None when it can."""
+    if isinstance(op, GuardedOp):
+        if not reads:
+            return "reads no guard block"
+        guard = reads[-1]
+        if op.index >= math.prod(guard.shape):
+            return (f"guards on element {op.index} of {_t(guard)}, which has "
+                    f"{math.prod(guard.shape)}")
+        if guard.storage is not None:
+            return f"guards on {_t(guard)}, a packed block"
+        return op_misfit(op.op, reads[:-1], write)
     if isinstance(op, EinsumOp):
         return _einsum_misfit(op, reads, write)
     if isinstance(op, FillOp):

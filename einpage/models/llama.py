@@ -33,8 +33,9 @@ The families differ from LLaMA in a few places, each a field of `ModelConfig`:
   * biases on the q, k, v (and o) projections (Qwen2; `attention_bias`);
   * RMSNorm over each head's queries and keys before the rotation (Qwen3);
   * a mixture of experts (Mixtral): a router, the top-k of E experts found by k max-reductions,
-    softmax weights renormalised over the chosen experts; every expert runs on every token (a
-    static plan cannot know which experts a token picks) and is weighted by zero where unused.
+    softmax weights renormalised over the chosen experts; an expert's FFN runs on every token
+    of the pass (a static plan) and is weighted by zero where unused, guarded by whether any
+    token chose it, so a runtime skips the experts no token chose.
 """
 from __future__ import annotations
 
@@ -282,14 +283,22 @@ class _Llama:
         return self.picks[e]
 
     def experts(self, x: Tensor, layer: int) -> Tensor:
-        """Every expert on every token, each output scaled by its routing weight and summed in
-        expert order (transformers adds the routed tokens' outputs the same way)."""
+        """Every expert's output scaled by its routing weight and summed in expert order
+        (transformers adds the routed tokens' outputs the same way). An expert's FFN is guarded
+        by `used[e]`, the largest weight any token gives it: a runtime skips the FFN of an
+        expert no token chose (its output, then all zeros, is scaled by zero weights anyway).
+        Prediction prices each expert at the chance that one of the pass's tokens picks it,
+        1 - (1 - k/E)^tokens (tokens routed uniformly and independently)."""
         g, cfg = self.g, self.cfg
         weights = self.routing(x, layer)
+        used = g.einsum("bse->e", weights, join=lambda a: a, agg="max")
+        tokens = x.shape[0] * x.shape[1]
+        share = 1 - sympy.Float(1 - cfg.experts_per_token / cfg.experts) ** tokens
         out = None
         for e in range(cfg.experts):
             w = g.einsum("bse,e->bs", weights, self.one_hot(e), agg="sum")
-            y = self._ffn(x, f"layers.{layer}.experts.{e}.")
+            with g.guard(used, e, share):
+                y = self._ffn(x, f"layers.{layer}.experts.{e}.")
             out = (g.einsum("bsm,bs->bsm", y, w) if out is None else
                    g.einsum("bsm,bsm,bs->bsm", out, y, w, join=lambda o, a, c: o + a * c))
         return out

@@ -6,7 +6,9 @@ on matrix units (`matmul_flops`, 2 FLOPs per multiply-add); everything else (ele
 max/min aggregation, fills, gathers, copies) on vector units, one FLOP per operand per element of
 the join space. Bytes are every operand read once and the output written once (read and written
 when accumulating). A transfer costs its bytes over the link bandwidth plus the copy latency; a
-read from disk its bytes over the disk's read bandwidth plus its latency. A packed (quantized)
+read from disk its bytes over the disk's read bandwidth plus its latency. A guarded op (a
+mixture-of-experts task run only where its expert is chosen) costs its expected share of its
+op's time: the prediction of a pass that routes is an expectation. A packed (quantized)
 operand moves and is held as its packed bytes, and costs a dequantization kernel before the op
 (`apply_seconds`), but for a gather's table, read as it lies.
 """
@@ -16,7 +18,7 @@ import math
 from typing import Sequence
 
 from einpage.ir import scalar
-from einpage.ir.ops import BlockOp, CopyOp, EinsumOp, FillOp, GatherOp
+from einpage.ir.ops import BlockOp, CopyOp, EinsumOp, FillOp, GatherOp, unguarded
 from einpage.predict.devices import DeviceProfile
 from einpage.predict.hosts import HostProfile
 
@@ -56,7 +58,12 @@ def apply_seconds(profile: DeviceProfile, op: BlockOp, reads: Sequence, write,
     `.storage`): a packed (quantized) read is first dequantized into workspace by a kernel of its
     own (reading the packed bytes, writing the logical ones), and the op reads the logical
     ones; but a gather reads a packed table as it lies, dequantizing only what it picks (its
-    kernel does both)."""
+    kernel does both). A guarded op costs its op at its expected share (`GuardedOp.share`) and
+    a launch where skipped."""
+    op, guard = unguarded(op)
+    if guard is not None:
+        return (guard.share * apply_seconds(profile, op, reads[:-1], write, accumulate)
+                + (1 - guard.share) * profile.launch_overhead)
     def fused(k: int, r) -> bool:
         return isinstance(op, GatherOp) and k == 0 and r.storage is not None
 
@@ -73,7 +80,12 @@ def host_apply_seconds(host: HostProfile, op: BlockOp, reads: Sequence, write,
     runs it: a contraction over unpacked operands cut into a chunk per core (the BLAS rate, the
     memory bandwidth of every core, and each core converting its share of the f16/bf16 operands
     to float32), anything else on one core (NumPy's ufuncs; packed operands dequantized first);
-    plus the apply's dispatch."""
+    plus the apply's dispatch. A guarded op: its op at its expected share, a dispatch where
+    skipped."""
+    op, guard = unguarded(op)
+    if guard is not None:
+        return (guard.share * host_apply_seconds(host, op, reads[:-1], write, accumulate)
+                + (1 - guard.share) * host.apply_overhead)
     narrow = [r for r in reads if r.storage is None and r.dtype.itemsize < 4]
     packed = [r for r in reads if r.storage is not None]
     converted = sum(math.prod(r.shape) for r in narrow)

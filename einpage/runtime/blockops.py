@@ -5,6 +5,7 @@ they differ in where the arrays live and when a node may run, not in what a node
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -12,7 +13,7 @@ import numpy as np
 from einpage.errors import PlanError
 from einpage.ir import scalar
 from einpage.ir.memgraph import Access, ApplyNode, TensorInfo
-from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text
+from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text, unguarded
 from einpage.runtime import hostpool, kernels
 from einpage.ir.quant import dequantize
 
@@ -23,6 +24,9 @@ def apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.n
     whose bytes the write may take) with `release` first. A contraction computed in the write's
     own dtype goes straight into the write (no temporary) where it overlaps no input. Packed
     (quantized) reads are dequantized first, into fresh arrays of their logical shape."""
+    n, reads = _guarded(n, reads, write, release)
+    if n is None:
+        return
     op = n.op
     reads = unpacked(n, tensors, reads)
     if (not n.accumulate and isinstance(op, EinsumOp) and op.dtype.compute == write.dtype
@@ -40,10 +44,30 @@ def host_apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence
                     write: np.ndarray) -> None:
     """An apply placed on the host: a contraction over unpacked operands on the host pool, a
     chunk per core (`einpage.runtime.hostpool`); anything else as `apply_into` does."""
+    n, reads = _guarded(n, reads, write, None)
+    if n is None:
+        return
     if (isinstance(n.op, EinsumOp) and all(tensors[a.tensor].storage is None for a in n.reads)
             and hostpool.pooled_einsum(n.op, reads, write, n.accumulate)):
         return
     apply_into(n, tensors, reads, write)
+
+
+def _guarded(n: ApplyNode, reads: Sequence[np.ndarray], write: np.ndarray,
+             release: Callable[[Access], None] | None):
+    """(the apply without its guard, the reads without the guard block) to run, or (None,
+    None) where the guard is off and the apply is skipped: then its frees are released and a
+    write that creates its block is zeroed (a partial adds nothing)."""
+    op, guard = unguarded(n.op)
+    if guard is None:
+        return n, reads
+    if reads[-1].flat[guard.index]:
+        return replace(n, op=op, reads=n.reads[:-1]), reads[:-1]
+    for a in n.frees if release is not None else ():
+        release(a)
+    if not n.accumulate:
+        write[...] = 0
+    return None, None
 
 
 def unpacked(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray]

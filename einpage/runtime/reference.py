@@ -31,7 +31,10 @@ def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray] | None = None,
     results: dict[str, np.ndarray] = {}
     for node in graph.nodes:
         try:
-            value = _run(node, [values[i] for i in node.inputs], inputs, weights, float64)
+            if node.guard is not None and not values[node.guard.tensor].flat[node.guard.index]:
+                value = np.zeros(node.shape, storage_dtype(node, float64))  # off: all zeros
+            else:
+                value = _run(node, [values[i] for i in node.inputs], inputs, weights, float64)
         except EinpageError:
             raise
         except Exception as exc:  # a kernel failure: say which node
@@ -42,7 +45,8 @@ def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray] | None = None,
         values[node.id] = value
         if isinstance(node.op, Output):
             results[node.op.name] = value
-        for i in node.inputs:  # drop what no later node reads
+        guard = (node.guard.tensor,) if node.guard is not None else ()
+        for i in (*node.inputs, *guard):  # drop what no later node reads
             remaining[i] -= 1
             if remaining[i] == 0:
                 values[i] = None

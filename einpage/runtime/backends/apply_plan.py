@@ -143,8 +143,9 @@ def overlaps_reads(mg: MemGraph, n: ApplyNode) -> bool:
 
 
 def plan_apply(mg: MemGraph, n: ApplyNode) -> ApplyPlan:
-    """How the CUDA backend runs apply `n`; raises `PlanError` naming the node for an op it
-    cannot run."""
+    """How the CUDA backend runs apply `n` (a guarded one: its op when the guard is on); raises
+    `PlanError` naming the node for an op it cannot run."""
+    n = n.unguarded()
     try:
         reads = [tensor_info(mg, a.tensor) for a in n.reads]
         write = tensor_info(mg, n.write.tensor)

@@ -194,6 +194,7 @@ class CupyBackend(DeviceApplies, Backend):
         self._plans: dict = {}
         self._top = 0                # bump pointer into the workspace slots (compute thread)
         self._unpacked: dict = {}    # read index -> its dequantized slot (the running apply)
+        self._guards: dict = {}      # guard blocks read this pass (DeviceApplies._guard_on)
         self._warming = False
         self._handle = 0             # the compute thread's cuBLAS handle
         self._gemm_calls = {}        # MatmulApply -> its cuBLAS call (DeviceApplies)
@@ -358,6 +359,7 @@ class CupyBackend(DeviceApplies, Backend):
                 io.read_into(tid, host_view(self.host, mg, self.layout, tid))
 
     def begin_pass(self) -> None:
+        self._guards = {}
         self._fill_host(self.mg, self.io, activations_only=True)
 
     def write_input(self, tid: int, offset: int | None, lead: tuple[int, ...],
@@ -466,10 +468,10 @@ class CupyBackend(DeviceApplies, Backend):
 
     # ------------------------------------------------------------------ CUDA graphs
     def can_capture(self) -> bool:
-        """A pass with no host work in it (no disk reads, no applies on the host) replays as one
-        CUDA graph."""
-        return not any(isinstance(n, ReadNode) or (isinstance(n, ApplyNode) and n.on_host)
-                       for n in self.mg.nodes)
+        """A pass with no host work in it (no disk reads, no applies on the host) and no
+        guards (a branch on data) replays as one CUDA graph."""
+        return not any(isinstance(n, ReadNode) or (isinstance(n, ApplyNode) and (
+            n.on_host or n.guard is not None)) for n in self.mg.nodes)
 
     def begin_capture(self) -> None:
         """The compute stream captures; the copy streams join it by waiting on its first

@@ -8,6 +8,10 @@ workspace slot (`_bump`, on the compute stream, so in the apply's own stream ord
 captured CUDA graph); the op's views of that read then start at the slot instead of the arena.
 A gather of a packed table (`ArrayView.packed`) reads the packed bytes where they are instead.
 
+A guarded apply (a mixture-of-experts task) first reads its guard block to the host, once per
+pass per block (a synchronisation of the compute stream): off, it runs nothing but a memset of
+a block it would create. A pass with guards is therefore never captured as a CUDA graph.
+
 `DeviceApplies` is the part of `CupyBackend` that does it; it reads the backend's plan
 (`mg`, `_plans`), its arena views (`_array`, `_instance`, `_at`, `_bump`, `_temp`), the compute
 thread's cuBLAS handle (`_handle`) and whether `open` is warming the kernels up (`_warming`).
@@ -61,9 +65,18 @@ class DeviceApplies:
     _gemm_calls: dict[MatmulApply, GemmCall]
     #: the workspace slot each dequantized read of the running apply is in (by read index)
     _unpacked: dict[int, Any]
+    #: the guard blocks read this pass, by tensor (`_guard_on`)
+    _guards: dict[int, np.ndarray]
 
     def _apply(self, n: ApplyNode) -> None:
         plan = self._plans[n.id]
+        if n.guard is not None:
+            if not (self._warming or self._guard_on(n)):
+                if not n.accumulate:  # skipped: a block it would create is all zeros
+                    ptr, nbytes = self._instance(n.write.tensor, n.write.offset)
+                    ptr.memset_async(0, nbytes, self._streams["compute"])
+                return
+            n = n.unguarded()
         self._top = 0
         try:
             self._unpacked = self._unpack(plan, n) if plan.unpacks else {}
@@ -80,6 +93,21 @@ class DeviceApplies:
         finally:
             self._top = 0
             self._unpacked = {}
+
+    def _guard_on(self, n: ApplyNode) -> bool:
+        """Whether a guarded apply's guard element is nonzero: its guard block, copied to the
+        host once per pass (a guard block is written once per pass and read only when
+        complete), which waits for the compute stream's work before it."""
+        read = n.reads[-1]
+        values = self._guards.get(read.tensor)
+        if values is None:
+            src, nbytes = self._instance(read.tensor, read.offset)
+            t = self.mg.tensors[read.tensor]
+            values = np.empty(tuple(t.shape), DEVICE_DTYPE[t.dtype.value])
+            # into pageable memory: returns once the copy is complete
+            src.copy_to_host_async(values.ctypes.data, nbytes, self._streams["compute"])
+            self._guards[read.tensor] = values
+        return bool(values.flat[n.guard.index])
 
     def _unpack(self, plan, n: ApplyNode) -> dict[int, Any]:
         """Dequantize the plan's packed reads, each into the next workspace slot: their
