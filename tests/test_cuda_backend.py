@@ -16,6 +16,7 @@ that a pass allocates nothing outside the workspace.
 from __future__ import annotations
 
 import gc
+import math
 import subprocess
 import sys
 import types
@@ -39,8 +40,11 @@ from einpage.models import llama, resolve
 from einpage.models.generation import greedy
 from einpage.runtime import evaluate, executor
 from einpage.runtime.backends import cuda, cuda_apply
-from einpage.runtime.backends.apply_plan import (STATUS_BYTES, MatmulApply, plan_applies,
-                                                 slot_bytes, workspace_bytes)
+from einpage.ir.spec import EinsumSpec
+from einpage.runtime.backends.apply_plan import (SHORT_SUM, STATUS_BYTES, KernelApply,
+                                                 MatmulApply, plan_applies, slot_bytes,
+                                                 workspace_bytes)
+from einpage.runtime.backends.gemm_plan import matmul_plan
 from einpage.runtime.backends.cuda import CupyBackend, cuda_usable
 from einpage.runtime.stream_executor import run_streams
 
@@ -81,14 +85,38 @@ def llama_plans():
 
 
 def test_every_llama_apply_has_a_plan_and_contractions_use_gemm(llama_plans):
+    """Contractions run on cuBLAS but short sums (the rotary's 2x2 rotations): one kernel."""
+    short = set()
     for mg in llama_plans:
         plans = plan_applies(mg)
         for n in mg.nodes:
             if not isinstance(n, ApplyNode) or not isinstance(n.op, EinsumOp):
                 continue
+            spec = n.op.spec
             product = scalar.scaled_product_factor(n.op.join, len(n.reads)) is not None
-            if product and len(n.reads) == 2 and n.op.spec.contracted:
-                assert isinstance(plans[n.id], MatmulApply), (n.id, str(n.op.spec))
+            if not (product and len(n.reads) == 2 and spec.contracted):
+                continue
+            sizes = spec.sizes([mg.tensors[r.tensor].shape for r in n.reads])
+            if math.prod(sizes[c] for c in spec.contracted) <= SHORT_SUM:
+                short.add(str(spec))
+                assert isinstance(plans[n.id], KernelApply), (n.id, str(spec))
+                assert plans[n.id].axes is not None and plans[n.id].temps == ()
+            else:
+                assert isinstance(plans[n.id], MatmulApply), (n.id, str(spec))
+    assert {"bsngrj,surj->bsnguj", "bsnrj,surj->bsnuj"} <= short  # the prefill's rotations
+
+
+def test_attention_reads_heads_in_place_and_writes_its_block():
+    """Attention's operands are s-major ([b, s, n, g, u, j]): strided-batched GEMMs read each
+    head with a batch stride of one head and a leading dimension of one row, and the values
+    product writes its block the same way: no copies, no epilogue."""
+    shapes = {"bsnguj,btnuj->bngst": [(1, 16, 4, 1, 2, 8), (1, 16, 4, 2, 8)],
+              "bngst,btnrj->bsngrj": [(1, 4, 1, 16, 16), (1, 16, 4, 2, 8)]}
+    for spec, (a, b) in shapes.items():
+        plan = matmul_plan(EinsumSpec.parse(spec), [a, b], ("f16", "f16"), "f32", "f16", 1.0,
+                           False)
+        assert plan.batched and not plan.left.copy and not plan.right.copy and plan.direct
+        assert plan.temps == (), spec
 
 
 def test_workspace_bytes_is_positive_deterministic_and_covers_every_apply(llama_plans):

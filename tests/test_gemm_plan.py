@@ -14,6 +14,7 @@ from einpage.ir import scalar
 from einpage.ir.dtypes import DType
 from einpage.ir.spec import EinsumSpec
 from einpage.runtime import kernels
+from einpage.runtime.backends.gemm_call import CUBLAS_OP_N, layout, matrix
 from einpage.runtime.backends.gemm_plan import (MatmulOps, execute_matmul, matmul_plan,
                                                 nocopy_reshape_strides, operand_layout)
 
@@ -104,11 +105,14 @@ def test_random_matmul_plans_equal_einsum(case, factor, accumulate, direct_dtype
         if not op.copy:
             view = arr.transpose(op.perm).reshape(op.gemm_shape)
             assert np.shares_memory(view, arr) or arr.size <= 1
-            matrix = view[0] if plan.batched else view  # cuBLAS reads it row- or column-major
-            assert matrix.flags.c_contiguous or matrix.flags.f_contiguous
+            # cuBLAS reads it in place: row- or column-major, any leading dimension and
+            # batch stride
+            layout(matrix(view.shape, view.strides, "f64"), "operand")
     if plan.direct:
         out = np.empty(es.output_shape(shapes))
-        assert np.shares_memory(out.reshape(plan.c_shape), out)
+        c = out.transpose(np.argsort(plan.c_perm)).reshape(plan.c_shape)
+        assert np.shares_memory(c, out) or out.size <= 1
+        assert layout(matrix(c.shape, c.strides, "f64"), "c")[0] == CUBLAS_OP_N
 
 
 def test_weight_matmuls_need_no_copy():

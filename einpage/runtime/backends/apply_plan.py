@@ -2,7 +2,7 @@
 that a CPU test checks it (DESIGN.md, "Stream program").
 
 - **Applies.** `plan_apply` turns each memgraph apply into a `MatmulApply` (a cuBLAS GEMM,
-  `gemm_plan`), a `KernelApply` (one generated kernel, `cuda_source`, over strided views of the
+  `gemm_plan`, for a product contraction summing more than `SHORT_SUM` terms per output), a `KernelApply` (one generated kernel, `cuda_source`, over strided views of the
   instances) or a `CopyApply` (pieces copied with `copyto` or a conversion kernel), with the
   workspace slots it takes, in order.
 - **Packed reads.** An apply reading a packed (quantized) block (`einpage.ir.storage`) first
@@ -37,6 +37,11 @@ from einpage.runtime.planio import instance_bytes, tensor_info
 
 #: bytes after the workspace slots: the status words a gather sets when an id is out of range
 STATUS_BYTES = ALIGNMENT
+#: a product contraction summing at most this many terms per output runs as one reduction
+#: kernel, not a GEMM: it is memory-bound either way, and as a GEMM (rotary embeddings' 2x2
+#: rotations: 65,536 batched 4x2 @ 2x2 products at 2,048 tokens) it costs operand copies, an
+#: epilogue and four launches; 1.3 ms per block on an H200 (bench/RESULTS.md, 2026-11-27)
+SHORT_SUM = 4
 _X0 = scalar.x(0)
 
 
@@ -215,7 +220,7 @@ def _plan_einsum(n: ApplyNode, reads: list[TensorInfo], write: TensorInfo,
     combine = (op.agg or "sum") if n.accumulate else None
     factor = scalar.scaled_product_factor(op.join, len(reads))
     product = factor is not None and op.agg in (None, "sum")
-    if product:
+    if product and math.prod(int(sizes[c]) for c in spec.contracted) > SHORT_SUM:
         mm = matmul_plan(spec, [r.shape for r in reads], tags, compute, out_tag, factor,
                          n.accumulate, staged)
         if mm is not None:

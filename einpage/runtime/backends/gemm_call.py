@@ -66,7 +66,7 @@ class GemmCall:
     compute: int
 
 
-def _layout(x: Matrix, what: str) -> tuple[int, int, int]:
+def layout(x: Matrix, what: str) -> tuple[int, int, int]:
     """(op, leading dimension, batch stride) in elements of `x` read as cuBLAS reads `x^T`:
     row-major `x` is column-major `x^T` (no transpose), column-major `x` needs one."""
     size = ITEMSIZE[x.tag]
@@ -102,9 +102,9 @@ def gemm_call(a: Matrix, b: Matrix, c: Matrix) -> GemmCall:
     k2, n = b.shape[-2:]
     if k != k2 or c.shape[-2:] != (m, n) or a.shape[:-2] != b.shape[:-2] != c.shape[:-2]:
         raise PlanError(f"gemm shapes {list(a.shape)} x {list(b.shape)} -> {list(c.shape)}")
-    op_b, ld_b, stride_b = _layout(b, "b")
-    op_a, ld_a, stride_a = _layout(a, "a")
-    op_c, ld_c, stride_c = _layout(c, "c")
+    op_b, ld_b, stride_b = layout(b, "b")
+    op_a, ld_a, stride_a = layout(a, "a")
+    op_c, ld_c, stride_c = layout(c, "c")
     if op_c != CUBLAS_OP_N:
         raise PlanError(f"gemm c: shape {list(c.shape)} with strides {list(c.strides)} is not "
                         "row-major")
@@ -119,6 +119,5 @@ def matrix(shape: Sequence[int], strides: Sequence[int], tag: str) -> Matrix:
 
 
 
-__all__ = ["C_TAGS", "CUBLAS_COMPUTE_64F", "CUBLAS_GEMM_DEFAULT", "CUDA_TYPE", "GemmCall",
-           "Matrix", "compute_type",
-           "gemm_call", "matrix"]
+__all__ = ["C_TAGS", "CUBLAS_COMPUTE_64F", "CUBLAS_GEMM_DEFAULT", "CUBLAS_OP_N", "CUDA_TYPE",
+           "GemmCall", "Matrix", "compute_type", "gemm_call", "layout", "matrix"]

@@ -26,7 +26,7 @@ from einpage.errors import PlanError
 from einpage.ir.spec import EinsumSpec
 from einpage.ir.dtypes import DType
 from einpage.runtime.backends.cuda_source import ITEMSIZE
-from einpage.runtime.backends.gemm_call import C_TAGS
+from einpage.runtime.backends.gemm_call import C_TAGS, CUBLAS_OP_N, layout, matrix
 
 
 # ------------------------------------------------------------------ layouts
@@ -152,17 +152,37 @@ def _orders(group: str, *terms: str) -> list[str]:
 
 
 def _operand(term: str, groups: tuple[str, ...], sizes: dict, convert: bool,
-             batched: bool) -> GemmOperand:
-    """`groups`: (batch, outer, inner) indices in the order the GEMM takes the operand. A
-    row-major layout needs no copy, nor does a column-major one (inner before outer)."""
+             batched: bool, tag: str) -> GemmOperand:
+    """`groups`: (batch, outer, inner) indices in the order the GEMM takes the operand. The
+    operand needs no copy where its C-contiguous block, its axes permuted into that order, is
+    a view of shape `gemm_shape` (each group's axes adjacent in memory and in order) whose
+    matrices cuBLAS reads in place: row- or column-major with any leading dimension, any batch
+    stride (attention's heads are `s`-major: batch stride one head, leading dimension a row)."""
     order = "".join(groups)
     perm = tuple(term.index(c) for c in order)
     shape = tuple(int(sizes[c]) for c in order)
     kept = groups if batched else groups[1:]
     gemm_shape = tuple(math.prod(int(sizes[c]) for c in g) for g in kept)
-    fits = [order, groups[0] + groups[2] + groups[1]]
-    copy = convert or all(_strip(f, sizes) != _strip(term, sizes) for f in fits)
+    copy = convert or not in_place(term, order, gemm_shape, sizes, tag, out=False)
     return GemmOperand(perm, shape, gemm_shape, copy)
+
+
+def in_place(term: str, order: str, gemm_shape: tuple[int, ...], sizes: dict, tag: str,
+             out: bool) -> bool:
+    """Whether the C-contiguous block with indices `term`, its axes taken in `order`, views as
+    `gemm_shape` without a copy in a layout cuBLAS reads (`out`: writes, which must be
+    row-major) in place."""
+    itemsize = ITEMSIZE[tag]
+    own = dict(zip(term, contiguous_strides([sizes[c] for c in term], itemsize)))
+    strides = nocopy_reshape_strides([int(sizes[c]) for c in order], [own[c] for c in order],
+                                     gemm_shape, itemsize)
+    if strides is None:
+        return False
+    try:
+        op, _, _ = layout(matrix(gemm_shape, strides, tag), "operand")
+    except PlanError:
+        return False
+    return op == CUBLAS_OP_N or not out
 
 
 def gemm_types(in_tags: Sequence[str], compute_tag: str) -> str:
@@ -199,22 +219,25 @@ def matmul_plan(spec: EinsumSpec, shapes: Sequence[Sequence[int]], in_tags: Sequ
 
     batched = size(batch_set) > 1
     ab_tag = gemm_types(in_tags, compute_tag)
+
     writes_out = not staged and out_tag in C_TAGS[ab_tag]
     best = None
     for swap in (False, True):
         first, second = (b, a) if swap else (a, b)
         first_tag, second_tag = (in_tags[1], in_tags[0]) if swap else tuple(in_tags)
         row_set, col_set = (n_set, m_set) if swap else (m_set, n_set)
+        c_gemm = ((size(batch_set),) if batched else ()) + (size(row_set), size(col_set))
         for batch in _orders(batch_set, out, a, b):
             for rows in _orders(row_set, out, first):
                 for cols in _orders(col_set, out, second):
                     for kk in _orders(k_set, first, second):
                         left = _operand(first, (batch, rows, kk), sizes, first_tag != ab_tag,
-                                        batched)
+                                        batched, ab_tag)
                         right = _operand(second, (batch, kk, cols), sizes,
-                                         second_tag != ab_tag, batched)
+                                         second_tag != ab_tag, batched, ab_tag)
                         c_order = batch + rows + cols
-                        direct = writes_out and _strip(c_order, sizes) == _strip(out, sizes)
+                        direct = writes_out and in_place(out, c_order, c_gemm, sizes,
+                                                         out_tag, out=True)
                         cost = sum(math.prod(o.shape) for o in (left, right) if o.copy)
                         cost += 0 if direct else size(out) * 2
                         if best is None or cost < best[0]:
@@ -274,12 +297,19 @@ def execute_matmul(plan: MatmulPlan, ops: MatmulOps, a: Any, b: Any, out: Any) -
     first, second = (b, a) if plan.swap else (a, b)
     lhs = _gemm_input(ops, first, plan.left, plan.ab_tag)
     rhs = _gemm_input(ops, second, plan.right, plan.ab_tag)
-    if plan.direct:
-        ops.matmul(lhs, rhs, out.reshape(plan.c_shape))
+    if plan.direct:  # the block in c's axis order, viewed as c (a view: `in_place`)
+        ops.matmul(lhs, rhs, out.transpose(_inverse(plan.c_perm)).reshape(plan.c_shape))
         return
     c = ops.temp(plan.c_shape, plan.c_tag)
     ops.matmul(lhs, rhs, c)
     ops.epilogue(out, c.reshape(plan.c_full).transpose(plan.c_perm))
+
+
+def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
+    out = [0] * len(perm)
+    for k, p in enumerate(perm):
+        out[p] = k
+    return tuple(out)
 
 
 def _gemm_input(ops: MatmulOps, x: Any, operand: GemmOperand, tag: str) -> Any:
