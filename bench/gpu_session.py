@@ -53,6 +53,7 @@ REPO = HERE.parent
 if str(HERE) not in sys.path:  # the session's own modules (also when loaded by path)
     sys.path.insert(0, str(HERE))
 from gpu_session_fake import install_fake  # noqa: E402
+from gpu_session_profile import py_profile as profile_step  # noqa: E402
 from gpu_session_runner import (_CURRENT, DEFAULT_DEADLINE_S, FAKE_ENV,  # noqa: E402
                                 LOGS, OK_STATUSES, Context, Step, _kill_group,
                                 find_sanitizer, run_steps, select, short_table)
@@ -376,6 +377,9 @@ def build_steps() -> list[Step]:
         Step("soak", "soak", f"{SOAK_STEPS[0]} decode steps in one session: memGetInfo and "
              "RSS flat", py="soak", expect_s=60, limit_s=300, dry_expect_s=8,
              needs=_has_fixture(SMALL_FIXTURE)),
+        Step("profile", "profile", f"{SMALL_FIXTURE} prefill passes in one session: time per "
+             "apply, and cProfile of the compute queue's thread", py="profile", expect_s=20,
+             limit_s=120, dry_expect_s=15, needs=_has_fixture(SMALL_FIXTURE)),
         Step("mvp-7b-16GB", "measured", "llama-7b --random-weights prefill B=1 S=2048 at 16 GB",
              argv=_llama_run("llama-7b", "16GB", lambda w: 2 * w), expect_s=90, limit_s=300,
              dry_expect_s=5, parse=_workload("llama-7b B=1 S=2048 at 16GB")),
@@ -714,7 +718,12 @@ def py_soak(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
 
 
 #: the python steps: (output dir, dry run, what the stand-in lacked) -> (status, note, numbers)
-PY_STEPS = {"env": py_env, "agree": py_agree, "soak": py_soak, "decode": py_decode}
+def py_profile(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
+    return profile_step(work, dry, shims, _fixture(SMALL_FIXTURE))
+
+
+PY_STEPS = {"env": py_env, "agree": py_agree, "soak": py_soak, "decode": py_decode,
+            "profile": py_profile}
 
 
 def _run_py_step(function: str, name: str, work: Path, dry: bool) -> int:

@@ -359,6 +359,11 @@ def _key(record: dict) -> str:
                 f"RSS {n.get('rss_growth_pct', 0):+.2f}%, "
                 f"{n.get('hook_allocations', 0) + n.get('hidden_allocations', 0)} allocations "
                 "outside the arena")
+    if kind == "profile" and "us_per_apply" in n:
+        top = n["top"][0]["function"] if n.get("top") else "-"
+        return (f"{n['us_per_apply']:.1f} us per apply, pass {n['pass_s_median'] * 1e3:.2f} ms "
+                f"(first {n['first_pass_s'] * 1e3:.2f} ms); "
+                f"most own time: {top}")
     if kind == "agree" and "fixtures" in n:
         good = sum(1 for f in n["fixtures"].values() if f.get("ok"))
         return f"{good}/{len(n['fixtures'])} families agree"

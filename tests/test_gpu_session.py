@@ -31,8 +31,9 @@ def gs():
 
 # one step of every kind; the measured row with decode steps parses both pass kinds
 DRY_STEPS = ("env,install,pytest-gpu,san-memcheck-disk,calibrate,mvp-tiny-llama-f32,"
-             "mvp-decode64-b1,agree,soak")
-KINDS = {"env", "install", "pytest", "sanitizer", "calibrate", "measured", "agree", "soak"}
+             "mvp-decode64-b1,agree,soak,profile")
+KINDS = {"env", "install", "pytest", "sanitizer", "calibrate", "measured", "agree", "soak",
+         "profile"}
 
 
 def test_dry_run_end_to_end(tmp_path, gs):
@@ -84,6 +85,11 @@ def test_dry_run_end_to_end(tmp_path, gs):
     assert f["cli_tokens_identical"] and f["cli_text_identical"]
     soak = steps["soak"]["numbers"]
     assert soak["steps"] == gs.SOAK_STEPS[1] and soak["device_free_delta_bytes"] == 0
+    assert soak["hook_allocations"] == soak["hidden_allocations"] == 0
+    prof = steps["profile"]["numbers"]  # the compute thread profiled: the backend's applies
+    assert prof["us_per_apply"] > 0 and prof["first_pass_s"] > 0 and prof["applies"] > 0
+    assert prof["compute_thread_s"] > 0 and len(prof["top"]) == 30
+    assert sum(r["calls"] for r in prof["top"]) >= prof["applies"] * prof["profiled_passes"]
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# GPU session") and "| step | status | seconds | result |" in summary
     for name in steps:
