@@ -89,6 +89,7 @@ LLAMA_PREFILL_SEQ = (2048, 32)        # tokens of the llama prefill rows (B=1)
 DECODE_PROMPT = (512, 16)             # prompt of the decode rows
 DECODE_STEPS = (64, 6)                # decode steps (new tokens = steps + 1)
 SOAK_STEPS = (1000, 20)               # decode steps of the soak
+MEASURED_PASSES = 5                   # prefill rows: the first pass and the median of 4 more
 SOAK_MARK = 10                        # the soak compares memory at this step and the last
 AGREE_NEW_TOKENS = 16                 # new tokens of the cupy-vs-threads generate check
 SAN_DECODE_STEPS = 32                 # decode steps of the sanitizer's decode run
@@ -177,7 +178,7 @@ def _host_budget_for_disk(ctx: Context, path: Path, arena: int) -> str:
     return str(int(parse_bytes(m.group(1)) * 1.25) + 64 * 1024)
 
 
-def _fixture_plan_run(name: str, disk: bool = False, timing: bool = True):
+def _fixture_plan_run(name: str, disk: bool = False, timing: bool = True, passes: int = 1):
     """A fixture's prefill on cupy at 1/4 of its weights, the way einpage runs a small model on a
     GPU: `einpage compile FIXTURE --gpu-mem W/4 -o plan` (with `disk`: a `--cpu-mem` that puts
     weights on disk), then `einpage run plan --checkpoint FIXTURE --backend cupy`. (With
@@ -197,6 +198,8 @@ def _fixture_plan_run(name: str, disk: bool = False, timing: bool = True):
                              str(path / "input_ids.npy"), "--backend", "cupy"]
         if timing:
             run += ["--timing", *_device_args(ctx)]
+        if passes > 1:
+            run += ["--passes", str(passes)]
         return [compile_, run]
     return argv
 
@@ -314,7 +317,7 @@ def _llama_run(model: str, budget: str, dry_arena: Callable[[int], int]):
         return ctx.einpage + ["run", name, "--random-weights", "--tokens-file",
                               _tokens_file(ctx, 1, seq, 256 if ctx.dry_run else 32000),
                               "--gpu-mem", flag, "--backend", "cupy", "--timing",
-                              *_device_args(ctx)]
+                              "--passes", str(MEASURED_PASSES), *_device_args(ctx)]
     return argv
 
 
@@ -368,7 +371,7 @@ def build_steps() -> list[Step]:
     ]
     for fam in FAMILIES:
         steps.append(Step(f"mvp-{fam}", "measured", f"{fam} prefill plan at 1/4 of its weights,"
-                          " --timing", argv=_fixture_plan_run(fam), expect_s=12, limit_s=90,
+                          " --timing", argv=_fixture_plan_run(fam, passes=MEASURED_PASSES), expect_s=12, limit_s=90,
                           dry_expect_s=4, parse=_workload(f"{fam} prefill at 1/4", shrunk=False),
                           needs=_has_fixture(fam)))
     steps += [

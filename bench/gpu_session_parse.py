@@ -87,12 +87,20 @@ def parse_measured(ctx: Context, record: dict, text: str) -> None:
         raise ValueError("no --timing pass in the output")
     first = passes[0]
     n["first"] = first["title"]
-    wall = first.get("wall", {})
+    # `--passes N`: the first pass, then the median of the others, which the row reports
+    steady = next((p for p in passes[1:] if p["title"].startswith(("median of passes",
+                                                                   "pass 2 of 2"))), None)
+    if steady is not None:
+        cold = first.get("wall", {})
+        n.update(first_measured_s=cold.get("measured"), first_ratio=cold.get("ratio"),
+                 steady=steady["title"])
+    row = steady or first
+    wall = row.get("wall", {})
     n.update(wall_measured_s=wall.get("measured"), wall_predicted_s=wall.get("predicted"),
              ratio=wall.get("ratio"))
     if wall.get("predicted") is None:
         record["note"] = "no prediction printed (no --device/--device-file?)"
-    decode = passes[1:]
+    decode = [p for p in passes[1:] if p["title"].startswith("decode step")]
     if decode:
         got = sum(p.get("wall", {}).get("measured") or 0.0 for p in decode)
         want = [p.get("wall", {}).get("predicted") for p in decode]

@@ -348,8 +348,10 @@ def _key(record: dict) -> str:
                 f"{n.get('f16_TFLOPs', 0):.3g} TFLOP/s, per node "
                 f"{n.get('launch_overhead_us', 0):.3g} us")
     if kind == "measured" and "wall_measured_s" in n:
-        text = (f"{n['first']}: {_s(n['wall_measured_s'])} vs {_s(n.get('wall_predicted_s'))}"
-                f" ({_x(n.get('ratio'))})")
+        text = (f"{n.get('steady') or n['first']}: {_s(n['wall_measured_s'])} vs "
+                f"{_s(n.get('wall_predicted_s'))} ({_x(n.get('ratio'))})")
+        if n.get("steady"):
+            text += f"; first pass {_s(n.get('first_measured_s'))} ({_x(n.get('first_ratio'))})"
         if n.get("decode_steps"):
             text += (f"; {n['decode_steps']} decode steps {_s(n['decode_measured_s'])} vs "
                      f"{_s(n.get('decode_predicted_s'))} ({_x(n.get('decode_ratio'))})")
@@ -399,15 +401,15 @@ def summary_markdown(results: dict) -> str:
                   "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in measured:
             n = r["numbers"]
-            p = n["passes"][0]
-            lines.append(f"| {r['name']} | {n.get('workload', '')} | {p['title']} | "
-                         f"{_s(p.get('wall', {}).get('measured'))} | "
-                         f"{_s(p.get('wall', {}).get('predicted'))} | "
-                         f"{_x(p.get('wall', {}).get('ratio'))} | "
-                         f"{_x(p.get('compute busy', {}).get('ratio'))} | "
-                         f"{p.get('h2d bytes', {}).get('measured', '-')} | "
-                         f"{p.get('h2d bytes', {}).get('achieved', '-')} | "
-                         f"{p.get('h2d_hidden', '-')} |")
+            for p in [q for q in n["passes"] if not q["title"].startswith("decode step")]:
+                lines.append(f"| {r['name']} | {n.get('workload', '')} | {p['title']} | "
+                             f"{_s(p.get('wall', {}).get('measured'))} | "
+                             f"{_s(p.get('wall', {}).get('predicted'))} | "
+                             f"{_x(p.get('wall', {}).get('ratio'))} | "
+                             f"{_x(p.get('compute busy', {}).get('ratio'))} | "
+                             f"{p.get('h2d bytes', {}).get('measured', '-')} | "
+                             f"{p.get('h2d bytes', {}).get('achieved', '-')} | "
+                             f"{p.get('h2d_hidden', '-')} |")
             if n.get("decode_steps"):
                 lines.append(f"| {r['name']} | | {n['decode_steps']} decode steps | "
                              f"{_s(n.get('decode_measured_s'))} | "

@@ -177,17 +177,35 @@ def run_plan(mg: MemGraph, inputs: Mapping[str, np.ndarray], weights: WeightSour
     """Run a plan once on a backend by name: `numpy` (the sequential executor: wall time only)
     or a stream backend (`threads` always times its nodes, `cupy` with `timing`; `workspace`
     sizes cupy's temporaries, default what the plan needs)."""
+    outputs, measured = run_plan_passes(mg, inputs, weights, backend, timing, workspace)
+    return outputs, measured[0]
+
+
+def run_plan_passes(mg: MemGraph, inputs: Mapping[str, np.ndarray],
+                    weights: WeightSource | None, backend: str, timing: bool = False,
+                    workspace: int | None = None, passes: int = 1
+                    ) -> tuple[dict[str, np.ndarray], list[Measured]]:
+    """`run_plan` `passes` times on the same inputs: on a stream backend in one session (the
+    arena and the resident weights stay from one pass to the next); the last pass's outputs
+    and every pass's measurement."""
     if backend == "numpy":
-        t0 = time.perf_counter()
-        outputs = run(mg, inputs, weights, poison_freed=False)
-        return outputs, Measured("numpy", time.perf_counter() - t0, 0.0, 0, ())
+        measured = []
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            outputs = run(mg, inputs, weights, poison_freed=False)
+            measured.append(Measured("numpy", time.perf_counter() - t0, 0.0, 0, ()))
+        return outputs, measured
     from einpage.runtime.backends import make_backend, resolve
-    from einpage.runtime.stream_executor import run_streams
+    from einpage.runtime.stream_executor import StreamSession
     name = resolve(backend)
     made = (make_backend(name, workspace_bytes=workspace) if name == "cupy" and workspace
             else make_backend(name))
-    result = run_streams(mg, inputs, weights, made, timing=timing or name == "threads")
-    return result.outputs, result.measured
+    measured = []
+    with StreamSession(mg, weights, made, timing=timing or name == "threads") as session:
+        for _ in range(passes):
+            result = session.run(inputs)
+            measured.append(result.measured)
+    return result.outputs, measured
 
 
 def plan_weights(mg: MemGraph, checkpoint) -> WeightSource:

@@ -101,3 +101,39 @@ def test_calibrate_to_an_unwritable_path_fails_before_measuring(capsys, tmp_path
 def test_calibrate_cupy_without_a_gpu_is_one_line(capsys):
     code = cli("calibrate", "--backend", "cupy")
     assert_one_line_error(capsys, code, "--backend cupy: no usable CUDA GPU (")
+
+
+@pytest.mark.parametrize("plan_file", [False, True])
+def test_passes_repeat_the_pass_in_one_session(capsys, tmp_path, f32, plan_file):
+    """`--passes N`: the same answer; --timing prints the first pass and the median of the
+    others next to the prediction, and the trace holds every pass."""
+    ids = np.load(f32 / "input_ids.npy")
+    np.save(tmp_path / "ids.npy", ids)
+    if plan_file:
+        assert cli("compile", f32, "--gpu-mem", "200KB", "--batch", ids.shape[0], "--seq",
+                   ids.shape[1], "--quiet", "-o", tmp_path / "p.json") == 0
+        model = [tmp_path / "p.json", "--checkpoint", f32]
+    else:
+        model = [f32, "--gpu-mem", "200KB"]
+    capsys.readouterr()
+    assert cli("run", *model, "--tokens-file", tmp_path / "ids.npy", "--backend", "threads",
+               "--passes", 4, "--timing", "--device", "h100-pcie", "--trace",
+               tmp_path / "m.json", "--out", tmp_path / "logits.npy") == 0
+    out = capsys.readouterr().out
+    assert "pass 1 of 4 (the first) on threads: measured | predicted on h100-pcie" in out
+    assert "median of passes 2-4 on threads: measured | predicted on h100-pcie" in out
+    assert "passes 2-4 wall: min " in out and out.count("  wall ") == 2
+    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), np.load(f32 / "logits.npy"),
+                               rtol=1e-4, atol=2e-5)
+    assert "wrote the measured trace of 4 pass(es)" in out
+    assert cli("run", *model, "--tokens-file", tmp_path / "ids.npy", "--backend", "threads",
+               "--passes", 2, "--timing") == 0
+    assert "pass 2 of 2 on threads: measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--passes", "0"], "--passes must be >= 1, got 0"),
+    (["--passes", "3", "--backend", "reference"], "--backend reference runs no plan"),
+])
+def test_bad_passes_are_one_line(capsys, f32, args, message):
+    assert_one_line_error(capsys, cli("run", f32, "--tokens", "1,2", *args), message)

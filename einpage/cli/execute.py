@@ -84,6 +84,10 @@ def add_commands(sub) -> None:
     _add_model_args(run)
     run.add_argument("--checkpoint", help="the checkpoint directory whose weights a plan file "
                                           "runs with (plan files only)")
+    run.add_argument("--passes", type=int, default=1,
+                     help="run the pass N times in one session (the plan held open, resident "
+                          "weights loaded once); --timing prints the first and the median of "
+                          "the others")
     gen = sub.add_parser("generate", help="decoding with the KV cache: greedy (or sampled on "
                                           "request) until EOS or --max-new-tokens")
     _add_model_args(gen)
@@ -148,9 +152,18 @@ def _profile(args):
     return None
 
 
-def _after(args, runner) -> None:
+def _passes(args) -> int:
+    """`--passes N`: N >= 1, and more than one only where a plan runs."""
+    if args.passes < 1:
+        raise InputError(f"--passes must be >= 1, got {args.passes}")
+    if args.passes > 1 and args.backend == "reference":
+        raise InputError("--passes repeats a plan's pass; --backend reference runs no plan")
+    return args.passes
+
+
+def _after(args, runner, repeated: bool = False) -> None:
     """--timing and --trace for the passes `runner` ran (on cupy, --timing first says what the
-    budget holds besides the plan)."""
+    budget holds besides the plan); `repeated`: one plan's pass run several times."""
     predicted = bool(args.device or args.device_file)
     reservation = getattr(runner, "reservation", None)
     if args.timing and reservation is not None:  # cupy: what the budget holds besides the plan
@@ -158,10 +171,10 @@ def _after(args, runner) -> None:
             print(line)
     _show_passes(args, [(p.compiled.memgraph, p.measured,
                          p.compiled.simulation if predicted else None)
-                        for p in getattr(runner, "passes", [])])
+                        for p in getattr(runner, "passes", [])], repeated=repeated)
 
 
-def _show_passes(args, passes, first: str = "prefill pass") -> None:
+def _show_passes(args, passes, first: str = "prefill pass", repeated: bool = False) -> None:
     """--trace and --timing for `passes`: (memgraph, Measured, Simulation or None) each. A
     trace that cannot be written still lets the timing print, then fails (one line)."""
     written = Deferred()
@@ -171,8 +184,11 @@ def _show_passes(args, passes, first: str = "prefill pass") -> None:
         if written.write(write_text, args.trace, events):
             print(f"wrote the measured trace of {len(passes)} pass(es) to {args.trace}")
     if args.timing:
-        from einpage.cli.timing import print_timing
-        print_timing(passes, first)
+        from einpage.cli.timing import print_repeated, print_timing
+        if repeated:
+            print_repeated(passes)
+        else:
+            print_timing(passes, first)
     written.finish()
 
 
@@ -211,13 +227,14 @@ def cmd_run(args) -> None:
         raise InputError("--checkpoint gives the weights of a plan file; "
                          f"{args.model} is not a plan file (its weights are its own)")
     from einpage.models.generation import prefill
+    passes = _passes(args)
     cfg, weights = _resolve(args)
     given = input_from_args(args, _checkpoint_dir(args.model))
     check_context(cfg, int(given.lengths.max()))
     runner = _runner(args, weights)
-    out = prefill(cfg, given.tokens, runner, given.lengths)
+    out = prefill(cfg, given.tokens, runner, given.lengths, passes=passes)
     report_logits(out["logits"], args.out, given.lengths, given.codec if given.text else None)
-    _after(args, runner)
+    _after(args, runner, repeated=passes > 1)
 
 
 class TextPrinter:
@@ -426,20 +443,20 @@ def run_plan(args) -> None:
     if tokens.min() < 0 or tokens.max() >= vocab:
         raise InputError(f"token id out of range for a vocabulary of {vocab}")
     weights = plan_weights(mg, source)
-    out = _run_plan_on_backend(args, mg, {"tokens": tokens}, weights)
+    out = _run_plan_on_backend(args, mg, {"tokens": tokens}, weights, _passes(args))
     report_logits(out["logits"], args.out, given.lengths, given.codec if given.text else None)
 
 
-def _run_plan_on_backend(args, mg, inputs, weights) -> dict:
-    """A saved plan on --backend (the budget is the plan's)."""
-    from einpage.runners import run_plan
-    outputs, measured = run_plan(mg, inputs, weights, args.backend,
-                                 timing=bool(args.timing or args.trace))
+def _run_plan_on_backend(args, mg, inputs, weights, passes: int = 1) -> dict:
+    """A saved plan on --backend (the budget is the plan's), `passes` times in one session."""
+    from einpage.runners import run_plan_passes
+    outputs, measured = run_plan_passes(mg, inputs, weights, args.backend,
+                                        timing=bool(args.timing or args.trace), passes=passes)
     sim = None
     if args.device or args.device_file:
         from einpage.predict import simulate
         sim = simulate(mg, _profile(args))
-    _show_passes(args, [(mg, measured, sim)], first="pass")
+    _show_passes(args, [(mg, m, sim) for m in measured], first="pass", repeated=passes > 1)
     return outputs
 
 

@@ -50,6 +50,27 @@ def print_measured(m, sim, title: str = "pass") -> None:
         print(f"  before the pass: kernels compiled in {_secs(m.compile_s)} (once per plan)")
 
 
+def print_repeated(passes) -> None:
+    """The passes of one plan run `--passes N` times in one session: the first (what a single
+    run measures: cold caches, first launches) and the median of the others (for an even count
+    the lower one: a pass that ran), each next to the prediction, then the spread."""
+    n = len(passes)
+    _, measured, sim = passes[0]
+    print_measured(measured, sim, f"pass 1 of {n} (the first)")
+    rest = sorted(passes[1:], key=lambda p: p[1].wall_s)
+    _, median, sim = rest[(len(rest) - 1) // 2]
+    if n == 2:
+        print_measured(median, sim, "pass 2 of 2")
+    else:
+        print_measured(median, sim, f"median of passes 2-{n}")
+        walls = [p[1].wall_s for p in rest]
+        print(f"  passes 2-{n} wall: min {_secs(walls[0])}, median {_secs(median.wall_s)}, "
+              f"max {_secs(walls[-1])}")
+    if sim is None:
+        print("  (no prediction: pass --device-file PROFILE, e.g. from "
+              "`einpage calibrate -o cpu.json`, or --device NAME)")
+
+
 def print_timing(passes, first: str = "prefill pass") -> None:
     """Every pass of a run (`first`, then decode steps): (memgraph, Measured, Simulation or
     None) each; the prediction is there where a profile was given (`--device` /

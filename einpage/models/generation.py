@@ -128,14 +128,20 @@ def pad_rows(rows: Sequence[Sequence[int]], pad: int = 0) -> tuple[np.ndarray, n
 
 
 def prefill(cfg: LlamaConfig, tokens: np.ndarray, run: Runner,
-            lengths: np.ndarray | None = None) -> dict[str, np.ndarray]:
+            lengths: np.ndarray | None = None, passes: int = 1) -> dict[str, np.ndarray]:
     """The prefill's outputs (`logits` [B, S, vocab], `cache.<l>.k|v`) for rows padded on the
     right to S; `lengths` (per row, default S) is only checked here: `last_logits` and
-    `KVStore.fill` take it."""
+    `KVStore.fill` take it. `passes` > 1 (a benchmark) runs the same pass that many times in
+    one session of `run` (a runner that can `open` a plan) and returns the last."""
     tokens = check_tokens(cfg, tokens)
     check_lengths(tokens, lengths)
     graph = llama.prefill_graph(cfg).bind(B=tokens.shape[0], S=tokens.shape[1])
-    return dict(run(graph, {"tokens": tokens}))
+    if passes == 1:
+        return dict(run(graph, {"tokens": tokens}))
+    with open_session(run, graph) as session:
+        for _ in range(passes):
+            out = session.run({"tokens": tokens})
+    return dict(out)
 
 
 def last_logits(logits: np.ndarray, lengths: np.ndarray | None = None) -> np.ndarray:
