@@ -107,6 +107,10 @@ def bound_sentence(r: PlanReport) -> str:
         return (f"transfer-bound: {_gb(sim.h2d_bytes)} cross the host->device link each pass "
                 f"({what}); the link is busy {_secs(sim.h2d_s)}, compute "
                 f"{_secs(sim.compute_s)} {whole}")
+    if kind == "host":
+        return (f"host-bound: the host's CPU computes its applies for {_secs(sim.host_s)} "
+                f"{whole}; compute {_secs(sim.compute_s)}, the host->device link "
+                f"{_secs(sim.h2d_s)}")
     if kind == "d2h":
         return (f"write-back-bound: {_gb(sim.d2h_bytes)} cross the device->host link each pass; "
                 f"the link is busy {_secs(sim.d2h_s)}, compute {_secs(sim.compute_s)} {whole}")
@@ -118,9 +122,10 @@ def bound_sentence(r: PlanReport) -> str:
 def _time_lines(r: PlanReport) -> list[str]:
     sim, tps = r.simulation, r.tokens_per_s
     rate = (f" ({tps:,.0f} tokens/s)" if tps >= 100 else f" ({tps:.3g} tokens/s)") if tps else ""
+    host = f", host CPU {_secs(sim.host_s)}" if getattr(sim, "host_s", 0.0) else ""
     lines = [f"  predicted on {sim.device}: {_secs(sim.makespan_s)} per pass{rate}; busy: "
              f"compute {_secs(sim.compute_s)}, host->device {_secs(sim.h2d_s)}, device->host "
-             f"{_secs(sim.d2h_s)}; compute waits {_secs(sim.stall_s)} for data"]
+             f"{_secs(sim.d2h_s)}{host}; compute waits {_secs(sim.stall_s)} for data"]
     b = r.bound
     if b is not None:
         disk = (f"; {_gb(b.disk_bytes)} of them that the host budget cannot hold, read from "

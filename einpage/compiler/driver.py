@@ -166,8 +166,9 @@ def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
 
 def _place(planned: "_Planned", options: CompileOptions) -> None:
     """Host placement (`einpage.compiler.placement`) weighed beside the device-only plans: for
-    each candidate set of blocks kept in host memory that the best plan streams (the KV store,
-    the experts' weights), the tasks that read them run on the host, and paced resident sets
+    each candidate set of blocks kept in host memory (the KV store, the experts' weights: all of
+    them, or only those the best device-only plan streams, so what it keeps resident is still
+    computed on the device), the tasks that read them run on the host, and paced resident sets
     over the other persistent blocks are searched as the device-only ones were (unless the host
     tasks alone would outlast the device-only pass: no lowering then). Every trial
     joins the partition's; a placement wins only by more than AUTO_TOLERANCE, so a tie keeps
@@ -177,8 +178,13 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
     device = trials.best()
     budget = options.device_bytes
     tried: set[frozenset] = set()
+    candidates = []
     for kind in placement.KINDS:
         kept = placement.host_blocks(tg, kind)
+        # all of them, or only those the device-only plan streams (what it keeps resident
+        # stays there and is computed on the device)
+        candidates += [kept, kept - device.resident]
+    for kept in candidates:
         if not kept - device.resident:
             continue  # they stay on the device already: nothing to save
         on_host = placement.place_on_host(tg, order, kept)
