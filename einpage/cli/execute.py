@@ -106,6 +106,13 @@ def add_commands(sub) -> None:
     gen.add_argument("--kv-granule", type=int, default=256,
                      help="KV-store capacities come in multiples of this (coarser past 2048: "
                           "at most 1/8 of a bucket is unused); one decode plan per bucket")
+    gen.add_argument("--draft", choices=("ngram",),
+                     help="speculative decoding: ngram proposes each row's next tokens from its "
+                          "own text (prompt lookup), and one pass of the model checks them all; "
+                          "greedy only, the same tokens as without it")
+    gen.add_argument("--draft-tokens", type=int,
+                     help="proposals checked per pass (default 4; 1 to 64, at most "
+                          "--kv-granule)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object: tokens (rows padded after their EOS), "
                           "new_lengths, finish_reason (eos or length), text (each row's "
@@ -161,9 +168,10 @@ def _passes(args) -> int:
     return args.passes
 
 
-def _after(args, runner, repeated: bool = False) -> None:
+def _after(args, runner, repeated: bool = False, later: str = "decode step") -> None:
     """--timing and --trace for the passes `runner` ran (on cupy, --timing first says what the
-    budget holds besides the plan); `repeated`: one plan's pass run several times."""
+    budget holds besides the plan); `repeated`: one plan's pass run several times; `later`:
+    what the passes after the first are called."""
     predicted = bool(args.device or args.device_file)
     reservation = getattr(runner, "reservation", None)
     if args.timing and reservation is not None:  # cupy: what the budget holds besides the plan
@@ -171,10 +179,12 @@ def _after(args, runner, repeated: bool = False) -> None:
             print(line)
     _show_passes(args, [(p.compiled.memgraph, p.measured,
                          p.compiled.simulation if predicted else None)
-                        for p in getattr(runner, "passes", [])], repeated=repeated)
+                        for p in getattr(runner, "passes", [])], repeated=repeated,
+                  later=later)
 
 
-def _show_passes(args, passes, first: str = "prefill pass", repeated: bool = False) -> None:
+def _show_passes(args, passes, first: str = "prefill pass", repeated: bool = False,
+                 later: str = "decode step") -> None:
     """--trace and --timing for `passes`: (memgraph, Measured, Simulation or None) each. A
     trace that cannot be written still lets the timing print, then fails (one line)."""
     written = Deferred()
@@ -188,7 +198,7 @@ def _show_passes(args, passes, first: str = "prefill pass", repeated: bool = Fal
         if repeated:
             print_repeated(passes)
         else:
-            print_timing(passes, first)
+            print_timing(passes, first, later)
     written.finish()
 
 
@@ -308,6 +318,7 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
     if args.kv_granule < 1:
         raise InputError(f"--kv-granule must be at least 1, got {args.kv_granule}")
     sampling = _sampling_from_args(args)
+    draft = _draft_from_args(args)
     cfg, weights = _resolve(args)
     eos = end_of_sequence(_checkpoint_dir(args.model))
     try:
@@ -323,7 +334,7 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
                     on_token=printer.on_token if printer else None, lengths=given.lengths,
                     eos_ids=eos.ids, ignore_eos=args.ignore_eos, pad_id=eos.pad_id,
                     temperature=sampling.temperature, top_p=sampling.top_p,
-                    top_k=sampling.top_k, seed=sampling.seed)
+                    top_k=sampling.top_k, seed=sampling.seed, draft=draft)
     new = done.tokens
     stops = not args.ignore_eos and bool(eos.ids)
     summary = {"tokens": new.tolist(), "batch": int(new.shape[0]),
@@ -341,6 +352,8 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
                "decode_s": done.decode_s, "decode_steps": done.decode_steps, **done.rates(),
                "compile_s": getattr(runner, "compile_s", 0.0), "backend": getattr(
                    runner, "backend", "reference")}
+    if done.speculation is not None:
+        summary.update(done.speculation.to_json())
     if given.codec is not None:
         summary["text"] = [given.codec.decode(row) for row in done.rows()]
     written = Deferred()  # a failed --out: the rows print as without it, then one line
@@ -358,8 +371,26 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
             print(f"saved new tokens {new.shape} to {args.out}", file=out)
         _print_stops(summary, out)
         _print_rates(summary, out)
-    _after(args, runner)
+    _after(args, runner, later="verify pass" if draft is not None else "decode step")
     written.finish()
+
+
+def _draft_from_args(args):
+    """`--draft ngram` and `--draft-tokens K` as a draft (None without --draft)."""
+    if args.draft is None:
+        if args.draft_tokens is not None:
+            raise InputError("--draft-tokens sizes the proposals of --draft: give --draft ngram")
+        return None
+    from einpage.models.speculative import NgramDraft
+    k = 4 if args.draft_tokens is None else args.draft_tokens
+    most = min(64, args.kv_granule)
+    if not 1 <= k <= most:
+        raise InputError(f"--draft-tokens must be between 1 and {most} (64, and at most "
+                         f"--kv-granule), got {k}")
+    if args.temperature:
+        raise InputError("--draft accepts proposals greedily: speculative sampling is not "
+                         "built; drop --temperature")
+    return NgramDraft(k)
 
 
 def _print_stops(s: dict, out: TextIO) -> None:
@@ -398,6 +429,12 @@ def _print_rates(s: dict, out: TextIO | None = None) -> None:
           f"({rate('prefill_tokens_per_s')}); decode: {s['decode_steps']} steps in "
           f"{s['decode_s']:.3f} s ({rate('decode_tokens_per_s')}); {s['plans_compiled']} plans "
           f"compiled in {s['compile_s']:.2f} s on {s['backend']}", file=out or sys.stdout)
+    if s.get("draft"):
+        acceptance = "-" if s["acceptance"] is None else f"{s['acceptance']:.2f}"
+        per_pass = "-" if s["tokens_per_pass"] is None else f"{s['tokens_per_pass']:.2f}"
+        print(f"speculative: {s['draft']} drafts of {s['draft_tokens']} tokens; "
+              f"{s['verify_passes']} verify passes, acceptance {acceptance}, {per_pass} tokens "
+              "per row per pass", file=out or sys.stdout)
 
 
 def run_plan(args) -> None:

@@ -71,12 +71,12 @@ def print_repeated(passes) -> None:
               "`einpage calibrate -o cpu.json`, or --device NAME)")
 
 
-def print_timing(passes, first: str = "prefill pass") -> None:
-    """Every pass of a run (`first`, then decode steps): (memgraph, Measured, Simulation or
-    None) each; the prediction is there where a profile was given (`--device` /
-    `--device-file`)."""
+def print_timing(passes, first: str = "prefill pass", later: str = "decode step") -> None:
+    """Every pass of a run (`first`, then the `later` ones: decode steps, or verify passes):
+    (memgraph, Measured, Simulation or None) each; the prediction is there where a profile was
+    given (`--device` / `--device-file`)."""
     for k, (_, measured, sim) in enumerate(passes):
-        print_measured(measured, sim, first if k == 0 else f"decode step {k}")
+        print_measured(measured, sim, first if k == 0 else f"{later} {k}")
     if passes and all(sim is None for _, _, sim in passes):
         print("  (no prediction: pass --device-file PROFILE, e.g. from "
               "`einpage calibrate -o cpu.json`, or --device NAME)")

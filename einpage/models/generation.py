@@ -39,7 +39,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Iterable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -48,6 +48,9 @@ from einpage.ir.graph import Graph
 from einpage.models import llama
 from einpage.models.config import LlamaConfig
 from einpage.models.kvstore import GRANULE, KVStore, capacity_for, step_capacities
+
+if TYPE_CHECKING:
+    from einpage.models.speculative import NgramDraft, SpeculationStats
 
 #: runs a concrete graph: (graph, inputs by name) -> outputs by name
 Runner = Callable[[Graph, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
@@ -286,6 +289,16 @@ class TokenPicker:
         self.finished = np.zeros(batch, bool)
         self.new_lengths = np.zeros(batch, np.int64)
 
+    def emit(self, b: int, token: int) -> bool:
+        """Row `b` (not finished) takes `token` (one picked elsewhere: a verify pass accepts
+        several at once); whether the row has finished with it."""
+        if self.finished[b]:
+            raise InputError(f"row {b} has finished: it takes no more tokens")
+        self.new_lengths[b] += 1
+        if self.eos.size and int(token) in self.eos:
+            self.finished[b] = True
+        return bool(self.finished[b])
+
     def __call__(self, last: np.ndarray) -> np.ndarray:
         """The next tokens [B] from each row's logits [B, vocab]; finished rows get the pad."""
         ids = sample(last, self.sampling, self.rng)
@@ -369,9 +382,12 @@ class Generated:
     new_lengths: tuple[int, ...] = field(default=())
     finish: tuple[str, ...] = field(default=())
     seed: int | None = None
+    speculation: "SpeculationStats | None" = None  # with a draft: what its passes did
 
     @property
     def decode_steps(self) -> int:
+        """Tokens per row after the prefill's (with a draft, several come from one pass:
+        `speculation.passes` counts the passes)."""
         return self.tokens.shape[1] - 1
 
     def rows(self) -> list[list[int]]:
@@ -410,14 +426,17 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
              granule: int = GRANULE, on_token: Callable[[np.ndarray], None] | None = None,
              lengths: np.ndarray | None = None, *, eos_ids: Iterable[int] | None = None,
              ignore_eos: bool = False, pad_id: int | None = None, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Generated:
+             top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+             draft: "NgramDraft | None" = None) -> Generated:
     """Up to `new_tokens` tokens per row: the prefill picks the first (each row from its last
     real position; `lengths`: rows padded on the right, default all of the prompt), each decode
     step one more (rows at their own positions). Greedy by default; `temperature` > 0 samples
     (`Sampling`: `top_p`, `top_k`, `seed`). A row stops at one of `eos_ids` (None: never;
     `ignore_eos`: never) and is padded with `pad_id` (default its first EOS id); the steps end
     when every row has stopped. The store is allocated once at the largest bucket
-    `new_tokens` could need. InputError for a bad option."""
+    `new_tokens` could need. With a `draft` (`speculative.NgramDraft`, greedy only) each pass of
+    the target verifies the draft's proposals and yields one token or more per row, the same
+    tokens (`speculative`). InputError for a bad option."""
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, numbers.Integral) \
             or new_tokens < 1:
         raise InputError(f"new_tokens must be at least 1, got {new_tokens!r}")
@@ -427,6 +446,9 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
     lengths = check_lengths(prompt, lengths)
     batch, length = prompt.shape[0], int(lengths.max())
     picker = TokenPicker(batch, sampling, () if ignore_eos else eos_ids, pad_id)
+    if draft is not None:
+        from einpage.models.speculative import check_draft
+        check_draft(cfg, draft, sampling.greedy)
     t0 = time.perf_counter()
     out = prefill(cfg, prompt, run, lengths)
     first = picker(last_logits(out["logits"], lengths))
@@ -435,16 +457,24 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
         on_token(first)
     caps = step_capacities(length, new_tokens, granule, cfg.kv_ring)
     t0 = time.perf_counter()
-    rest, opened = np.zeros((batch, 0), np.int64), ()
+    rest, opened, stats = np.zeros((batch, 0), np.int64), (), None
     if caps and not picker.done:
         store = KVStore(cfg, batch, caps[-1])
         store.fill(out, lengths)
-        rest, opened = _decode(cfg, store, first, new_tokens - 1, run, granule, on_token, picker)
+        if draft is None:
+            rest, opened = _decode(cfg, store, first, new_tokens - 1, run, granule, on_token,
+                                   picker)
+        else:
+            from einpage.models.speculative import speculate
+            history = [prompt[b, :n].tolist() + [int(first[b])]
+                       for b, n in enumerate(lengths.tolist())]
+            rest, opened, stats = speculate(cfg, store, first, new_tokens - 1, run, granule,
+                                            on_token, picker, draft, history)
     decode_s = time.perf_counter() - t0
     return Generated(np.concatenate([first[:, None], rest], axis=1), prefill_s, decode_s, opened,
                      tuple(int(n) for n in lengths),
                      tuple(int(n) for n in picker.new_lengths), picker.reasons(),
-                     None if sampling.greedy else sampling.seed)
+                     None if sampling.greedy else sampling.seed, stats)
 
 
 def greedy(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,

@@ -157,6 +157,32 @@ class KVStore:
         self.pos += 1
         return written
 
+    def write_rows(self, step: Mapping[str, np.ndarray], counts: np.ndarray
+                   ) -> list[tuple[str, tuple[int, int], np.ndarray]]:
+        """Write the first `counts[b]` of a verify step's `new.<l>.k|v` [B, T, ...] rows of row b
+        at `pos[b]`, `pos[b] + 1`, ... and advance `pos[b]` by `counts[b]` (rows of rejected
+        tokens are not written). Returns the rows written, as `write` does."""
+        counts = np.asarray(counts, np.int64)
+        if counts.shape != (self.batch,) or counts.min() < 0:
+            raise InputError(f"row counts {counts.tolist()} for a batch of {self.batch}")
+        if not self.wraps and int((self.pos + counts).max()) > self.capacity:
+            raise InputError(f"the KV store of {self.capacity} slots cannot take positions up "
+                             f"to {int((self.pos + counts).max()) - 1}")
+        written = []
+        for name, array in self.arrays.items():
+            new = step["new." + name[len("cache."):]]
+            if new.shape[1] < counts.max():
+                raise InputError(f"{int(counts.max())} rows asked of a step of {new.shape[1]}")
+            packed = self._packed(new)
+            for b in range(self.batch):
+                for i in range(int(counts[b])):
+                    slot = self.slot(int(self.pos[b]) + i)
+                    array[b, slot] = packed[b, i]
+                    written.append((name, (b, slot), new[b, i] if self.storage is not None
+                                    else array[b, slot]))
+        self.pos += counts
+        return written
+
     def rows(self, name: str, b: int) -> np.ndarray:
         """Row b's past in `name` in position order: [rows, kv_heads, 2, head_dim/2] (every
         position, or a ring's last `capacity`), as the store holds it (packed rows under a KV

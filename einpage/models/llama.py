@@ -6,6 +6,7 @@ Index letters, used in every spec below:
     m model hidden     f feed-forward hidden   v vocabulary
     n kv head          g query head within its kv head's group
     r rotary half in   u rotary half out       j position within a rotary half (head_dim / 2)
+    w key position among a verify step's own new tokens
 
 A head's `head_dim` features are stored as (half, j) = (2, head_dim/2), so Hugging Face's
 rotate-half rotary embedding is one einsum with a (s, u, r, j) rotation table. Weights are graph
@@ -18,7 +19,10 @@ are run-time values (rows may be at different positions). The store has capacity
 attends over its rows `t < pos[b]` and over its own new key, with the softmax taken over both
 parts at once (one running max and one sum), so the store is read in place: never concatenated,
 never copied. The step returns its new rows; the caller writes them into the store at `pos`.
-Where every layer has a sliding window of W, the store is a ring of W - 1 slots
+A verify step (speculative decoding) is a decode step of `T` new tokens per row at positions
+`pos[b] .. pos[b] + T - 1`: each attends over the store's rows `t < pos[b]` and, causally, over
+the step's own new keys `w <= s`, again with one softmax over both parts; it returns `T` rows of
+logits and the `T` new key and value rows per layer. Where every layer has a sliding window of W, the store is a ring of W - 1 slots
 (`ModelConfig.kv_ring`): it holds exactly the rows the window sees, in slot `pos mod (W - 1)`, so
 the mask is `slot < pos` and decode never reads a row outside the window (the softmax does not
 care in which order the keys lie).
@@ -43,6 +47,7 @@ import math
 
 import sympy
 
+from einpage.errors import ModelError
 from einpage.ir import scalar
 from einpage.ir.builder import GraphBuilder, Tensor
 from einpage.ir.dtypes import DType
@@ -50,7 +55,7 @@ from einpage.ir.graph import Graph
 from einpage.models.config import ModelConfig
 from einpage.models.schema import kv_storage, weight_shapes, weight_storage
 
-B, S, C = (scalar.size_symbol(n) for n in "BSC")
+B, S, C, T = (scalar.size_symbol(n) for n in "BSCT")
 
 
 class _Llama:
@@ -135,6 +140,14 @@ class _Llama:
         """Decode: rot[b, u, r, j] at position pos[b] (angles computed on the device)."""
         return self._rotary(self.pos, "b")
 
+    def verify_rotary_table(self, seq) -> Tensor:
+        """Verify step: rot[b, s, u, r, j] at position pos[b] + s."""
+        g = self.g
+        offset = g.fill((seq,), lambda s: s, dtype=DType.f32)
+        position = g.einsum("b,s->bs", self.pos, offset, join=lambda p, o: p + o,
+                            dtype=DType.f32)
+        return self._rotary(position, "bs")
+
     def _rotary(self, position: Tensor, p: str) -> Tensor:
         """rot[p, u, r, j] for positions `position[p]`. As transformers does, the angle is the
         float32 product of the float32 position and inverse frequency, and its cos and sin are
@@ -174,6 +187,32 @@ class _Llama:
                     (0, (t < p) if window is None else sympy.And(t < p, p - t < window)),
                     (-sympy.oo, True)))
         return self.masks[window]
+
+    def verify_store_mask(self, seq, capacity, window) -> Tensor:
+        """Verify step: mask[b, s, t] over the store, 0 where query pos[b] + s sees slot t
+        (t < pos[b], and within the window)."""
+        key = ("verify", window)
+        if key not in self.masks:
+            g = self.g
+            slot = g.fill((capacity,), lambda t: t, dtype=DType.f32)
+            offset = g.fill((seq,), lambda s: s, dtype=DType.f32)
+            query = g.einsum("b,s->bs", self.pos, offset, join=lambda p, o: p + o,
+                             dtype=DType.f32)
+            self.masks[key] = g.einsum(
+                "b,bs,t->bst", self.pos, query, slot, dtype=DType.f32,
+                join=lambda p, q, t: sympy.Piecewise(
+                    (0, (t < p) if window is None else sympy.And(t < p, q - t < window)),
+                    (-sympy.oo, True)))
+        return self.masks[key]
+
+    def own_mask(self, seq, window) -> Tensor:
+        """Verify step: mask[s, w] over the step's own keys, 0 where new token s sees new token
+        w (causal, and within the window)."""
+        key = ("own", window)
+        if key not in self.masks:
+            self.masks[key] = self.g.fill((seq, seq), lambda s, w: sympy.Piecewise(
+                (0, self._visible(s, w, window)), (-sympy.oo, True)), dtype=DType.f32)
+        return self.masks[key]
 
     def projections(self, x: Tensor, layer: int, rot: Tensor, rot_spec: str):
         """q, k (normed per head where the family does, then rotated) and v of the hidden state
@@ -246,6 +285,43 @@ class _Llama:
                        join=lambda o, a, c: o + a * c)
         return self.out_projection(out, layer), k, v
 
+    def verify_attention(self, x: Tensor, layer: int, rot: Tensor, seq,
+                         capacity) -> tuple[Tensor, Tensor, Tensor]:
+        """Verify step: each new token attends over the store's past rows and, causally, over
+        the step's own new keys, with one softmax over both (as `step_attention` for one
+        token); returns the output and the step's new key and value rows."""
+        g, cfg, scale = self.g, self.cfg, self.scale
+        shape = (B, capacity, cfg.kv_heads, 2, cfg.head_dim // 2)
+        past_k = g.input(f"cache.{layer}.k", shape, self.dt, role="cache", storage=self.kv)
+        past_v = g.input(f"cache.{layer}.v", shape, self.dt, role="cache", storage=self.kv)
+        window = cfg.window(layer)
+        q, k, v = self.projections(x, layer, rot, "bsurj")
+        past = g.einsum("bsnguj,btnuj->bngst", q, past_k, join=lambda a, c: a * c * scale,
+                        agg="sum", dtype=DType.f32)
+        past = g.einsum("bngst,bst->bngst", past, self.verify_store_mask(seq, capacity, window),
+                        join=lambda a, c: a + c)
+        own = g.einsum("bsnguj,bwnuj->bngsw", q, k, join=lambda a, c: a * c * scale, agg="sum",
+                       dtype=DType.f32)
+        own = g.einsum("bngsw,sw->bngsw", own, self.own_mask(seq, window),
+                       join=lambda a, c: a + c)
+        top = g.einsum("bngst->bngs", past, join=lambda a: a, agg="max")
+        top_own = g.einsum("bngsw->bngs", own, join=lambda a: a, agg="max")
+        top = g.einsum("bngs,bngs->bngs", top, top_own, join=lambda a, c: sympy.Max(a, c))
+        e_past = g.einsum("bngst,bngs->bngst", past, top, join=lambda a, c: scalar.exp(a - c))
+        e_own = g.einsum("bngsw,bngs->bngsw", own, top, join=lambda a, c: scalar.exp(a - c))
+        total = g.einsum("bngst->bngs", e_past, join=lambda a: a, agg="sum")
+        total_own = g.einsum("bngsw->bngs", e_own, join=lambda a: a, agg="sum")
+        total = g.einsum("bngs,bngs->bngs", total, total_own, join=lambda a, c: a + c)
+        p_past = g.einsum("bngst,bngs->bngst", e_past, total, join=lambda a, c: a / c,
+                          dtype=self.dt)
+        p_own = g.einsum("bngsw,bngs->bngsw", e_own, total, join=lambda a, c: a / c,
+                         dtype=self.dt)
+        out = g.einsum("bngst,btnrj->bsngrj", p_past, past_v, dtype=DType.f32)
+        mine = g.einsum("bngsw,bwnrj->bsngrj", p_own, v, dtype=DType.f32)
+        out = g.einsum("bsngrj,bsngrj->bsngrj", out, mine, dtype=self.dt,
+                       join=lambda o, a: o + a)
+        return self.out_projection(out, layer), k, v
+
     def _ffn(self, x: Tensor, prefix: str) -> Tensor:
         """The SwiGLU feed-forward block with weights `<prefix>w_gate|w_up|w_down`."""
         g = self.g
@@ -305,14 +381,15 @@ class _Llama:
 
     def build(self, seq, capacity=None) -> Graph:
         """Prefill of `seq` tokens (`capacity` None), or one decode step over a store of
-        `capacity` rows."""
+        `capacity` rows (of one new token per row, or a verify step of `seq`)."""
         g, cfg = self.g, self.cfg
         tokens = g.input("tokens", (B, seq), DType.i64)
+        verify = capacity is not None and seq != 1
         if capacity is None:
             rot = self.rotary_table(seq)
         else:
             self.pos = g.input("pos", (B,), DType.i64)
-            rot = self.step_rotary_table()
+            rot = self.verify_rotary_table(seq) if verify else self.step_rotary_table()
         embed = self.weight("embed")
         h = g.gather(embed, tokens)
         rows = []
@@ -322,6 +399,8 @@ class _Llama:
                 x = self.rms_norm(h, self.weight(p + "attn_norm"))
                 if capacity is None:
                     a, k, v = self.attention(x, layer, seq, rot)
+                elif verify:
+                    a, k, v = self.verify_attention(x, layer, rot, seq, capacity)
                 else:
                     a, k, v = self.step_attention(x, layer, rot, capacity)
                 h = self.add(h, a)
@@ -345,6 +424,19 @@ def prefill_graph(cfg: ModelConfig) -> Graph:
     """Prefill of `S` tokens per row for `B` rows: inputs `tokens` [B,S] and the weights;
     outputs `logits` [B,S,V] and the KV cache `cache.<l>.k|v` [B,S,n,2,j]."""
     return _Llama(cfg).build(S)
+
+
+def verify_graph(cfg: ModelConfig) -> Graph:
+    """A verify step (speculative decoding): a decode step of `T` new tokens per row, inputs
+    `tokens` [B,T] at positions `pos[b] .. pos[b]+T-1` and the KV store `cache.<l>.k|v`
+    [B,C,n,2,j] (rows `t < pos[b]`); outputs `logits` [B,T,V] and the new rows `new.<l>.k|v`
+    [B,T,n,2,j], of which the caller writes those it accepts into the store from `pos`. Not
+    for a ring store (`ModelConfig.kv_ring`): the window would hide ring rows from the later
+    new tokens by position, which a slot mask cannot tell."""
+    if cfg.kv_ring:
+        raise ModelError("a verify step over a sliding-window ring store (every layer "
+                         "windowed) is not built")
+    return _Llama(cfg).build(T, capacity=C)
 
 
 def decode_graph(cfg: ModelConfig) -> Graph:

@@ -1,0 +1,197 @@
+"""Speculative decoding: several tokens per pass of the target model (issue "Many tokens per
+streamed pass", first step: prompt-lookup drafts, greedy acceptance).
+
+When the weights do not fit, a decode step costs one trip of the streamed weights over the link
+whatever it computes, so checking `k` proposed tokens in one pass costs nearly what one token
+does. Each pass here is a *verify step* (`llama.verify_graph`: `T = k + 1` new tokens per row at
+positions `pos .. pos + k`, the KV store read in place): its inputs are each row's last token
+and `k` proposals, its outputs the target's logits at those `T` positions and their new key and
+value rows.
+
+Acceptance (greedy): the target's own pick at each position is the argmax of its logits there
+(`generation.sample`, as plain decoding picks). A row accepts its proposals while they equal the
+target's picks; the first pick that differs, or the pick after the last proposal, is a token the
+target chose itself. So a pass emits `1 + accepted` tokens per row, each the token plain greedy
+decoding emits at that position: the output is plain decoding's, token for token. Only the KV
+rows of the tokens that were fed and kept (the last token and the accepted proposals) go into
+the store (`KVStore.write_rows`); rejected rows are dropped, and nothing is copied back.
+
+Drafts: `NgramDraft` proposes from the row's own text (prompt-lookup decoding): the tokens that
+followed the latest earlier occurrence of its last n-gram (n from `max_ngram` down to 1).
+A row that finishes (EOS, or its `new_tokens`) stops there; rows accept different counts and
+keep their own positions. Plans: one per (bucket, T), cached by the runner as decode plans are.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Sequence
+
+import numpy as np
+
+from einpage.errors import InputError
+from einpage.ir.graph import Graph
+from einpage.models import llama
+from einpage.models.config import LlamaConfig
+from einpage.models.kvstore import KVStore, capacity_for
+
+#: the drafts `--draft` takes
+DRAFTS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class NgramDraft:
+    """Prompt-lookup proposals: `tokens` of them per pass, from the tokens that followed the
+    latest earlier occurrence of the row's last `n` tokens (n = `max_ngram` .. 1); where the
+    continuation is shorter than `tokens` its last token is repeated, and without any match the
+    row's last token is (a proposal that is wrong costs nothing but its own acceptance)."""
+    tokens: int
+    max_ngram: int = 3
+
+    def __post_init__(self):
+        for what, value in (("draft tokens", self.tokens), ("the n-gram length", self.max_ngram)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise InputError(f"{what} must be an integer >= 1, got {value!r}")
+
+    @property
+    def name(self) -> str:
+        return "ngram"
+
+    def propose(self, history: Sequence[int]) -> list[int]:
+        """`tokens` proposals to follow `history` (a row's prompt and its tokens so far)."""
+        h = list(history)
+        for n in range(min(self.max_ngram, len(h) - 1), 0, -1):
+            tail = h[-n:]
+            for start in range(len(h) - n - 1, -1, -1):  # the latest earlier occurrence
+                if h[start:start + n] == tail:
+                    follow = h[start + n:start + n + self.tokens]
+                    return follow + [follow[-1]] * (self.tokens - len(follow))
+        return [h[-1]] * self.tokens
+
+
+@dataclass
+class SpeculationStats:
+    """What the verify passes did: `passes` run, draft tokens `proposed` to rows still going and
+    `accepted` of them, and tokens `emitted` (accepted plus the target's own pick, per row per
+    pass), over `row_passes` (a row counted in each pass it took part in)."""
+    draft: str
+    draft_tokens: int
+    passes: int = 0
+    row_passes: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    capacities: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted over proposed draft tokens."""
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def tokens_per_pass(self) -> float | None:
+        """Tokens a row gets from one pass of the target (1 + its accepted proposals)."""
+        return self.emitted / self.row_passes if self.row_passes else None
+
+    def to_json(self) -> dict:
+        return {"draft": self.draft, "draft_tokens": self.draft_tokens,
+                "verify_passes": self.passes, "proposed": self.proposed,
+                "accepted": self.accepted, "acceptance": self.acceptance,
+                "tokens_per_pass": self.tokens_per_pass}
+
+
+@lru_cache(maxsize=16)
+def _unbound_verify(cfg: LlamaConfig) -> Graph:
+    return llama.verify_graph(cfg)
+
+
+@lru_cache(maxsize=32)
+def verify_step_graph(cfg: LlamaConfig, batch: int, capacity: int, tokens: int) -> Graph:
+    """The verify step of `batch` rows of `tokens` new tokens over a store of `capacity` slots
+    (built once per process for each `(cfg, batch, capacity, tokens)`)."""
+    return _unbound_verify(cfg).bind(B=batch, C=capacity, T=tokens)
+
+
+def check_draft(cfg: LlamaConfig, draft, greedy: bool) -> None:
+    """What a speculative generation needs, with one clear error each."""
+    if not greedy:
+        raise InputError("speculative decoding accepts greedily: sampling with a draft "
+                         "(the speculative sampling rule) is not built; drop --temperature")
+    if cfg.kv_ring:
+        raise InputError("speculative decoding over a sliding-window ring store (every layer "
+                         "windowed, as Mistral's) is not built")
+
+
+def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, run,
+              granule: int, on_token: Callable[[np.ndarray], None] | None, picker,
+              draft: NgramDraft, history: list[list[int]]
+              ) -> tuple[np.ndarray, tuple[int, ...], SpeculationStats]:
+    """Up to `steps` more tokens per row after `first` [B] (the prefill's pick), several per
+    verify pass (see the module docstring): int64 [B, tokens] (rows padded after they stop, as
+    plain decoding pads them), the bucket capacities the passes ran, in order, and the stats.
+    `history[b]`: row b's prompt and `first[b]`, extended as tokens come. `picker` keeps the
+    rows' stops (`TokenPicker.emit`)."""
+    from einpage.models.generation import open_session, sample
+    batch, k = store.batch, draft.tokens
+    last = np.asarray(first, np.int64).copy()
+    left = np.full(batch, steps, np.int64)  # tokens each row may still take
+    rows: list[list[int]] = [[] for _ in range(batch)]
+    stats = SpeculationStats(draft.name, k)
+    session, capacity = None, 0
+    try:
+        while not picker.done and (left[~picker.finished] > 0).any():
+            going = ~picker.finished & (left > 0)
+            need = min(capacity_for(int(store.pos.max()) + 1, granule), store.capacity)
+            if need != capacity:
+                if session is not None:
+                    session.close()
+                capacity = need
+                stats.capacities.append(capacity)
+                session = open_session(run, verify_step_graph(cfg, batch, capacity, k + 1))
+            proposals = np.array([draft.propose(history[b]) if going[b] else [picker.pad] * k
+                                  for b in range(batch)], np.int64)
+            fed = np.concatenate([last[:, None], proposals], axis=1)
+            out = session.run({"tokens": fed, "pos": store.pos.copy(),
+                               **store.view(capacity)})
+            logits = np.asarray(out["logits"])
+            picks = np.stack([sample(logits[:, s], picker.sampling, None)
+                              for s in range(k + 1)], axis=1)
+            kept = np.zeros(batch, np.int64)  # new tokens (and fed rows kept) per row
+            for b in np.flatnonzero(going):
+                match = np.flatnonzero(proposals[b] != picks[b, :k])
+                accepted = int(match[0]) if match.size else k
+                stats.proposed += k
+                n = 0
+                for token in picks[b, :accepted + 1][:int(left[b])].tolist():
+                    n += 1
+                    rows[b].append(token)
+                    history[b].append(token)
+                    if picker.emit(b, token):
+                        break
+                kept[b] = n
+                stats.accepted += min(n, accepted)
+                stats.emitted += n
+                stats.row_passes += 1
+                left[b] -= n
+                last[b] = rows[b][-1]
+            stats.passes += 1
+            for name, lead, row in store.write_rows(out, kept):
+                session.write(name, lead, row)
+            if on_token is not None:  # a column per new token (pads where a row has none)
+                for j in range(int(kept.max())):
+                    on_token(np.array([rows[b][len(rows[b]) - int(kept[b]) + j]
+                                       if j < kept[b] else picker.pad
+                                       for b in range(batch)], np.int64))
+    finally:
+        if session is not None:
+            session.close()
+    width = max((len(r) for r in rows), default=0)
+    tokens = np.full((batch, width), picker.pad, np.int64)
+    for b, r in enumerate(rows):
+        tokens[b, :len(r)] = r
+    return tokens, tuple(stats.capacities), stats
+
+
+__all__ = ["DRAFTS", "NgramDraft", "SpeculationStats", "check_draft", "speculate",
+           "verify_step_graph"]

@@ -1,0 +1,222 @@
+"""Speculative decoding, first step (issue "Many tokens per streamed pass"): the verify step
+computes what that many decode steps compute; prompt-lookup drafts; greedy acceptance gives
+plain decoding's tokens, token for token, on every family fixture whose store is not a ring,
+paged and dense, rows of different lengths accepting different counts; a perfect draft yields
+k + 1 tokens per pass; the KV store takes the accepted rows only; the CLI and its bad input."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from test_cli import assert_one_line_error, cli
+
+from einpage.compiler import CompileOptions
+from einpage.errors import InputError, ModelError
+from einpage.models import llama, resolve
+from einpage.models.generation import decode_step_graph, generate, pad_rows, prefill
+from einpage.models.kvstore import KVStore
+from einpage.models.speculative import NgramDraft, speculate, verify_step_graph
+from einpage.runners import PlanRunner, dense_runner
+
+FAMILIES = ["tiny-llama-f32", "tiny-llama-bf16", "tiny-llama31", "tiny-qwen2", "tiny-qwen3",
+            "tiny-mixtral"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_verify_step_computes_what_that_many_decode_steps_compute(hf_fixture, family):
+    cfg, weights = resolve(str(hf_fixture(family)))
+    run = dense_runner(weights)
+    prompt, lengths = pad_rows([[5, 9, 2, 7, 7, 3, 1], [4, 4, 8]])
+    out = prefill(cfg, prompt, run, lengths)
+    one, many = KVStore(cfg, 2, 24), KVStore(cfg, 2, 24)
+    one.fill(out, lengths)
+    many.fill(out, lengths)
+    fed = np.random.default_rng(0).integers(0, cfg.vocab, (2, 4))
+    steps = []
+    for i in range(4):
+        step = run(decode_step_graph(cfg, 2, 24), {"tokens": fed[:, i:i + 1],
+                                                  "pos": one.pos.copy(), **one.view(24)})
+        one.write(step)
+        steps.append(step)
+    verify = run(verify_step_graph(cfg, 2, 24, 4), {"tokens": fed, "pos": many.pos.copy(),
+                                                    **many.view(24)})
+    want = np.concatenate([s["logits"] for s in steps], axis=1)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(verify["logits"], want, rtol=0, atol=2e-6 * max(scale, 1))
+    for name in ("new.0.k", "new.0.v", f"new.{cfg.layers - 1}.v"):
+        rows = np.concatenate([s[name] for s in steps], 1).astype(np.float32)
+        np.testing.assert_allclose(verify[name].astype(np.float32), rows, rtol=0,
+                                   atol=2e-6 * max(np.abs(rows).max(), 1))
+    many.write_rows(verify, np.array([4, 4]))
+    for name, array in one.arrays.items():  # (float32 rounding of the rows' own values)
+        array = array.astype(np.float32)
+        np.testing.assert_allclose(many.arrays[name].astype(np.float32), array, rtol=0,
+                                   atol=2e-6 * max(np.abs(array).max(), 1))
+
+
+def _runners(cfg, weights):
+    return {"dense": dense_runner(weights),
+            "paged": PlanRunner(weights, CompileOptions(cfg.weight_bytes() // 4), "threads")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_speculation_gives_plain_decodings_tokens(hf_fixture, family):
+    """Every family, dense and paged at 1/4 of the weights, several draft sizes, rows of
+    different lengths (they accept different counts) and the checkpoint's EOS."""
+    path = hf_fixture(family)
+    cfg, weights = resolve(str(path))
+    prompt = np.load(path / "greedy_prompt.npy")
+    rows = [prompt[0].tolist(), prompt[0, :max(2, prompt.shape[1] // 2)].tolist()]
+    tokens, lengths = pad_rows(rows)
+    for kind, runner in _runners(cfg, weights).items():
+        plain = generate(cfg, tokens, 20, runner, lengths=lengths, eos_ids=(3,))
+        for k in (1, 4):
+            spec = generate(cfg, tokens, 20, runner, lengths=lengths, eos_ids=(3,),
+                            draft=NgramDraft(k))
+            assert np.array_equal(spec.tokens, plain.tokens), (kind, k)
+            assert spec.new_lengths == plain.new_lengths and spec.finish == plain.finish
+            s = spec.speculation
+            assert s.passes >= 1 and s.proposed == k * s.row_passes
+            assert s.emitted == sum(plain.new_lengths) - 2  # all but the prefill's picks
+            assert s.row_passes <= s.emitted <= (k + 1) * s.row_passes
+
+
+class _Oracle:
+    """A perfect draft: the target's own greedy continuation (the mechanism's ceiling)."""
+    name = "oracle"
+
+    def __init__(self, prompt_len: int, future: list[int], tokens: int):
+        self.start, self.future, self.tokens = prompt_len, future, tokens
+
+    def propose(self, history):
+        at = len(history) - self.start  # tokens generated so far, the first included
+        ahead = self.future[at:at + self.tokens]
+        return ahead + [0] * (self.tokens - len(ahead))
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_a_perfect_draft_yields_k_plus_one_tokens_per_pass(hf_fixture, k):
+    cfg, weights = resolve(str(hf_fixture("tiny-llama-f32")))
+    runner = _runners(cfg, weights)["paged"]
+    prompt = np.array([[5, 9, 2, 7, 7, 3, 1, 8]])
+    plain = generate(cfg, prompt, 25, runner)
+    future = plain.tokens[0].tolist()
+    out = prefill(cfg, prompt, runner)
+    store = KVStore(cfg, 1, 8 + 24)
+    store.fill(out)
+    from einpage.models.generation import TokenPicker
+    picker = TokenPicker(1)
+    picker.emit(0, future[0])
+    tokens, _, stats = speculate(cfg, store, np.array(future[:1]), 24, runner, 256, None,
+                                 picker, _Oracle(8, future, k), [prompt[0].tolist() + future[:1]])
+    assert tokens[0].tolist() == future[1:]
+    assert stats.passes == math.ceil(24 / (k + 1)) and stats.acceptance == 1.0
+    assert stats.tokens_per_pass == pytest.approx(24 / stats.passes)
+    assert int(store.pos[0]) == 8 + 24
+
+
+def test_ngram_proposals():
+    draft = NgramDraft(3)
+    assert draft.propose([1, 2, 3, 4, 9, 2, 3]) == [4, 9, 2]  # after the latest "2 3"
+    assert draft.propose([7, 1, 2, 8, 1, 2]) == [8, 1, 2]
+    assert draft.propose([5, 6, 7, 5]) == [6, 7, 5]  # a 1-gram match
+    assert draft.propose([1, 2, 1]) == [2, 1, 1]  # a short continuation: its last repeated
+    assert draft.propose([4, 5, 6]) == [6, 6, 6]  # no match: the last token
+    assert NgramDraft(2, max_ngram=1).propose([3, 1, 3, 2, 3]) == [2, 3]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InputError, match="draft tokens must be an integer >= 1"):
+            NgramDraft(bad)
+
+
+def test_the_store_takes_the_accepted_rows_only(hf_fixture):
+    cfg, _ = resolve(str(hf_fixture("tiny-llama-f32")))
+    store = KVStore(cfg, 2, 6)
+    store.pos[:] = [1, 3]
+    step = {f"new.{layer}.{kv}": np.full((2, 4, cfg.kv_heads, 2, cfg.head_dim // 2),
+                                         10 * layer + i, np.float32)
+            for layer in range(cfg.layers) for i, kv in enumerate("kv")}
+    for b in range(2):
+        for name in step:
+            step[name][b] += np.arange(4)[:, None, None, None] + 100 * b
+    written = store.write_rows(step, np.array([2, 0]))
+    assert store.pos.tolist() == [3, 3] and len(written) == 2 * 2 * cfg.layers
+    k = store.arrays["cache.0.k"]
+    assert k[0, 1, 0, 0, 0] == 0 and k[0, 2, 0, 0, 0] == 1 and not k[0, 3].any()
+    assert not k[1].any()
+    with pytest.raises(InputError, match="cannot take positions up to 6"):
+        store.write_rows(step, np.array([4, 0]))
+    with pytest.raises(InputError, match="row counts"):
+        store.write_rows(step, np.array([1]))
+
+
+def test_no_verify_step_over_a_ring_store(hf_fixture):
+    cfg, _ = resolve(str(hf_fixture("tiny-mistral")))
+    assert cfg.kv_ring
+    with pytest.raises(ModelError, match="ring store"):
+        llama.verify_graph(cfg)
+    with pytest.raises(InputError, match="ring store"):
+        generate(cfg, np.array([[1, 2, 3]]), 4, dense_runner(None), draft=NgramDraft(2))
+    llama_cfg, _ = resolve(str(hf_fixture("tiny-llama-f32")))
+    with pytest.raises(InputError, match="speculative sampling"):
+        generate(llama_cfg, np.array([[1, 2, 3]]), 4, dense_runner(None), temperature=0.7,
+                 draft=NgramDraft(2))
+
+
+def test_cli_generate_with_a_draft(capsys, hf_fixture):
+    path = hf_fixture("tiny-llama31")
+    common = ["generate", path, "--prompt-file", path / "prompt.txt", "--max-new-tokens", 12,
+              "--gpu-mem", "200KB", "--backend", "threads", "--json"]
+    assert cli(*common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli(*common, "--draft", "ngram", "--draft-tokens", 3) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"]
+    assert spec["draft"] == "ngram" and spec["draft_tokens"] == 3
+    assert spec["verify_passes"] >= 1 and spec["proposed"] == 3 * spec["verify_passes"]
+    assert 0 <= spec["acceptance"] <= 1 and 1 <= spec["tokens_per_pass"] <= 4
+    assert "draft" not in plain
+    assert cli(*common[:-1], "--draft", "ngram") == 0
+    assert "speculative: ngram drafts of 4 tokens;" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft-tokens", "2"], "--draft-tokens sizes the proposals of --draft"),
+    (["--draft", "ngram", "--draft-tokens", "0"], "--draft-tokens must be between 1 and 64"),
+    (["--draft", "ngram", "--draft-tokens", "65"], "--draft-tokens must be between 1 and 64"),
+    (["--draft", "ngram", "--draft-tokens", "9", "--kv-granule", "8"],
+     "--draft-tokens must be between 1 and 8"),
+    (["--draft", "ngram", "--temperature", "0.5"], "speculative sampling is not built"),
+    (["--draft", "model.gguf"], "invalid choice"),
+])
+def test_bad_draft_options_are_one_line(capsys, hf_fixture, args, message):
+    path = hf_fixture("tiny-llama-f32")
+    code = cli("generate", path, "--tokens", "1,2,3", "--max-new-tokens", 4, *args)
+    if message == "invalid choice":  # argparse's own line (exit 2)
+        out, err = capsys.readouterr()
+        assert code == 2 and message in err
+        return
+    assert_one_line_error(capsys, code, message)
+
+
+def test_a_ring_model_with_a_draft_is_one_line(capsys, hf_fixture):
+    assert_one_line_error(capsys, cli("generate", hf_fixture("tiny-mistral"), "--tokens", "1,2,3",
+                                      "--max-new-tokens", 4, "--draft", "ngram"), "ring store")
+
+
+def test_a_row_stops_at_its_eos_inside_an_accepted_run(hf_fixture):
+    """The EOS id is a token the rows emit mid-generation: each row stops there (even inside a
+    pass's accepted run), the other goes on, as plain decoding does."""
+    cfg, weights = resolve(str(hf_fixture("tiny-llama-f32")))
+    runner = dense_runner(weights)
+    tokens, lengths = pad_rows([[5, 9, 2, 7, 7, 3, 1, 8], [4, 4, 8]])
+    free = generate(cfg, tokens, 24, runner, lengths=lengths)
+    eos = int(free.tokens[0, 6])
+    plain = generate(cfg, tokens, 24, runner, lengths=lengths, eos_ids=(eos,))
+    assert "eos" in plain.finish
+    for k in (2, 5):
+        spec = generate(cfg, tokens, 24, runner, lengths=lengths, eos_ids=(eos,),
+                        draft=NgramDraft(k))
+        assert np.array_equal(spec.tokens, plain.tokens)
+        assert spec.finish == plain.finish and spec.new_lengths == plain.new_lengths
