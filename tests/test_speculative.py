@@ -2,7 +2,9 @@
 computes what that many decode steps compute; prompt-lookup drafts; greedy acceptance gives
 plain decoding's tokens, token for token, on every family fixture whose store is not a ring,
 paged and dense, rows of different lengths accepting different counts; a perfect draft yields
-k + 1 tokens per pass; the KV store takes the accepted rows only; the CLI and its bad input."""
+k + 1 tokens per pass; the speculative sampling rule keeps the target's distribution (a
+chi-square test that a wrong rule fails); the KV store takes the accepted rows only; the CLI
+and its bad input."""
 from __future__ import annotations
 
 import json
@@ -158,10 +160,6 @@ def test_no_verify_step_over_a_ring_store(hf_fixture):
         llama.verify_graph(cfg)
     with pytest.raises(InputError, match="ring store"):
         generate(cfg, np.array([[1, 2, 3]]), 4, dense_runner(None), draft=NgramDraft(2))
-    llama_cfg, _ = resolve(str(hf_fixture("tiny-llama-f32")))
-    with pytest.raises(InputError, match="speculative sampling"):
-        generate(llama_cfg, np.array([[1, 2, 3]]), 4, dense_runner(None), temperature=0.7,
-                 draft=NgramDraft(2))
 
 
 def test_cli_generate_with_a_draft(capsys, hf_fixture):
@@ -187,7 +185,6 @@ def test_cli_generate_with_a_draft(capsys, hf_fixture):
     (["--draft", "ngram", "--draft-tokens", "65"], "--draft-tokens must be between 1 and 64"),
     (["--draft", "ngram", "--draft-tokens", "9", "--kv-granule", "8"],
      "--draft-tokens must be between 1 and 8"),
-    (["--draft", "ngram", "--temperature", "0.5"], "speculative sampling is not built"),
     (["--draft", "model.gguf"], "invalid choice"),
 ])
 def test_bad_draft_options_are_one_line(capsys, hf_fixture, args, message):
@@ -220,3 +217,116 @@ def test_a_row_stops_at_its_eos_inside_an_accepted_run(hf_fixture):
                         draft=NgramDraft(k))
         assert np.array_equal(spec.tokens, plain.tokens)
         assert spec.finish == plain.finish and spec.new_lengths == plain.new_lengths
+
+
+# ------------------------------------------------------------------ sampling
+
+
+def _chi_square_p(observed: dict, expected: dict) -> float:
+    """The p-value of Pearson's chi-square statistic over the cells (cells expected below 5
+    pooled into one), by the Wilson-Hilferty normal approximation of the chi-square tail."""
+    big = [c for c, e in expected.items() if e >= 5]
+    rest_o = sum(v for c, v in observed.items() if c not in big)
+    rest_e = sum(e for c, e in expected.items() if c not in big)
+    stat = sum((observed.get(c, 0) - expected[c]) ** 2 / expected[c] for c in big)
+    df = len(big) - 1
+    if rest_e > 0:
+        stat += (rest_o - rest_e) ** 2 / rest_e
+        df += 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.fixture(scope="module")
+def two_token_tables(hf_fixture):
+    """The target's distributions for the two tokens after a fixed prefix (tiny-llama-f32,
+    temperature 0.05, top-k 5): p1 over the first, p2[x] over the second after first token x (every x),
+    and the verify step's own [3, vocab] rows for proposals (d1, d2)."""
+    from einpage.models.generation import Sampling, probabilities
+    cfg, weights = resolve(str(hf_fixture("tiny-llama-f32")))
+    run = dense_runner(weights)
+    sampling = Sampling(temperature=0.05, top_k=5, seed=0).resolved()
+    prefix = np.array([[5, 9, 2, 7, 7, 3, 1, 8]])
+    out = prefill(cfg, prefix, run)
+    p1 = probabilities(out["logits"][:, -1], sampling)[0]
+    vocab = cfg.vocab
+    store = KVStore(cfg, vocab, 16)
+    store.fill({k: np.repeat(v, vocab, axis=0) for k, v in out.items() if k != "logits"})
+    step = run(decode_step_graph(cfg, vocab, 16), {"tokens": np.arange(vocab)[:, None],
+                                                   "pos": store.pos.copy(), **store.view(16)})
+    p2 = probabilities(step["logits"][:, 0], sampling)
+    order = np.argsort(-p1)
+    d1, d2 = int(order[1]), int(np.argsort(-p2[order[1]])[0])  # likely, not certain
+    assert 0.05 < p1[d1] < 0.9 and 0.05 < p2[d1, d2] < 0.95
+    mine = KVStore(cfg, 1, 16)  # the prefix but its last token, which the step feeds first
+    mine.fill({k: v for k, v in out.items() if k != "logits"}, np.array([prefix.shape[1] - 1]))
+    verify = run(verify_step_graph(cfg, 1, 16, 3), {"tokens": np.array([[int(prefix[0, -1]),
+                                                                         d1, d2]]),
+                                                    "pos": mine.pos.copy(), **mine.view(16)})
+    rows = probabilities(verify["logits"][0], sampling)
+    np.testing.assert_allclose(rows[0], p1, atol=1e-6)
+    np.testing.assert_allclose(rows[1], p2[d1], atol=1e-6)
+    return p1, p2, rows, (d1, d2)
+
+
+def _two_tokens(rule, p1, p2, rows, proposals, samples: int, seed: int) -> dict:
+    """The first two tokens after the prefix, drawn `samples` times: one verify pass by `rule`,
+    then, if it gave one token, the next pass's first token from its own distribution."""
+    from einpage.models.speculative import draw
+    rng = np.random.default_rng(seed)
+    counts: dict = {}
+    for _ in range(samples):
+        tokens, _ = rule(rows, list(proposals), rng)
+        if len(tokens) < 2:
+            tokens = tokens + [draw(p2[tokens[0]], rng.random())]
+        key = (tokens[0], tokens[1])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_speculative_sampling_keeps_the_targets_distribution(two_token_tables):
+    from einpage.models.speculative import accept_sampled, draw
+    p1, p2, rows, proposals = two_token_tables
+    samples = 20_000
+    expected = {(a, b): samples * p1[a] * p2[a, b] for a in range(len(p1)) if p1[a] > 0
+                for b in np.flatnonzero(p2[a] > 0).tolist()}
+    good = _two_tokens(accept_sampled, p1, p2, rows, proposals, samples, seed=1)
+    assert _chi_square_p(good, expected) > 0.01
+
+    def resample_from_p(probs, props, rng):  # wrong: a rejection draws from p, d included
+        for i, d in enumerate(props):
+            if rng.random() < probs[i][d]:
+                continue
+            return list(props[:i]) + [draw(probs[i], rng.random())], i
+        return list(props) + [draw(probs[len(props)], rng.random())], len(props)
+
+    def accept_always(probs, props, rng):  # wrong: every proposal taken
+        return list(props) + [draw(probs[len(props)], rng.random())], len(props)
+
+    for wrong in (resample_from_p, accept_always):
+        bad = _two_tokens(wrong, p1, p2, rows, proposals, samples, seed=1)
+        assert _chi_square_p(bad, expected) < 1e-6, wrong.__name__
+
+
+def test_sampled_generation_with_a_draft_is_seeded_and_runs_paged(hf_fixture):
+    cfg, weights = resolve(str(hf_fixture("tiny-llama-f32")))
+    runner = _runners(cfg, weights)["paged"]
+    prompt = np.array([[5, 9, 2, 7, 7, 3, 1, 8], [4, 4, 8, 4, 4, 8, 4, 4]])
+    runs = [generate(cfg, prompt, 16, runner, temperature=0.8, top_k=20, seed=7,
+                     draft=NgramDraft(3)) for _ in range(2)]
+    assert np.array_equal(runs[0].tokens, runs[1].tokens) and runs[0].tokens.shape == (2, 16)
+    s = runs[0].speculation
+    assert s.emitted == 2 * 15 and s.passes <= 15 and s.proposed == 3 * s.row_passes
+    assert runs[0].seed == 7
+
+
+def test_cli_samples_with_a_draft(capsys, hf_fixture):
+    path = hf_fixture("tiny-llama-f32")
+    args = ["generate", path, "--tokens", "5,9,2,7,7,3,1,8", "--max-new-tokens", 10,
+            "--temperature", "0.7", "--seed", 3, "--draft", "ngram", "--json"]
+    assert cli(*args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert cli(*args) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert first["tokens"] == again["tokens"] and first["sampling"]["seed"] == 3
+    assert first["draft"] == "ngram" and len(first["tokens"][0]) == 10

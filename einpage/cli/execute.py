@@ -109,7 +109,8 @@ def add_commands(sub) -> None:
     gen.add_argument("--draft", choices=("ngram",),
                      help="speculative decoding: ngram proposes each row's next tokens from its "
                           "own text (prompt lookup), and one pass of the model checks them all; "
-                          "greedy only, the same tokens as without it")
+                          "greedy: the same tokens as without it; sampling: the same "
+                          "distribution (the speculative sampling rule)")
     gen.add_argument("--draft-tokens", type=int,
                      help="proposals checked per pass (default 4; 1 to 64, at most "
                           "--kv-granule)")
@@ -387,9 +388,6 @@ def _draft_from_args(args):
     if not 1 <= k <= most:
         raise InputError(f"--draft-tokens must be between 1 and {most} (64, and at most "
                          f"--kv-granule), got {k}")
-    if args.temperature:
-        raise InputError("--draft accepts proposals greedily: speculative sampling is not "
-                         "built; drop --temperature")
     return NgramDraft(k)
 
 

@@ -434,9 +434,9 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
     (`Sampling`: `top_p`, `top_k`, `seed`). A row stops at one of `eos_ids` (None: never;
     `ignore_eos`: never) and is padded with `pad_id` (default its first EOS id); the steps end
     when every row has stopped. The store is allocated once at the largest bucket
-    `new_tokens` could need. With a `draft` (`speculative.NgramDraft`, greedy only) each pass of
-    the target verifies the draft's proposals and yields one token or more per row, the same
-    tokens (`speculative`). InputError for a bad option."""
+    `new_tokens` could need. With a `draft` (`speculative.NgramDraft`) each pass of the target
+    verifies the draft's proposals and yields one token or more per row: greedy, the same
+    tokens; sampling, the same distribution (`speculative`). InputError for a bad option."""
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, numbers.Integral) \
             or new_tokens < 1:
         raise InputError(f"new_tokens must be at least 1, got {new_tokens!r}")
@@ -448,7 +448,7 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
     picker = TokenPicker(batch, sampling, () if ignore_eos else eos_ids, pad_id)
     if draft is not None:
         from einpage.models.speculative import check_draft
-        check_draft(cfg, draft, sampling.greedy)
+        check_draft(cfg)
     t0 = time.perf_counter()
     out = prefill(cfg, prompt, run, lengths)
     first = picker(last_logits(out["logits"], lengths))

@@ -1,5 +1,6 @@
 """Speculative decoding: several tokens per pass of the target model (issue "Many tokens per
-streamed pass", first step: prompt-lookup drafts, greedy acceptance).
+streamed pass", first step: prompt-lookup drafts; greedy acceptance, and the speculative
+sampling rule when sampling).
 
 When the weights do not fit, a decode step costs one trip of the streamed weights over the link
 whatever it computes, so checking `k` proposed tokens in one pass costs nearly what one token
@@ -15,6 +16,11 @@ target chose itself. So a pass emits `1 + accepted` tokens per row, each the tok
 decoding emits at that position: the output is plain decoding's, token for token. Only the KV
 rows of the tokens that were fed and kept (the last token and the accepted proposals) go into
 the store (`KVStore.write_rows`); rejected rows are dropped, and nothing is copied back.
+
+Acceptance (sampling, `accept_sampled`): the speculative sampling rule for a draft that
+proposes each token for certain; each token the pass emits is distributed exactly as the
+target's own next token (its temperature, top-k and top-p applied), though not the token plain
+sampling draws with the same seed (the draws differ).
 
 Drafts: `NgramDraft` proposes from the row's own text (prompt-lookup decoding): the tokens that
 followed the latest earlier occurrence of its last n-gram (n from `max_ngram` down to 1).
@@ -113,11 +119,36 @@ def verify_step_graph(cfg: LlamaConfig, batch: int, capacity: int, tokens: int) 
     return _unbound_verify(cfg).bind(B=batch, C=capacity, T=tokens)
 
 
-def check_draft(cfg: LlamaConfig, draft, greedy: bool) -> None:
+def draw(probs: np.ndarray, u: float) -> int:
+    """One token from `probs` [vocab] by the inverse of its cumulative mass in id order at the
+    uniform `u` (as `generation.sample` draws; never an id of probability 0)."""
+    cdf = np.cumsum(probs)
+    picked = int((cdf <= u * cdf[-1]).sum())
+    return min(picked, len(probs) - 1 - int(np.argmax(probs[::-1] > 0)))
+
+
+def accept_sampled(probs: np.ndarray, proposals: Sequence[int], rng: np.random.Generator
+                   ) -> tuple[list[int], int]:
+    """Speculative sampling for one row: (its new tokens, proposals accepted). `probs` [k+1,
+    vocab] is the target's distribution at each position of the verify step, `proposals` [k] a
+    draft that proposes each token for certain (q = 1 at it, as prompt lookup does). Proposal
+    `d` is accepted with probability min(1, p(d) / q(d)) = p(d); the first one rejected is
+    replaced by a draw from the normalised max(0, p - q), which is p without d; all accepted,
+    one more token is drawn from the last position. Each new token is then distributed exactly
+    as the target's own next token: P(d) = p(d), and P(x) = (1 - p(d)) p(x) / (1 - p(d)) for
+    every x != d."""
+    for i, d in enumerate(proposals):
+        p = probs[i]
+        if rng.random() < p[d]:
+            continue
+        residual = p.copy()
+        residual[d] = 0.0
+        return list(proposals[:i]) + [draw(residual, rng.random())], i
+    return list(proposals) + [draw(probs[len(proposals)], rng.random())], len(proposals)
+
+
+def check_draft(cfg: LlamaConfig) -> None:
     """What a speculative generation needs, with one clear error each."""
-    if not greedy:
-        raise InputError("speculative decoding accepts greedily: sampling with a draft "
-                         "(the speculative sampling rule) is not built; drop --temperature")
     if cfg.kv_ring:
         raise InputError("speculative decoding over a sliding-window ring store (every layer "
                          "windowed, as Mistral's) is not built")
@@ -132,7 +163,7 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
     plain decoding pads them), the bucket capacities the passes ran, in order, and the stats.
     `history[b]`: row b's prompt and `first[b]`, extended as tokens come. `picker` keeps the
     rows' stops (`TokenPicker.emit`)."""
-    from einpage.models.generation import open_session, sample
+    from einpage.models.generation import open_session, probabilities, sample
     batch, k = store.batch, draft.tokens
     last = np.asarray(first, np.int64).copy()
     left = np.full(batch, steps, np.int64)  # tokens each row may still take
@@ -155,15 +186,23 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
             out = session.run({"tokens": fed, "pos": store.pos.copy(),
                                **store.view(capacity)})
             logits = np.asarray(out["logits"])
-            picks = np.stack([sample(logits[:, s], picker.sampling, None)
-                              for s in range(k + 1)], axis=1)
+            greedy = picker.sampling.greedy
+            if greedy:
+                picks = np.stack([sample(logits[:, s], picker.sampling, None)
+                                  for s in range(k + 1)], axis=1)
             kept = np.zeros(batch, np.int64)  # new tokens (and fed rows kept) per row
             for b in np.flatnonzero(going):
-                match = np.flatnonzero(proposals[b] != picks[b, :k])
-                accepted = int(match[0]) if match.size else k
+                if greedy:
+                    match = np.flatnonzero(proposals[b] != picks[b, :k])
+                    accepted = int(match[0]) if match.size else k
+                    candidates = picks[b, :accepted + 1].tolist()
+                else:
+                    candidates, accepted = accept_sampled(
+                        probabilities(logits[b], picker.sampling), proposals[b].tolist(),
+                        picker.rng)
                 stats.proposed += k
                 n = 0
-                for token in picks[b, :accepted + 1][:int(left[b])].tolist():
+                for token in candidates[:int(left[b])]:
                     n += 1
                     rows[b].append(token)
                     history[b].append(token)
@@ -193,5 +232,5 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
     return tokens, tuple(stats.capacities), stats
 
 
-__all__ = ["DRAFTS", "NgramDraft", "SpeculationStats", "check_draft", "speculate",
-           "verify_step_graph"]
+__all__ = ["DRAFTS", "NgramDraft", "SpeculationStats", "accept_sampled", "check_draft", "draw",
+           "speculate", "verify_step_graph"]
