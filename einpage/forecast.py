@@ -124,3 +124,90 @@ def forecast_generation(cfg: LlamaConfig, batch: int, prompt: int, new_tokens: i
         step.bind(B=batch, C=cap), phase="decode", seq=1, capacity=cap, tokens=batch), bandwidth)
         for cap, steps in bucket_steps(prompt, new_tokens, granule, cfg.kv_ring))
     return GenerationForecast(cfg.name, batch, prompt, new_tokens, pre, buckets)
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens a row gets from one verify pass of `k` proposals when each is accepted with
+    probability `acceptance`, independently, until the first rejection: 1 + a + ... + a^k
+    (the accepted run, then the target's own token)."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """The verify plan of `k` proposals per row (T = k + 1 tokens) and what it yields."""
+    k: int
+    compiled: Compiled
+    tokens_per_pass: float   # per row, at the forecast's acceptance
+
+    @property
+    def pass_s(self) -> float:
+        return self.compiled.simulation.makespan_s
+
+
+@dataclass(frozen=True)
+class SpeculationForecast:
+    """Decode at one position, plain against verify passes of k = 1.. proposals (a draft whose
+    own cost is nothing: prompt lookup), at an acceptance per proposal: tokens/s of each, and
+    the k with the most."""
+    model: str
+    batch: int
+    capacity: int
+    acceptance: float
+    plain: Compiled
+    verify: tuple[VerifyPlan, ...]
+
+    @property
+    def plain_tokens_per_s(self) -> float:
+        s = self.plain.simulation.makespan_s
+        return self.batch / s if s > 0 else 0.0
+
+    def tokens_per_s(self, v: VerifyPlan) -> float:
+        return self.batch * v.tokens_per_pass / v.pass_s if v.pass_s > 0 else 0.0
+
+    @property
+    def best(self) -> VerifyPlan:
+        return max(self.verify, key=lambda v: (self.tokens_per_s(v), -v.k))
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "batch": self.batch, "capacity": self.capacity,
+                "acceptance": self.acceptance, "draft": "ngram",
+                "device": self.plain.simulation.device,
+                "device_bytes": self.plain.memgraph.device_bytes,
+                "plain_step_s": self.plain.simulation.makespan_s,
+                "plain_tokens_per_s": self.plain_tokens_per_s,
+                "verify": [{"k": v.k, "pass_s": v.pass_s, "tokens_per_pass": v.tokens_per_pass,
+                            "tokens_per_s": self.tokens_per_s(v),
+                            "speedup": self.tokens_per_s(v) / self.plain_tokens_per_s
+                            if self.plain_tokens_per_s else None,
+                            "h2d_bytes": v.compiled.simulation.h2d_bytes}
+                           for v in self.verify],
+                "k": self.best.k, "tokens_per_s": self.tokens_per_s(self.best)}
+
+
+def forecast_speculation(cfg: LlamaConfig, batch: int, capacity: int, acceptance: float,
+                         ks: tuple[int, ...], options: CompileOptions,
+                         workload: dict | None = None) -> SpeculationForecast:
+    """Compile and simulate the plain decode step and the verify step of each `k` in `ks` over
+    a store of `capacity` slots for `batch` rows under `options`."""
+    if not 0.0 <= acceptance <= 1.0:
+        raise InputError(f"--acceptance must be between 0 and 1, got {acceptance}")
+    if not ks or min(ks) < 1:
+        raise InputError(f"draft tokens must be at least 1, got {list(ks)}")
+    sources = {name: schema.hf_tensor(name) for name in schema.weight_shapes(cfg)}
+    base = {"model": cfg.name, "batch": batch, "dtype": cfg.dtype.value, "capacity": capacity,
+            **(workload or {})}
+
+    def compile_for(graph, **more) -> Compiled:
+        return compile_graph(graph, replace(options, sources=sources,
+                                            workload={**base, **more}))
+
+    plain = compile_for(llama.decode_graph(cfg).bind(B=batch, C=capacity), phase="decode",
+                        seq=1, tokens=batch)
+    verify = llama.verify_graph(cfg)
+    plans = tuple(VerifyPlan(k, compile_for(verify.bind(B=batch, C=capacity, T=k + 1),
+                                            phase="verify", seq=k + 1, tokens=batch * (k + 1)),
+                             expected_tokens(k, acceptance)) for k in ks)
+    return SpeculationForecast(cfg.name, batch, capacity, acceptance, plain, plans)

@@ -330,3 +330,50 @@ def test_cli_samples_with_a_draft(capsys, hf_fixture):
     again = json.loads(capsys.readouterr().out)
     assert first["tokens"] == again["tokens"] and first["sampling"]["seed"] == 3
     assert first["draft"] == "ngram" and len(first["tokens"][0]) == 10
+
+
+# ------------------------------------------------------------------ the forecast
+
+
+def test_expected_tokens_per_pass():
+    from einpage.forecast import expected_tokens
+    assert expected_tokens(4, 0.0) == 1.0 and expected_tokens(4, 1.0) == 5.0
+    assert expected_tokens(2, 0.5) == pytest.approx(1.75)
+    assert expected_tokens(8, 0.7) == pytest.approx(sum(0.7 ** i for i in range(9)))
+
+
+def test_compile_forecasts_verify_passes_and_picks_k(capsys):
+    args = ["compile", "small", "--gpu-mem", "300KB", "--phase", "decode", "--past", 100,
+            "--draft", "ngram"]
+    assert cli(*args, "--json") == 0
+    f = json.loads(capsys.readouterr().out)
+    assert [v["k"] for v in f["verify"]] == list(range(1, 9)) and f["acceptance"] == 0.7
+    best = max(f["verify"], key=lambda v: v["tokens_per_s"])
+    assert f["k"] == best["k"] and f["tokens_per_s"] == best["tokens_per_s"]
+    for v in f["verify"]:  # a streamed pass: a verify pass costs about what a step does
+        assert 0.8 * f["plain_step_s"] <= v["pass_s"] <= 3 * f["plain_step_s"]
+        assert v["tokens_per_s"] == pytest.approx(v["tokens_per_pass"] / v["pass_s"])
+    assert best["speedup"] > 1.5
+    assert cli(*args, "--draft-tokens", 3, "--acceptance", 1) == 0
+    out = capsys.readouterr().out
+    assert "acceptance 1.00 per proposal" in out and "  3 | " in out and "picks k = 3" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft", "ngram"], "--draft forecasts decode steps: add --phase decode"),
+    (["--phase", "decode", "--draft", "ngram", "--acceptance", "1.5"],
+     "--acceptance must be between 0 and 1"),
+    (["--phase", "decode", "--acceptance", "0.5"], "--acceptance is an option of --draft"),
+    (["--phase", "decode", "--draft", "ngram", "--draft-tokens", "0"],
+     "--draft-tokens must be between 1 and 64"),
+    (["--phase", "decode", "--draft", "ngram", "-o", "plan.json"], "-o writes one plan"),
+])
+def test_bad_forecast_options_are_one_line(capsys, tmp_path, args, message):
+    args = [str(tmp_path / a) if a == "plan.json" else a for a in args]
+    assert_one_line_error(capsys, cli("compile", "small", "--gpu-mem", "300KB", *args),
+                          message)
+
+
+def test_no_forecast_over_a_ring_store(capsys):
+    assert_one_line_error(capsys, cli("compile", "mistral-7b", "--gpu-mem", "8GB", "--phase",
+                                      "decode", "--draft", "ngram"), "ring store")

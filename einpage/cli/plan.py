@@ -40,6 +40,13 @@ def add_commands(sub) -> None:
     c.add_argument("--max-new-tokens", type=int,
                    help="report the whole generation: the prefill of --seq tokens, then the "
                         "decode steps, one plan per KV bucket")
+    c.add_argument("--draft", choices=("ngram",),
+                   help="decode: forecast speculative decoding (verify passes of 1..8 "
+                        "proposals, or --draft-tokens K) against the plain step, and pick k")
+    c.add_argument("--draft-tokens", type=int,
+                   help="with --draft: forecast this k only (default: 1 to 8)")
+    c.add_argument("--acceptance", type=float,
+                   help="with --draft: the chance each proposal is accepted (default 0.7)")
     c.add_argument("--dtype", choices=["f16", "bf16", "f32"],
                    help="dtype of the weights and activations the plan holds (default: the "
                         "model's; a bf16 checkpoint is planned in f32, as run computes it)")
@@ -151,6 +158,12 @@ def cmd_compile(args) -> None:
         if over:
             print(f"einpage: warning: {over}", file=sys.stderr)
         return _generation_report(args, profile, device_bytes)
+    if args.draft is not None:
+        return _speculation_report(args, profile, device_bytes, over)
+    for flag, value in (("--draft-tokens", args.draft_tokens),
+                        ("--acceptance", args.acceptance)):
+        if value is not None:
+            raise InputError(f"{flag} is an option of --draft: add --draft ngram")
     cfg, graph, sources, tokens, workload = graph_from_args(args)
     progress = Progress(enabled=False if args.quiet else None)
     host_bytes, host_source = host_budget(args)
@@ -171,6 +184,54 @@ def cmd_compile(args) -> None:
                                      plan=args.output)
     _show(report, args.json)
     written.finish()  # a failed output: the report above, then one line and exit 2
+
+
+def _speculation_report(args, profile, device_bytes: int, over: str | None) -> None:
+    """`compile --phase decode --draft ngram`: the plain decode step and verify passes of
+    k = 1..8 proposals (or --draft-tokens), predicted, at --acceptance; the k it picks."""
+    from einpage.compiler import CompileOptions
+    from einpage.forecast import forecast_speculation
+    if args.phase != "decode":
+        raise InputError("--draft forecasts decode steps: add --phase decode")
+    for flag, value in (("-o", args.output), ("--plot", args.plot), ("--trace", args.trace)):
+        if value:
+            raise InputError(f"{flag} writes one plan: --draft compiles several (drop --draft "
+                             "to write the plain step's)")
+    if args.draft_tokens is not None and not 1 <= args.draft_tokens <= 64:
+        raise InputError(f"--draft-tokens must be between 1 and 64, got {args.draft_tokens}")
+    acceptance = 0.7 if args.acceptance is None else args.acceptance
+    ks = (args.draft_tokens,) if args.draft_tokens is not None else tuple(range(1, 9))
+    cfg, _, _, _, workload = graph_from_args(args)
+    host_bytes, _ = host_budget(args)
+    options = CompileOptions(
+        device_bytes=device_bytes, policy=args.policy, device=profile, host_bytes=host_bytes,
+        host_compute=args.host_compute == "auto",
+        block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
+        **lookahead_options(args.lookahead))
+    f = forecast_speculation(cfg, args.batch, workload["capacity"], acceptance, ks, options,
+                             {"past": workload["past"]})
+    if over:
+        print(f"einpage: warning: {over}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(f.to_json(), sort_keys=True))
+        return
+    plain = f.plain.simulation.makespan_s
+    print(f"einpage speculative decoding: {cfg.name} decode, batch {f.batch}, position "
+          f"{workload['past']} (KV store of {f.capacity} slots), {cfg.dtype.value}, budget "
+          f"{format_size(device_bytes)}; ngram drafts (no draft pass), acceptance "
+          f"{f.acceptance:.2f} per proposal  (GB = 10^9 bytes)")
+    print(f"  predicted on {profile.name}: plain decode step {_s(plain)} "
+          f"({f.plain_tokens_per_s:.3g} tokens/s), {format_size(f.plain.simulation.h2d_bytes)} "
+          "host->device")
+    print("  k | verify pass | tokens per pass | tokens/s | vs plain")
+    for v in f.verify:
+        rate = f.tokens_per_s(v)
+        print(f"  {v.k} | {_s(v.pass_s)} | {v.tokens_per_pass:.2f} | {rate:.3g} | "
+              f"{rate / f.plain_tokens_per_s:.2f}x")
+    best = f.best
+    print(f"  picks k = {best.k}: {f.tokens_per_s(best):.3g} tokens/s, "
+          f"{f.tokens_per_s(best) / f.plain_tokens_per_s:.2f}x plain decode (einpage generate "
+          f"--draft ngram --draft-tokens {best.k})")
 
 
 def _generation_report(args, profile, device_bytes: int) -> None:
