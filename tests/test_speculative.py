@@ -1,12 +1,14 @@
 """Speculative decoding, first step (issue "Many tokens per streamed pass"): the verify step
 computes what that many decode steps compute; prompt-lookup drafts; greedy acceptance gives
-plain decoding's tokens, token for token, on every family fixture whose store is not a ring,
-paged and dense, rows of different lengths accepting different counts; a perfect draft yields
+plain decoding's tokens, token for token, on every family fixture,
+paged and dense, rows of different lengths accepting different counts, sliding-window rings
+that wrap; a perfect draft yields
 k + 1 tokens per pass; the speculative sampling rule keeps the target's distribution (a
 chi-square test that a wrong rule fails); the KV store takes the accepted rows only; the CLI
 and its bad input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -15,35 +17,37 @@ import pytest
 from test_cli import assert_one_line_error, cli
 
 from einpage.compiler import CompileOptions
-from einpage.errors import InputError, ModelError
-from einpage.models import llama, resolve
+from einpage.errors import InputError
+from einpage.models import resolve
 from einpage.models.generation import decode_step_graph, generate, pad_rows, prefill
 from einpage.models.kvstore import KVStore
 from einpage.models.speculative import NgramDraft, speculate, verify_step_graph
 from einpage.runners import PlanRunner, dense_runner
 
-FAMILIES = ["tiny-llama-f32", "tiny-llama-bf16", "tiny-llama31", "tiny-qwen2", "tiny-qwen3",
-            "tiny-mixtral"]
+FAMILIES = ["tiny-llama-f32", "tiny-llama-bf16", "tiny-llama31", "tiny-mistral", "tiny-qwen2",
+            "tiny-qwen3", "tiny-mixtral"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_verify_step_computes_what_that_many_decode_steps_compute(hf_fixture, family):
-    cfg, weights = resolve(str(hf_fixture(family)))
+def _verify_against_steps(cfg, weights, capacity):
+    """A verify step of 4 tokens against 4 decode steps, from the same prefill (rows of
+    different lengths): logits, new rows, and the store after each wrote its rows."""
     run = dense_runner(weights)
     prompt, lengths = pad_rows([[5, 9, 2, 7, 7, 3, 1], [4, 4, 8]])
     out = prefill(cfg, prompt, run, lengths)
-    one, many = KVStore(cfg, 2, 24), KVStore(cfg, 2, 24)
+    one, many = KVStore(cfg, 2, capacity), KVStore(cfg, 2, capacity)
     one.fill(out, lengths)
     many.fill(out, lengths)
+    c = one.capacity
     fed = np.random.default_rng(0).integers(0, cfg.vocab, (2, 4))
     steps = []
     for i in range(4):
-        step = run(decode_step_graph(cfg, 2, 24), {"tokens": fed[:, i:i + 1],
-                                                  "pos": one.pos.copy(), **one.view(24)})
+        step = run(decode_step_graph(cfg, 2, c), {"tokens": fed[:, i:i + 1],
+                                                 "pos": one.pos.copy(), **one.view(c)})
         one.write(step)
         steps.append(step)
-    verify = run(verify_step_graph(cfg, 2, 24, 4), {"tokens": fed, "pos": many.pos.copy(),
-                                                    **many.view(24)})
+    ring = {"slots": many.slot_positions(c)} if cfg.kv_ring else {}
+    verify = run(verify_step_graph(cfg, 2, c, 4), {"tokens": fed, "pos": many.pos.copy(),
+                                                   **ring, **many.view(c)})
     want = np.concatenate([s["logits"] for s in steps], axis=1)
     scale = np.abs(want).max()
     np.testing.assert_allclose(verify["logits"], want, rtol=0, atol=2e-6 * max(scale, 1))
@@ -56,6 +60,38 @@ def test_a_verify_step_computes_what_that_many_decode_steps_compute(hf_fixture, 
         array = array.astype(np.float32)
         np.testing.assert_allclose(many.arrays[name].astype(np.float32), array, rtol=0,
                                    atol=2e-6 * max(np.abs(array).max(), 1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_verify_step_computes_what_that_many_decode_steps_compute(hf_fixture, family):
+    cfg, weights = resolve(str(hf_fixture(family)))
+    _verify_against_steps(cfg, weights, 24)
+
+
+@pytest.mark.parametrize("window", [3, 5])
+def test_a_verify_step_over_a_ring_that_wraps(hf_fixture, window):
+    """Mistral with a window of 3 or 5: a ring of 2 or 4 slots that wraps within the prompt
+    and the step; the later new tokens no longer see the ring's oldest rows."""
+    cfg, weights = resolve(str(hf_fixture("tiny-mistral")))
+    cfg = dataclasses.replace(cfg, sliding_window=window)
+    assert cfg.kv_ring == window - 1
+    _verify_against_steps(cfg, weights, cfg.kv_ring)
+    tokens, lengths = pad_rows([[5, 9, 2, 7, 7, 3, 1, 8, 5, 9, 2], [4, 4, 8]])
+    run = dense_runner(weights)
+    plain = generate(cfg, tokens, 16, run, lengths=lengths)
+    for k in (1, 3):
+        spec = generate(cfg, tokens, 16, run, lengths=lengths, draft=NgramDraft(k))
+        assert np.array_equal(spec.tokens, plain.tokens)
+
+
+def test_slot_positions(hf_fixture):
+    cfg, _ = resolve(str(hf_fixture("tiny-mistral")))
+    ring = KVStore(dataclasses.replace(cfg, sliding_window=5), 3, 8)  # 4 slots, a ring
+    ring.pos[:] = [2, 4, 7]
+    assert ring.slot_positions(4).tolist() == [[0, 1, -1, -1], [0, 1, 2, 3], [4, 5, 6, 3]]
+    flat = KVStore(cfg, 2, 8)
+    flat.pos[:] = [3, 0]
+    assert flat.slot_positions(5).tolist() == [[0, 1, 2, -1, -1], [-1] * 5]
 
 
 def _runners(cfg, weights):
@@ -153,15 +189,6 @@ def test_the_store_takes_the_accepted_rows_only(hf_fixture):
         store.write_rows(step, np.array([1]))
 
 
-def test_no_verify_step_over_a_ring_store(hf_fixture):
-    cfg, _ = resolve(str(hf_fixture("tiny-mistral")))
-    assert cfg.kv_ring
-    with pytest.raises(ModelError, match="ring store"):
-        llama.verify_graph(cfg)
-    with pytest.raises(InputError, match="ring store"):
-        generate(cfg, np.array([[1, 2, 3]]), 4, dense_runner(None), draft=NgramDraft(2))
-
-
 def test_cli_generate_with_a_draft(capsys, hf_fixture):
     path = hf_fixture("tiny-llama31")
     common = ["generate", path, "--prompt-file", path / "prompt.txt", "--max-new-tokens", 12,
@@ -195,11 +222,6 @@ def test_bad_draft_options_are_one_line(capsys, hf_fixture, args, message):
         assert code == 2 and message in err
         return
     assert_one_line_error(capsys, code, message)
-
-
-def test_a_ring_model_with_a_draft_is_one_line(capsys, hf_fixture):
-    assert_one_line_error(capsys, cli("generate", hf_fixture("tiny-mistral"), "--tokens", "1,2,3",
-                                      "--max-new-tokens", 4, "--draft", "ngram"), "ring store")
 
 
 def test_a_row_stops_at_its_eos_inside_an_accepted_run(hf_fixture):
@@ -374,6 +396,8 @@ def test_bad_forecast_options_are_one_line(capsys, tmp_path, args, message):
                           message)
 
 
-def test_no_forecast_over_a_ring_store(capsys):
-    assert_one_line_error(capsys, cli("compile", "mistral-7b", "--gpu-mem", "8GB", "--phase",
-                                      "decode", "--draft", "ngram"), "ring store")
+def test_a_forecast_over_a_ring_store(capsys):
+    assert cli("compile", "mistral-7b", "--gpu-mem", "4GB", "--phase", "decode", "--past", 100,
+               "--draft", "ngram", "--draft-tokens", 2, "--json") == 0
+    f = json.loads(capsys.readouterr().out)
+    assert f["k"] == 2 and f["verify"][0]["tokens_per_s"] > f["plain_tokens_per_s"]

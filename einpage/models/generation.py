@@ -446,9 +446,6 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
     lengths = check_lengths(prompt, lengths)
     batch, length = prompt.shape[0], int(lengths.max())
     picker = TokenPicker(batch, sampling, () if ignore_eos else eos_ids, pad_id)
-    if draft is not None:
-        from einpage.models.speculative import check_draft
-        check_draft(cfg)
     t0 = time.perf_counter()
     out = prefill(cfg, prompt, run, lengths)
     first = picker(last_logits(out["logits"], lengths))

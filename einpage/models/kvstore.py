@@ -157,6 +157,16 @@ class KVStore:
         self.pos += 1
         return written
 
+    def slot_positions(self, capacity: int) -> np.ndarray:
+        """int64 [batch, capacity]: the position each of the first `capacity` slots holds, -1
+        where it holds none (a ring's slots are not in position order)."""
+        t = np.arange(capacity)[None, :]
+        pos = self.pos[:, None]
+        if not self.wraps:
+            return np.where(t < pos, t, -1).astype(np.int64)
+        held = pos - 1 - (pos - 1 - t) % self.capacity
+        return np.where(held >= 0, held, -1).astype(np.int64)
+
     def write_rows(self, step: Mapping[str, np.ndarray], counts: np.ndarray
                    ) -> list[tuple[str, tuple[int, int], np.ndarray]]:
         """Write the first `counts[b]` of a verify step's `new.<l>.k|v` [B, T, ...] rows of row b

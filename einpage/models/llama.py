@@ -47,7 +47,6 @@ import math
 
 import sympy
 
-from einpage.errors import ModelError
 from einpage.ir import scalar
 from einpage.ir.builder import GraphBuilder, Tensor
 from einpage.ir.dtypes import DType
@@ -67,6 +66,7 @@ class _Llama:
         self.g = GraphBuilder()
         self.dt = cfg.dtype
         self.pos: Tensor | None = None  # decode: each row's position, [B] int64
+        self.slots: Tensor | None = None  # a verify step over a ring: each slot's position
         self.masks: dict[int | None, Tensor] = {}  # by sliding window (None: causal)
         self.picks: dict[int, Tensor] = {}         # Mixtral: one-hot of each expert
         self.storage = weight_storage(cfg)         # quantized weights
@@ -190,14 +190,23 @@ class _Llama:
 
     def verify_store_mask(self, seq, capacity, window) -> Tensor:
         """Verify step: mask[b, s, t] over the store, 0 where query pos[b] + s sees slot t
-        (t < pos[b], and within the window)."""
+        (t < pos[b], and within the window). A ring store's slots hold positions that the slots'
+        order does not tell: the `slots` input says which (-1: empty), and query pos[b] + s sees
+        the slots whose position lies inside its window, so the later new tokens no longer see
+        the ring's oldest rows."""
         key = ("verify", window)
         if key not in self.masks:
             g = self.g
-            slot = g.fill((capacity,), lambda t: t, dtype=DType.f32)
             offset = g.fill((seq,), lambda s: s, dtype=DType.f32)
             query = g.einsum("b,s->bs", self.pos, offset, join=lambda p, o: p + o,
                              dtype=DType.f32)
+            if self.slots is not None:
+                self.masks[key] = g.einsum(
+                    "bs,bt->bst", query, self.slots, dtype=DType.f32,
+                    join=lambda q, h: sympy.Piecewise(
+                        (0, sympy.And(h >= 0, q - h < window)), (-sympy.oo, True)))
+                return self.masks[key]
+            slot = g.fill((capacity,), lambda t: t, dtype=DType.f32)
             self.masks[key] = g.einsum(
                 "b,bs,t->bst", self.pos, query, slot, dtype=DType.f32,
                 join=lambda p, q, t: sympy.Piecewise(
@@ -389,6 +398,8 @@ class _Llama:
             rot = self.rotary_table(seq)
         else:
             self.pos = g.input("pos", (B,), DType.i64)
+            if verify and cfg.kv_ring:
+                self.slots = g.input("slots", (B, capacity), DType.i64)
             rot = self.verify_rotary_table(seq) if verify else self.step_rotary_table()
         embed = self.weight("embed")
         h = g.gather(embed, tokens)
@@ -430,12 +441,9 @@ def verify_graph(cfg: ModelConfig) -> Graph:
     """A verify step (speculative decoding): a decode step of `T` new tokens per row, inputs
     `tokens` [B,T] at positions `pos[b] .. pos[b]+T-1` and the KV store `cache.<l>.k|v`
     [B,C,n,2,j] (rows `t < pos[b]`); outputs `logits` [B,T,V] and the new rows `new.<l>.k|v`
-    [B,T,n,2,j], of which the caller writes those it accepts into the store from `pos`. Not
-    for a ring store (`ModelConfig.kv_ring`): the window would hide ring rows from the later
-    new tokens by position, which a slot mask cannot tell."""
-    if cfg.kv_ring:
-        raise ModelError("a verify step over a sliding-window ring store (every layer "
-                         "windowed) is not built")
+    [B,T,n,2,j], of which the caller writes those it accepts into the store from `pos`. Over a
+    ring store (`ModelConfig.kv_ring`) one more input, `slots` [B,C] int64: the position each
+    slot holds, -1 where none (`KVStore.slot_positions`)."""
     return _Llama(cfg).build(T, capacity=C)
 
 

@@ -147,11 +147,6 @@ def accept_sampled(probs: np.ndarray, proposals: Sequence[int], rng: np.random.G
     return list(proposals) + [draw(probs[len(proposals)], rng.random())], len(proposals)
 
 
-def check_draft(cfg: LlamaConfig) -> None:
-    """What a speculative generation needs, with one clear error each."""
-    if cfg.kv_ring:
-        raise InputError("speculative decoding over a sliding-window ring store (every layer "
-                         "windowed, as Mistral's) is not built")
 
 
 def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, run,
@@ -183,7 +178,8 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
             proposals = np.array([draft.propose(history[b]) if going[b] else [picker.pad] * k
                                   for b in range(batch)], np.int64)
             fed = np.concatenate([last[:, None], proposals], axis=1)
-            out = session.run({"tokens": fed, "pos": store.pos.copy(),
+            ring = {"slots": store.slot_positions(capacity)} if cfg.kv_ring else {}
+            out = session.run({"tokens": fed, "pos": store.pos.copy(), **ring,
                                **store.view(capacity)})
             logits = np.asarray(out["logits"])
             greedy = picker.sampling.greedy
@@ -232,5 +228,5 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
     return tokens, tuple(stats.capacities), stats
 
 
-__all__ = ["DRAFTS", "NgramDraft", "SpeculationStats", "accept_sampled", "check_draft", "draw",
-           "speculate", "verify_step_graph"]
+__all__ = ["DRAFTS", "NgramDraft", "SpeculationStats", "accept_sampled", "draw", "speculate",
+           "verify_step_graph"]
