@@ -35,13 +35,13 @@ from einpage.compiler import CompileOptions  # noqa: E402
 from einpage.models import resolve  # noqa: E402
 from einpage.models.checkpoint import RandomWeights  # noqa: E402
 from einpage.models.generation import generate  # noqa: E402
-from einpage.models.speculative import NgramDraft  # noqa: E402
+from einpage.models.speculative import NgramDraft, RowDraft  # noqa: E402
 from einpage.runners import PlanRunner  # noqa: E402
 
 FIXTURE = HERE.parent / "tests" / "fixtures" / "tiny-llama-f32"
 
 
-class OwnDraft:
+class OwnDraft(RowDraft):
     """The model as its own draft: its greedy continuation, known from a plain run."""
     name = "self"
 

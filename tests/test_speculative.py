@@ -21,7 +21,7 @@ from einpage.errors import InputError
 from einpage.models import resolve
 from einpage.models.generation import decode_step_graph, generate, pad_rows, prefill
 from einpage.models.kvstore import KVStore
-from einpage.models.speculative import NgramDraft, speculate, verify_step_graph
+from einpage.models.speculative import NgramDraft, RowDraft, speculate, verify_step_graph
 from einpage.runners import PlanRunner, dense_runner
 
 FAMILIES = ["tiny-llama-f32", "tiny-llama-bf16", "tiny-llama31", "tiny-mistral", "tiny-qwen2",
@@ -121,7 +121,7 @@ def test_greedy_speculation_gives_plain_decodings_tokens(hf_fixture, family):
             assert s.row_passes <= s.emitted <= (k + 1) * s.row_passes
 
 
-class _Oracle:
+class _Oracle(RowDraft):
     """A perfect draft: the target's own greedy continuation (the mechanism's ceiling)."""
     name = "oracle"
 
@@ -207,20 +207,16 @@ def test_cli_generate_with_a_draft(capsys, hf_fixture):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--draft-tokens", "2"], "--draft-tokens sizes the proposals of --draft"),
+    (["--draft-tokens", "2"], "--draft-tokens is an option of --draft"),
     (["--draft", "ngram", "--draft-tokens", "0"], "--draft-tokens must be between 1 and 64"),
     (["--draft", "ngram", "--draft-tokens", "65"], "--draft-tokens must be between 1 and 64"),
     (["--draft", "ngram", "--draft-tokens", "9", "--kv-granule", "8"],
      "--draft-tokens must be between 1 and 8"),
-    (["--draft", "model.gguf"], "invalid choice"),
+    (["--draft", "model.gguf"], "--draft takes ngram or a draft checkpoint"),
 ])
 def test_bad_draft_options_are_one_line(capsys, hf_fixture, args, message):
     path = hf_fixture("tiny-llama-f32")
     code = cli("generate", path, "--tokens", "1,2,3", "--max-new-tokens", 4, *args)
-    if message == "invalid choice":  # argparse's own line (exit 2)
-        out, err = capsys.readouterr()
-        assert code == 2 and message in err
-        return
     assert_one_line_error(capsys, code, message)
 
 
@@ -401,3 +397,75 @@ def test_a_forecast_over_a_ring_store(capsys):
                "--draft", "ngram", "--draft-tokens", 2, "--json") == 0
     f = json.loads(capsys.readouterr().out)
     assert f["k"] == 2 and f["verify"][0]["tokens_per_s"] > f["plain_tokens_per_s"]
+
+
+# ------------------------------------------------------------------ a draft model
+
+
+@pytest.mark.parametrize("kind", ["dense", "paged"])
+def test_a_draft_model_gives_plain_decodings_tokens(hf_fixture, kind):
+    """The model as its own draft (every proposal right: k + 1 tokens per pass but at the end)
+    and another model of the same vocabulary (tiny-llama-bf16, a different random model:
+    hardly any proposal right) both give plain decoding's tokens, rows of different lengths."""
+    from einpage.models.speculative import ModelDraft
+    cfg, weights = resolve(str(hf_fixture("tiny-llama-f32")))
+    other_cfg, other = resolve(str(hf_fixture("tiny-llama-bf16")))
+    runner = _runners(cfg, weights)[kind]
+    other_runner = _runners(other_cfg, other)[kind]
+    tokens, lengths = pad_rows([[5, 9, 2, 7, 7, 3, 1, 8], [4, 4, 8]])
+    plain = generate(cfg, tokens, 21, runner, lengths=lengths)
+    for k in (1, 4):
+        own = generate(cfg, tokens, 21, runner, lengths=lengths,
+                       draft=ModelDraft(cfg, runner, k, 256))
+        assert np.array_equal(own.tokens, plain.tokens)
+        s = own.speculation
+        assert s.draft == "model" and s.acceptance == 1.0
+        assert s.passes == math.ceil(20 / (k + 1))
+        theirs = generate(cfg, tokens, 21, runner, lengths=lengths,
+                          draft=ModelDraft(other_cfg, other_runner, k, 256))
+        assert np.array_equal(theirs.tokens, plain.tokens)
+        assert theirs.speculation.acceptance < 0.2
+
+
+def test_a_ring_model_as_its_own_draft(hf_fixture):
+    from einpage.models.speculative import ModelDraft
+    cfg, weights = resolve(str(hf_fixture("tiny-mistral")))
+    cfg = dataclasses.replace(cfg, sliding_window=5)
+    run = dense_runner(weights)
+    tokens, lengths = pad_rows([[5, 9, 2, 7, 7, 3, 1, 8, 5, 9, 2], [4, 4, 8]])
+    plain = generate(cfg, tokens, 16, run, lengths=lengths)
+    own = generate(cfg, tokens, 16, run, lengths=lengths, draft=ModelDraft(cfg, run, 3, 256))
+    assert np.array_equal(own.tokens, plain.tokens) and own.speculation.acceptance == 1.0
+
+
+def test_cli_generate_with_a_draft_model(capsys, hf_fixture):
+    path = hf_fixture("tiny-llama-f32")
+    common = ["generate", path, "--tokens", "5,9,2,7,7,3,1,8", "--max-new-tokens", 12,
+              "--gpu-mem", "900KB", "--backend", "threads", "--json"]
+    assert cli(*common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli(*common, "--draft", path, "--draft-tokens", 3) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert own["tokens"] == plain["tokens"] and own["acceptance"] == 1.0
+    assert own["draft"] == "model" and own["draft_model"] == str(path)
+    assert 0 < own["draft_bytes"] < 900_000 and own["verify_passes"] == 3
+    assert cli(*common, "--draft", path, "--draft-gpu-mem", "100KB") == 0
+    assert json.loads(capsys.readouterr().out)["draft_bytes"] == 100_000
+
+
+@pytest.mark.parametrize("model, args, message", [
+    ("tiny-llama31", ["--draft", "@tiny-qwen2"], "has another tokenizer than"),
+    ("tiny-llama-f32", ["--draft", "@tiny-qwen2"], "has a vocabulary of 260, the model 256"),
+    ("tiny-llama-f32", ["--draft", "nosuch"], "--draft takes ngram or a draft checkpoint"),
+    ("tiny-llama-f32", ["--draft", "@tiny-llama-f32", "--gpu-mem", "100KB"],
+     "no room is left for the model"),
+    ("tiny-llama-f32", ["--draft", "ngram", "--draft-gpu-mem", "1MB"],
+     "--draft-gpu-mem is the budget of a draft model"),
+    ("tiny-llama-f32", ["--draft-gpu-mem", "1MB"], "--draft-gpu-mem is an option of --draft"),
+    ("tiny-llama-f32", ["--draft", "@tiny-llama-f32", "--draft-gpu-mem", "1MB"],
+     "--draft-gpu-mem splits a --gpu-mem budget"),
+])
+def test_bad_draft_models_are_one_line(capsys, hf_fixture, model, args, message):
+    args = [str(hf_fixture(a[1:])) if a.startswith("@") else a for a in args]
+    assert_one_line_error(capsys, cli("generate", hf_fixture(model), "--tokens", "1,2",
+                                      "--max-new-tokens", 3, *args), message)

@@ -17,7 +17,7 @@ from einpage.cli.outputs import Deferred, OutputPath
 from einpage.errors import InputError
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.outputs import save_npy
-from einpage.units import parse_size
+from einpage.units import format_size, parse_size
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -106,14 +106,19 @@ def add_commands(sub) -> None:
     gen.add_argument("--kv-granule", type=int, default=256,
                      help="KV-store capacities come in multiples of this (coarser past 2048: "
                           "at most 1/8 of a bucket is unused); one decode plan per bucket")
-    gen.add_argument("--draft", choices=("ngram",),
-                     help="speculative decoding: ngram proposes each row's next tokens from its "
-                          "own text (prompt lookup), and one pass of the model checks them all; "
-                          "greedy: the same tokens as without it; sampling: the same "
-                          "distribution (the speculative sampling rule)")
+    gen.add_argument("--draft",
+                     help="speculative decoding: 'ngram' proposes each row's next tokens from "
+                          "its own text (prompt lookup); a checkpoint directory, a smaller "
+                          "model of the same vocabulary, proposes them greedily; one pass of "
+                          "the model checks them all. Greedy: the same tokens as without it; "
+                          "sampling: the same distribution (the speculative sampling rule)")
     gen.add_argument("--draft-tokens", type=int,
                      help="proposals checked per pass (default 4; 1 to 64, at most "
                           "--kv-granule)")
+    gen.add_argument("--draft-gpu-mem",
+                     help="with a draft model and --gpu-mem: the part of the budget the draft "
+                          "takes (default 1.25x its weights and KV store: all of it resident); "
+                          "the model gets the rest")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object: tokens (rows padded after their EOS), "
                           "new_lengths, finish_reason (eos or length), text (each row's "
@@ -122,8 +127,10 @@ def add_commands(sub) -> None:
                           "decode_tokens_per_s, ...")
 
 
-def _runner(args, weights):
-    """Graph runner: the dense reference, or a plan per graph run on the chosen backend."""
+def _runner(args, weights, reserved: int = 0, budget: int | None = None):
+    """Graph runner: the dense reference, or a plan per graph run on the chosen backend.
+    `reserved`: bytes of --gpu-mem (--arena) another runner takes (a draft model's); `budget`:
+    this runner's own instead (the draft's)."""
     from einpage import runners
     if (args.device or args.device_file) and not args.timing:
         raise InputError("--device and --device-file price the passes --timing prints: add "
@@ -136,12 +143,22 @@ def _runner(args, weights):
     from einpage.compiler import CompileOptions
     if args.gpu_mem and args.arena:
         raise InputError("--gpu-mem and --arena both size the plan: give one")
-    budget = (parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else
-              parse_size(args.arena, "--arena") if args.arena else None)
+    whole = (parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else
+             parse_size(args.arena, "--arena") if args.arena else None)
+    if budget is None:
+        budget = whole
+        if reserved and whole is not None:
+            if reserved >= whole:
+                raise InputError(f"the draft takes {format_size(reserved)} of the "
+                                 f"{format_size(whole)} budget: no room is left for the model "
+                                 "(a larger --gpu-mem, or a smaller --draft-gpu-mem)")
+            budget = whole - reserved
+    elif not budget:
+        budget = None  # no --gpu-mem: the draft is not constrained either
     if args.policy and budget is None:
         raise InputError("--policy chooses what a --gpu-mem budget evicts: give --gpu-mem too")
     profile = _profile(args)
-    over = check_budget(budget, profile, args.force) if budget and profile else None
+    over = check_budget(whole, profile, args.force) if whole and profile else None
     if over:
         print(f"einpage: warning: {over}", file=sys.stderr)
     host_bytes, _ = host_budget(args)
@@ -319,7 +336,7 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
     if args.kv_granule < 1:
         raise InputError(f"--kv-granule must be at least 1, got {args.kv_granule}")
     sampling = _sampling_from_args(args)
-    draft = _draft_from_args(args)
+    k = _draft_tokens(args)
     cfg, weights = _resolve(args)
     eos = end_of_sequence(_checkpoint_dir(args.model))
     try:
@@ -328,7 +345,13 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
         raise CheckpointError(f"{eos.source or args.model}: {exc}") from None
     given = input_from_args(args, _checkpoint_dir(args.model), want_codec=args.json)
     check_context(cfg, int(given.lengths.max()), args.max_new_tokens)
-    runner = _runner(args, weights)
+    draft, draft_bytes = _draft_from_args(args, cfg, k, given)
+    runner = _runner(args, weights, reserved=draft_bytes)
+    if isinstance(draft, tuple):  # a draft model: its runner on the same backend, its budget
+        from einpage.models.speculative import ModelDraft
+        dcfg, dweights = draft
+        draft = ModelDraft(dcfg, _runner(args, dweights, budget=draft_bytes), k,
+                           args.kv_granule)
     printer = (TextPrinter(given.codec, given.tokens.shape[0], out)
                if given.text and not args.json else None)
     done = generate(cfg, given.tokens, args.max_new_tokens, runner, granule=args.kv_granule,
@@ -355,6 +378,9 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
                    runner, "backend", "reference")}
     if done.speculation is not None:
         summary.update(done.speculation.to_json())
+        if args.draft != "ngram":
+            summary["draft_model"] = args.draft
+            summary["draft_bytes"] = draft_bytes
     if given.codec is not None:
         summary["text"] = [given.codec.decode(row) for row in done.rows()]
     written = Deferred()  # a failed --out: the rows print as without it, then one line
@@ -376,19 +402,72 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
     written.finish()
 
 
-def _draft_from_args(args):
-    """`--draft ngram` and `--draft-tokens K` as a draft (None without --draft)."""
+def _draft_tokens(args) -> int | None:
+    """`--draft-tokens K` (default 4) where there is a --draft; None without one."""
     if args.draft is None:
-        if args.draft_tokens is not None:
-            raise InputError("--draft-tokens sizes the proposals of --draft: give --draft ngram")
+        for flag, value in (("--draft-tokens", args.draft_tokens),
+                            ("--draft-gpu-mem", args.draft_gpu_mem)):
+            if value is not None:
+                raise InputError(f"{flag} is an option of --draft: give --draft ngram or a "
+                                 "draft checkpoint")
         return None
-    from einpage.models.speculative import NgramDraft
     k = 4 if args.draft_tokens is None else args.draft_tokens
     most = min(64, args.kv_granule)
     if not 1 <= k <= most:
         raise InputError(f"--draft-tokens must be between 1 and {most} (64, and at most "
                          f"--kv-granule), got {k}")
-    return NgramDraft(k)
+    return k
+
+
+def _draft_from_args(args, cfg, k: int | None, given):
+    """(the draft: an NgramDraft, or (config, weights) of a draft model; the device bytes the
+    draft takes of --gpu-mem, 0 for prompt lookup or without a budget)."""
+    if args.draft is None:
+        return None, 0
+    if args.draft == "ngram":
+        if args.draft_gpu_mem is not None:
+            raise InputError("--draft-gpu-mem is the budget of a draft model; ngram has none")
+        from einpage.models.speculative import NgramDraft
+        return NgramDraft(k), 0
+    path = Path(args.draft)
+    if not (path.is_dir() or path.is_file()):
+        raise InputError(f"--draft takes ngram or a draft checkpoint (a directory or a GGUF "
+                         f"file); {args.draft!r} is neither")
+    from einpage.models import resolve
+    dcfg, dweights = resolve(args.draft, dtype=as_dtype(args.dtype) if args.dtype else None)
+    if dcfg.vocab != cfg.vocab:
+        raise InputError(f"the draft {args.draft} has a vocabulary of {dcfg.vocab}, the model "
+                         f"{cfg.vocab}: a draft proposes the model's own token ids")
+    _same_tokenizer(args.draft, args.model)
+    budget = 0
+    if args.gpu_mem or args.arena:
+        budget = (parse_size(args.draft_gpu_mem, "--draft-gpu-mem") if args.draft_gpu_mem
+                  else _draft_need(dcfg, given.tokens.shape[0],
+                                   int(given.lengths.max()) + args.max_new_tokens + k + 1))
+    elif args.draft_gpu_mem is not None:
+        raise InputError("--draft-gpu-mem splits a --gpu-mem budget: give --gpu-mem too")
+    return (dcfg, dweights), budget
+
+
+def _draft_need(cfg, batch: int, capacity: int) -> int:
+    """1.25x a draft's weights and KV store: a plan at that budget keeps them resident."""
+    kv = 2 * cfg.layers * batch * capacity * cfg.kv_heads * cfg.head_dim * cfg.dtype.itemsize
+    return int(1.25 * (cfg.weight_bytes() + kv))
+
+
+def _same_tokenizer(draft: str, model: str) -> None:
+    """Where both checkpoints carry a tokenizer.json, their vocabularies must be one."""
+    a, b = Path(draft) / "tokenizer.json", Path(model) / "tokenizer.json"
+    if not (a.is_file() and b.is_file()):
+        return
+    from tokenizers import Tokenizer
+    try:
+        same = Tokenizer.from_file(str(a)).get_vocab() == Tokenizer.from_file(str(b)).get_vocab()
+    except Exception as exc:  # noqa: BLE001 - a malformed file: one line
+        raise InputError(f"cannot compare the tokenizers of {draft} and {model}: {exc}") from None
+    if not same:
+        raise InputError(f"the draft {draft} has another tokenizer than {model}: a draft "
+                         "proposes the model's own token ids")
 
 
 def _print_stops(s: dict, out: TextIO) -> None:

@@ -50,7 +50,7 @@ from einpage.models.config import LlamaConfig
 from einpage.models.kvstore import GRANULE, KVStore, capacity_for, step_capacities
 
 if TYPE_CHECKING:
-    from einpage.models.speculative import NgramDraft, SpeculationStats
+    from einpage.models.speculative import ModelDraft, NgramDraft, SpeculationStats
 
 #: runs a concrete graph: (graph, inputs by name) -> outputs by name
 Runner = Callable[[Graph, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
@@ -427,14 +427,15 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
              lengths: np.ndarray | None = None, *, eos_ids: Iterable[int] | None = None,
              ignore_eos: bool = False, pad_id: int | None = None, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-             draft: "NgramDraft | None" = None) -> Generated:
+             draft: "NgramDraft | ModelDraft | None" = None) -> Generated:
     """Up to `new_tokens` tokens per row: the prefill picks the first (each row from its last
     real position; `lengths`: rows padded on the right, default all of the prompt), each decode
     step one more (rows at their own positions). Greedy by default; `temperature` > 0 samples
     (`Sampling`: `top_p`, `top_k`, `seed`). A row stops at one of `eos_ids` (None: never;
     `ignore_eos`: never) and is padded with `pad_id` (default its first EOS id); the steps end
     when every row has stopped. The store is allocated once at the largest bucket
-    `new_tokens` could need. With a `draft` (`speculative.NgramDraft`) each pass of the target
+    `new_tokens` could need. With a `draft` (`speculative.NgramDraft`, `ModelDraft`: a smaller
+    model of the same vocabulary, `start`ed here on the prompt) each pass of the target
     verifies the draft's proposals and yields one token or more per row: greedy, the same
     tokens; sampling, the same distribution (`speculative`). InputError for a bad option."""
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, numbers.Integral) \
@@ -465,6 +466,8 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
             from einpage.models.speculative import speculate
             history = [prompt[b, :n].tolist() + [int(first[b])]
                        for b, n in enumerate(lengths.tolist())]
+            if hasattr(draft, "start"):  # a draft model: its own prefill and store
+                draft.start(prompt, lengths, store.capacity)
             rest, opened, stats = speculate(cfg, store, first, new_tokens - 1, run, granule,
                                             on_token, picker, draft, history)
     decode_s = time.perf_counter() - t0

@@ -24,6 +24,8 @@ sampling draws with the same seed (the draws differ).
 
 Drafts: `NgramDraft` proposes from the row's own text (prompt-lookup decoding): the tokens that
 followed the latest earlier occurrence of its last n-gram (n from `max_ngram` down to 1).
+`ModelDraft` runs a smaller model of the same vocabulary greedily, with its own plans and KV
+store, `k + 1` decode steps per pass.
 A row that finishes (EOS, or its `new_tokens`) stops there; rows accept different counts and
 keep their own positions. Plans: one per (bucket, T), cached by the runner as decode plans are.
 """
@@ -46,8 +48,30 @@ from einpage.models.kvstore import KVStore, capacity_for
 DRAFTS = ("ngram",)
 
 
+class RowDraft:
+    """A draft that proposes row by row from the row's tokens so far (`propose(history)`,
+    `tokens` proposals), with no state of its own to keep."""
+    name = "row"
+    tokens: int
+
+    def propose(self, history: Sequence[int]) -> list[int]:
+        raise NotImplementedError
+
+    def proposals(self, history: list[list[int]], last: np.ndarray, going: np.ndarray,
+                  pad: int) -> np.ndarray:
+        """int64 [B, tokens]: each going row's proposals (`propose`), pads for the others."""
+        return np.array([self.propose(history[b]) if going[b] else [pad] * self.tokens
+                         for b in range(len(history))], np.int64)
+
+    def advance(self, pos: np.ndarray) -> None:
+        """The target kept its rows below `pos`: nothing to follow here."""
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
-class NgramDraft:
+class NgramDraft(RowDraft):
     """Prompt-lookup proposals: `tokens` of them per pass, from the tokens that followed the
     latest earlier occurrence of the row's last `n` tokens (n = `max_ngram` .. 1); where the
     continuation is shorter than `tokens` its last token is repeated, and without any match the
@@ -74,6 +98,61 @@ class NgramDraft:
                     follow = h[start + n:start + n + self.tokens]
                     return follow + [follow[-1]] * (self.tokens - len(follow))
         return [h[-1]] * self.tokens
+
+
+class ModelDraft:
+    """A smaller model of the same vocabulary proposes each row's next `tokens` greedily, run by
+    its own runner (`run`: its plans on the same backend) with its own KV store. Per pass it runs
+    `tokens + 1` decode steps feeding the row's last token and its proposals: the last step only
+    writes the row of the last proposal, so that after any acceptance every row the target kept
+    is in the draft's store too, and `advance` moves the draft's positions back to the target's
+    (its rows past them are overwritten later). Its distribution is a point mass at each
+    proposal, so the sampling rule of `accept_sampled` holds for it as for prompt lookup."""
+
+    name = "model"
+
+    def __init__(self, cfg: LlamaConfig, run, tokens: int, granule: int):
+        NgramDraft(tokens)  # the same check of `tokens`
+        self.cfg, self.run, self.tokens, self.granule = cfg, run, tokens, granule
+        self.store: KVStore | None = None
+        self._session, self._capacity = None, 0
+
+    def start(self, prompt: np.ndarray, lengths: np.ndarray, capacity: int) -> None:
+        """The draft's prefill of the prompt; its store holds `capacity` (the target's) slots
+        and the rows a pass writes past them."""
+        from einpage.models.generation import prefill
+        out = prefill(self.cfg, prompt, self.run, lengths)
+        self.store = KVStore(self.cfg, prompt.shape[0], capacity + self.tokens + 1)
+        self.store.fill(out, lengths)
+
+    def proposals(self, history: list[list[int]], last: np.ndarray, going: np.ndarray,
+                  pad: int) -> np.ndarray:
+        from einpage.models.generation import decode_step_graph, last_logits, open_session
+        store, fed, out = self.store, np.where(going, last, pad).astype(np.int64), []
+        for step in range(self.tokens + 1):
+            need = min(capacity_for(int(store.pos.max()) + 1, self.granule), store.capacity)
+            if need != self._capacity:
+                if self._session is not None:
+                    self._session.close()
+                self._capacity = need
+                self._session = open_session(self.run, decode_step_graph(self.cfg, store.batch,
+                                                                         need))
+            result = self._session.run({"tokens": fed[:, None], "pos": store.pos.copy(),
+                                        **store.view(need)})
+            for name, lead, row in store.write(result):
+                self._session.write(name, lead, row)
+            if step < self.tokens:
+                fed = np.argmax(last_logits(result["logits"]), axis=-1).astype(np.int64)
+                out.append(fed)
+        return np.stack(out, axis=1)
+
+    def advance(self, pos: np.ndarray) -> None:
+        self.store.pos = np.asarray(pos, np.int64).copy()
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
 
 
 @dataclass
@@ -151,7 +230,7 @@ def accept_sampled(probs: np.ndarray, proposals: Sequence[int], rng: np.random.G
 
 def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, run,
               granule: int, on_token: Callable[[np.ndarray], None] | None, picker,
-              draft: NgramDraft, history: list[list[int]]
+              draft: "RowDraft | ModelDraft", history: list[list[int]]
               ) -> tuple[np.ndarray, tuple[int, ...], SpeculationStats]:
     """Up to `steps` more tokens per row after `first` [B] (the prefill's pick), several per
     verify pass (see the module docstring): int64 [B, tokens] (rows padded after they stop, as
@@ -175,8 +254,7 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
                 capacity = need
                 stats.capacities.append(capacity)
                 session = open_session(run, verify_step_graph(cfg, batch, capacity, k + 1))
-            proposals = np.array([draft.propose(history[b]) if going[b] else [picker.pad] * k
-                                  for b in range(batch)], np.int64)
+            proposals = draft.proposals(history, last, going, picker.pad)
             fed = np.concatenate([last[:, None], proposals], axis=1)
             ring = {"slots": store.slot_positions(capacity)} if cfg.kv_ring else {}
             out = session.run({"tokens": fed, "pos": store.pos.copy(), **ring,
@@ -213,6 +291,7 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
             stats.passes += 1
             for name, lead, row in store.write_rows(out, kept):
                 session.write(name, lead, row)
+            draft.advance(store.pos)
             if on_token is not None:  # a column per new token (pads where a row has none)
                 for j in range(int(kept.max())):
                     on_token(np.array([rows[b][len(rows[b]) - int(kept[b]) + j]
@@ -221,6 +300,7 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
     finally:
         if session is not None:
             session.close()
+        draft.close()
     width = max((len(r) for r in rows), default=0)
     tokens = np.full((batch, width), picker.pad, np.int64)
     for b, r in enumerate(rows):
@@ -228,5 +308,5 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
     return tokens, tuple(stats.capacities), stats
 
 
-__all__ = ["DRAFTS", "NgramDraft", "SpeculationStats", "accept_sampled", "draw", "speculate",
+__all__ = ["DRAFTS", "ModelDraft", "NgramDraft", "RowDraft", "SpeculationStats", "accept_sampled", "draw", "speculate",
            "verify_step_graph"]
