@@ -564,7 +564,8 @@ def py_agree(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
     plan file compiled for 1/4 on cupy; `--gpu-mem W/4` on threads) gives logits within
     tolerance, greedy generation (in-process, plans for an arena of 1/4 on both) gives identical
     tokens and text, and `einpage generate --backend cupy --arena W/4` gives the tokens and text
-    of `einpage generate --backend threads --arena W/4`."""
+    of `einpage generate --backend threads --arena W/4`, and with `--draft ngram` (verify
+    steps) the tokens of plain decoding on cupy."""
     import numpy as np
     from einpage.models import resolve
     work = work / "agree"
@@ -621,12 +622,24 @@ def py_agree(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
                 if rc:
                     raise RuntimeError(f"einpage generate --backend {backend}: {se.strip()}")
                 cli[backend] = json.loads(so.strip().splitlines()[-1])
+            # speculative decoding on cupy (verify steps, captured as decode steps are): the
+            # tokens of plain decoding
+            argv = ["generate", path, *prompt, "--max-new-tokens", AGREE_NEW_TOKENS, "--arena",
+                    str(arena), "--backend", "cupy", "--json", "--draft", "ngram",
+                    "--draft-tokens", "3"]
+            rc, so, se = _cli_in_process(argv)
+            print(f"{fam}: einpage {' '.join(map(str, argv))}: rc {rc}\n{so}{se}", flush=True)
+            if rc:
+                raise RuntimeError(f"einpage generate --draft ngram: {se.strip()}")
+            spec = json.loads(so.strip().splitlines()[-1])
+            f["draft_tokens_identical"] = spec["tokens"] == cli["cupy"]["tokens"]
+            f["draft_acceptance"] = spec["acceptance"]
             f["cli_tokens_identical"] = cli["cupy"]["tokens"] == cli["threads"]["tokens"]
             f["cli_text_identical"] = cli["cupy"].get("text") == cli["threads"].get("text")
             f["cli_matches_in_process"] = cli["threads"]["tokens"] == th.tokens.tolist()
             f["ok"] = bool(f["logits_close"] and f["tokens_identical"]
                            and f.get("text_identical", True) and f["cli_tokens_identical"]
-                           and f["cli_text_identical"])
+                           and f["cli_text_identical"] and f["draft_tokens_identical"])
         except Exception as exc:
             f.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
         fixtures[fam] = f

@@ -12,6 +12,7 @@ from einpage.models import llama, schema
 from einpage.models.config import LlamaConfig
 from einpage.models.kvstore import GRANULE, bucket_steps
 from einpage.predict import DEFAULT_DEVICE, get_device
+from einpage.units import format_size
 
 
 @dataclass(frozen=True)
@@ -149,23 +150,37 @@ class VerifyPlan:
 
 @dataclass(frozen=True)
 class SpeculationForecast:
-    """Decode at one position, plain against verify passes of k = 1.. proposals (a draft whose
-    own cost is nothing: prompt lookup), at an acceptance per proposal: tokens/s of each, and
-    the k with the most."""
+    """Decode at one position, plain against verify passes of k = 1.. proposals at an
+    acceptance per proposal: tokens/s of each, and the k with the most. With a draft model
+    (`draft`: its decode step, planned for `draft_bytes` of the budget, the model's plans for
+    the rest) a pass is k + 1 draft steps and then the verify pass; prompt lookup costs
+    nothing."""
     model: str
     batch: int
     capacity: int
     acceptance: float
     plain: Compiled
     verify: tuple[VerifyPlan, ...]
+    draft: Compiled | None = None
+    draft_bytes: int = 0
+    draft_name: str = "ngram"
 
     @property
     def plain_tokens_per_s(self) -> float:
         s = self.plain.simulation.makespan_s
         return self.batch / s if s > 0 else 0.0
 
+    @property
+    def draft_step_s(self) -> float:
+        return self.draft.simulation.makespan_s if self.draft is not None else 0.0
+
+    def pass_s(self, v: VerifyPlan) -> float:
+        """One pass: the draft's k + 1 steps, then the verify pass."""
+        return (v.k + 1) * self.draft_step_s + v.pass_s
+
     def tokens_per_s(self, v: VerifyPlan) -> float:
-        return self.batch * v.tokens_per_pass / v.pass_s if v.pass_s > 0 else 0.0
+        s = self.pass_s(v)
+        return self.batch * v.tokens_per_pass / s if s > 0 else 0.0
 
     @property
     def best(self) -> VerifyPlan:
@@ -173,12 +188,14 @@ class SpeculationForecast:
 
     def to_json(self) -> dict:
         return {"model": self.model, "batch": self.batch, "capacity": self.capacity,
-                "acceptance": self.acceptance, "draft": "ngram",
+                "acceptance": self.acceptance, "draft": self.draft_name,
+                "draft_bytes": self.draft_bytes, "draft_step_s": self.draft_step_s,
                 "device": self.plain.simulation.device,
                 "device_bytes": self.plain.memgraph.device_bytes,
                 "plain_step_s": self.plain.simulation.makespan_s,
                 "plain_tokens_per_s": self.plain_tokens_per_s,
-                "verify": [{"k": v.k, "pass_s": v.pass_s, "tokens_per_pass": v.tokens_per_pass,
+                "verify": [{"k": v.k, "pass_s": self.pass_s(v), "verify_s": v.pass_s,
+                            "tokens_per_pass": v.tokens_per_pass,
                             "tokens_per_s": self.tokens_per_s(v),
                             "speedup": self.tokens_per_s(v) / self.plain_tokens_per_s
                             if self.plain_tokens_per_s else None,
@@ -189,9 +206,12 @@ class SpeculationForecast:
 
 def forecast_speculation(cfg: LlamaConfig, batch: int, capacity: int, acceptance: float,
                          ks: tuple[int, ...], options: CompileOptions,
-                         workload: dict | None = None) -> SpeculationForecast:
+                         workload: dict | None = None, draft: LlamaConfig | None = None,
+                         draft_bytes: int = 0) -> SpeculationForecast:
     """Compile and simulate the plain decode step and the verify step of each `k` in `ks` over
-    a store of `capacity` slots for `batch` rows under `options`."""
+    a store of `capacity` slots for `batch` rows under `options`; with a `draft` model, its
+    decode step for `draft_bytes` and the verify steps for the rest of the budget (the plain
+    step keeps the whole of it)."""
     if not 0.0 <= acceptance <= 1.0:
         raise InputError(f"--acceptance must be between 0 and 1, got {acceptance}")
     if not ks or min(ks) < 1:
@@ -206,8 +226,23 @@ def forecast_speculation(cfg: LlamaConfig, batch: int, capacity: int, acceptance
 
     plain = compile_for(llama.decode_graph(cfg).bind(B=batch, C=capacity), phase="decode",
                         seq=1, tokens=batch)
+    drafted = None
+    if draft is not None:
+        if options.device_bytes is not None and draft_bytes >= options.device_bytes:
+            raise InputError(f"the draft takes {format_size(draft_bytes)} of the "
+                             f"{format_size(options.device_bytes)} budget: no room is left for "
+                             "the model (a larger --gpu-mem, or a smaller --draft-gpu-mem)")
+        drafted = compile_graph(
+            llama.decode_graph(draft).bind(B=batch, C=capacity + max(ks) + 1),
+            replace(options, device_bytes=draft_bytes or None,
+                    sources={n: schema.hf_tensor(n) for n in schema.weight_shapes(draft)},
+                    workload={"model": draft.name, "batch": batch, "phase": "decode",
+                              "role": "draft", "tokens": batch}))
+        if options.device_bytes is not None:
+            options = replace(options, device_bytes=options.device_bytes - draft_bytes)
     verify = llama.verify_graph(cfg)
     plans = tuple(VerifyPlan(k, compile_for(verify.bind(B=batch, C=capacity, T=k + 1),
                                             phase="verify", seq=k + 1, tokens=batch * (k + 1)),
                              expected_tokens(k, acceptance)) for k in ks)
-    return SpeculationForecast(cfg.name, batch, capacity, acceptance, plain, plans)
+    return SpeculationForecast(cfg.name, batch, capacity, acceptance, plain, plans, drafted,
+                               draft_bytes, "ngram" if draft is None else draft.name)

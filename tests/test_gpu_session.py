@@ -82,7 +82,7 @@ def test_dry_run_end_to_end(tmp_path, gs):
     assert set(agree) == {"tiny-qwen3"}
     f = agree["tiny-qwen3"]
     assert f["ok"] and f["logits_close"] and f["tokens_identical"] and f["text_identical"]
-    assert f["cli_tokens_identical"] and f["cli_text_identical"]
+    assert f["cli_tokens_identical"] and f["cli_text_identical"] and f["draft_tokens_identical"]
     soak = steps["soak"]["numbers"]
     assert soak["steps"] == gs.SOAK_STEPS[1] and soak["device_free_delta_bytes"] == 0
     assert soak["hook_allocations"] == soak["hidden_allocations"] == 0

@@ -469,3 +469,20 @@ def test_bad_draft_models_are_one_line(capsys, hf_fixture, model, args, message)
     args = [str(hf_fixture(a[1:])) if a.startswith("@") else a for a in args]
     assert_one_line_error(capsys, cli("generate", hf_fixture(model), "--tokens", "1,2",
                                       "--max-new-tokens", 3, *args), message)
+
+
+def test_compile_forecasts_a_draft_model(capsys):
+    """A draft model's steps are priced: a pass is k + 1 of them and the verify pass, the
+    model planned for the budget the draft leaves."""
+    args = ["compile", "small", "--gpu-mem", "6MB", "--phase", "decode", "--past", 100,
+            "--draft", "small", "--draft-gpu-mem", "2MB", "--json"]
+    assert cli(*args) == 0
+    f = json.loads(capsys.readouterr().out)
+    assert f["draft"] == "small" and f["draft_bytes"] == 2_000_000 and f["draft_step_s"] > 0
+    for v in f["verify"]:
+        assert v["pass_s"] == pytest.approx((v["k"] + 1) * f["draft_step_s"] + v["verify_s"])
+        assert v["tokens_per_s"] == pytest.approx(v["tokens_per_pass"] / v["pass_s"])
+    assert_one_line_error(capsys, cli(*args[:-3], "--draft-gpu-mem", "6MB"),
+                          "no room is left for the model")
+    assert_one_line_error(capsys, cli(*args[:-5], "--draft", "qwen2.5-7b"),
+                          "has a vocabulary of")

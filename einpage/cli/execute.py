@@ -435,39 +435,16 @@ def _draft_from_args(args, cfg, k: int | None, given):
                          f"file); {args.draft!r} is neither")
     from einpage.models import resolve
     dcfg, dweights = resolve(args.draft, dtype=as_dtype(args.dtype) if args.dtype else None)
-    if dcfg.vocab != cfg.vocab:
-        raise InputError(f"the draft {args.draft} has a vocabulary of {dcfg.vocab}, the model "
-                         f"{cfg.vocab}: a draft proposes the model's own token ids")
-    _same_tokenizer(args.draft, args.model)
+    from einpage.models.speculative import check_vocabulary, draft_bytes
+    check_vocabulary(dcfg, cfg, args.draft, args.model)
     budget = 0
     if args.gpu_mem or args.arena:
         budget = (parse_size(args.draft_gpu_mem, "--draft-gpu-mem") if args.draft_gpu_mem
-                  else _draft_need(dcfg, given.tokens.shape[0],
+                  else draft_bytes(dcfg, given.tokens.shape[0],
                                    int(given.lengths.max()) + args.max_new_tokens + k + 1))
     elif args.draft_gpu_mem is not None:
         raise InputError("--draft-gpu-mem splits a --gpu-mem budget: give --gpu-mem too")
     return (dcfg, dweights), budget
-
-
-def _draft_need(cfg, batch: int, capacity: int) -> int:
-    """1.25x a draft's weights and KV store: a plan at that budget keeps them resident."""
-    kv = 2 * cfg.layers * batch * capacity * cfg.kv_heads * cfg.head_dim * cfg.dtype.itemsize
-    return int(1.25 * (cfg.weight_bytes() + kv))
-
-
-def _same_tokenizer(draft: str, model: str) -> None:
-    """Where both checkpoints carry a tokenizer.json, their vocabularies must be one."""
-    a, b = Path(draft) / "tokenizer.json", Path(model) / "tokenizer.json"
-    if not (a.is_file() and b.is_file()):
-        return
-    from tokenizers import Tokenizer
-    try:
-        same = Tokenizer.from_file(str(a)).get_vocab() == Tokenizer.from_file(str(b)).get_vocab()
-    except Exception as exc:  # noqa: BLE001 - a malformed file: one line
-        raise InputError(f"cannot compare the tokenizers of {draft} and {model}: {exc}") from None
-    if not same:
-        raise InputError(f"the draft {draft} has another tokenizer than {model}: a draft "
-                         "proposes the model's own token ids")
 
 
 def _print_stops(s: dict, out: TextIO) -> None:

@@ -40,9 +40,14 @@ def add_commands(sub) -> None:
     c.add_argument("--max-new-tokens", type=int,
                    help="report the whole generation: the prefill of --seq tokens, then the "
                         "decode steps, one plan per KV bucket")
-    c.add_argument("--draft", choices=("ngram",),
+    c.add_argument("--draft",
                    help="decode: forecast speculative decoding (verify passes of 1..8 "
-                        "proposals, or --draft-tokens K) against the plain step, and pick k")
+                        "proposals, or --draft-tokens K) against the plain step, and pick k: "
+                        "'ngram' (prompt lookup, free) or a draft model (a preset or "
+                        "checkpoint of the same vocabulary, its steps priced too)")
+    c.add_argument("--draft-gpu-mem",
+                   help="with a draft model: its part of --gpu-mem (default 1.25x its weights "
+                        "and KV store); the model plans for the rest")
     c.add_argument("--draft-tokens", type=int,
                    help="with --draft: forecast this k only (default: 1 to 8)")
     c.add_argument("--acceptance", type=float,
@@ -161,9 +166,11 @@ def cmd_compile(args) -> None:
     if args.draft is not None:
         return _speculation_report(args, profile, device_bytes, over)
     for flag, value in (("--draft-tokens", args.draft_tokens),
-                        ("--acceptance", args.acceptance)):
+                        ("--acceptance", args.acceptance),
+                        ("--draft-gpu-mem", args.draft_gpu_mem)):
         if value is not None:
-            raise InputError(f"{flag} is an option of --draft: add --draft ngram")
+            raise InputError(f"{flag} is an option of --draft: add --draft ngram (or a draft "
+                             "model)")
     cfg, graph, sources, tokens, workload = graph_from_args(args)
     progress = Progress(enabled=False if args.quiet else None)
     host_bytes, host_source = host_budget(args)
@@ -202,6 +209,16 @@ def _speculation_report(args, profile, device_bytes: int, over: str | None) -> N
     acceptance = 0.7 if args.acceptance is None else args.acceptance
     ks = (args.draft_tokens,) if args.draft_tokens is not None else tuple(range(1, 9))
     cfg, _, _, _, workload = graph_from_args(args)
+    draft, draft_bytes = None, 0
+    if args.draft != "ngram":
+        from einpage.models import resolve
+        from einpage.models.speculative import check_vocabulary, draft_bytes as default_bytes
+        draft, _ = resolve(args.draft, dtype=as_dtype(args.dtype) if args.dtype else None)
+        check_vocabulary(draft, cfg, args.draft, args.model)
+        draft_bytes = (parse_size(args.draft_gpu_mem, "--draft-gpu-mem") if args.draft_gpu_mem
+                       else default_bytes(draft, args.batch, workload["capacity"] + max(ks) + 1))
+    elif args.draft_gpu_mem is not None:
+        raise InputError("--draft-gpu-mem is the budget of a draft model; ngram has none")
     host_bytes, _ = host_budget(args)
     options = CompileOptions(
         device_bytes=device_bytes, policy=args.policy, device=profile, host_bytes=host_bytes,
@@ -209,29 +226,36 @@ def _speculation_report(args, profile, device_bytes: int, over: str | None) -> N
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         **lookahead_options(args.lookahead))
     f = forecast_speculation(cfg, args.batch, workload["capacity"], acceptance, ks, options,
-                             {"past": workload["past"]})
+                             {"past": workload["past"]}, draft, draft_bytes)
     if over:
         print(f"einpage: warning: {over}", file=sys.stderr)
     if args.json:
         print(json.dumps(f.to_json(), sort_keys=True))
         return
     plain = f.plain.simulation.makespan_s
+    what = ("ngram drafts (no draft pass)" if draft is None else
+            f"draft model {draft.name} ({format_size(draft_bytes)} of the budget, the model the "
+            f"rest)")
     print(f"einpage speculative decoding: {cfg.name} decode, batch {f.batch}, position "
           f"{workload['past']} (KV store of {f.capacity} slots), {cfg.dtype.value}, budget "
-          f"{format_size(device_bytes)}; ngram drafts (no draft pass), acceptance "
-          f"{f.acceptance:.2f} per proposal  (GB = 10^9 bytes)")
+          f"{format_size(device_bytes)}; {what}, acceptance {f.acceptance:.2f} per proposal  "
+          "(GB = 10^9 bytes)")
     print(f"  predicted on {profile.name}: plain decode step {_s(plain)} "
           f"({f.plain_tokens_per_s:.3g} tokens/s), {format_size(f.plain.simulation.h2d_bytes)} "
           "host->device")
-    print("  k | verify pass | tokens per pass | tokens/s | vs plain")
+    if draft is not None:
+        print(f"  draft step {_s(f.draft_step_s)} "
+              f"({format_size(f.draft.simulation.h2d_bytes)} host->device); a pass is k + 1 "
+              "draft steps, then the verify pass")
+    print("  k | pass | tokens per pass | tokens/s | vs plain")
     for v in f.verify:
         rate = f.tokens_per_s(v)
-        print(f"  {v.k} | {_s(v.pass_s)} | {v.tokens_per_pass:.2f} | {rate:.3g} | "
+        print(f"  {v.k} | {_s(f.pass_s(v))} | {v.tokens_per_pass:.2f} | {rate:.3g} | "
               f"{rate / f.plain_tokens_per_s:.2f}x")
     best = f.best
     print(f"  picks k = {best.k}: {f.tokens_per_s(best):.3g} tokens/s, "
           f"{f.tokens_per_s(best) / f.plain_tokens_per_s:.2f}x plain decode (einpage generate "
-          f"--draft ngram --draft-tokens {best.k})")
+          f"--draft {args.draft} --draft-tokens {best.k})")
 
 
 def _generation_report(args, profile, device_bytes: int) -> None:

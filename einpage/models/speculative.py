@@ -34,6 +34,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -153,6 +154,34 @@ class ModelDraft:
         if self._session is not None:
             self._session.close()
             self._session = None
+
+
+def draft_bytes(cfg: LlamaConfig, batch: int, capacity: int) -> int:
+    """The device bytes a draft model takes of a budget by default: 1.25x its weights and a KV
+    store of `capacity` slots, so that a plan at that budget keeps them resident."""
+    kv = 2 * cfg.layers * batch * capacity * cfg.kv_heads * cfg.head_dim * cfg.dtype.itemsize
+    return int(1.25 * (cfg.weight_bytes() + kv))
+
+
+def check_vocabulary(draft: LlamaConfig, cfg: LlamaConfig, draft_path: str,
+                     model_path: str) -> None:
+    """A draft proposes the model's own token ids: the same vocabulary size, and where both
+    checkpoints carry a tokenizer.json, the same vocabulary (InputError otherwise)."""
+    if draft.vocab != cfg.vocab:
+        raise InputError(f"the draft {draft_path} has a vocabulary of {draft.vocab}, the model "
+                         f"{cfg.vocab}: a draft proposes the model's own token ids")
+    a, b = Path(draft_path) / "tokenizer.json", Path(model_path) / "tokenizer.json"
+    if not (a.is_file() and b.is_file()):
+        return
+    from tokenizers import Tokenizer
+    try:
+        same = Tokenizer.from_file(str(a)).get_vocab() == Tokenizer.from_file(str(b)).get_vocab()
+    except Exception as exc:  # noqa: BLE001 - a malformed file: one line
+        raise InputError(f"cannot compare the tokenizers of {draft_path} and {model_path}: "
+                         f"{exc}") from None
+    if not same:
+        raise InputError(f"the draft {draft_path} has another tokenizer than {model_path}: a "
+                         "draft proposes the model's own token ids")
 
 
 @dataclass
@@ -308,5 +337,6 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
     return tokens, tuple(stats.capacities), stats
 
 
-__all__ = ["DRAFTS", "ModelDraft", "NgramDraft", "RowDraft", "SpeculationStats", "accept_sampled", "draw", "speculate",
+__all__ = ["DRAFTS", "ModelDraft", "NgramDraft", "RowDraft", "SpeculationStats",
+           "accept_sampled", "check_vocabulary", "draft_bytes", "draw", "speculate",
            "verify_step_graph"]
