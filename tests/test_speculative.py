@@ -486,3 +486,43 @@ def test_compile_forecasts_a_draft_model(capsys):
                           "no room is left for the model")
     assert_one_line_error(capsys, cli(*args[:-5], "--draft", "qwen2.5-7b"),
                           "has a vocabulary of")
+
+
+# ------------------------------------------------------------------ --draft-tokens auto
+
+
+def test_auto_picks_k_by_expected_tokens_over_pass_time():
+    from einpage.models.speculative import AutoTokens, SpeculationStats
+    auto, fresh = AutoTokens(), SpeculationStats("ngram", "auto")
+    assert auto.pick(fresh, lambda k: 1.0) == 8  # a streamed pass: more proposals, more tokens
+    assert auto.pick(fresh, lambda k: None) == 8  # nothing to price: the same
+    assert auto.pick(fresh, lambda k: 1.0 + k) == 1  # each proposal costs a whole step
+    sure = SpeculationStats("model", "auto", proposed=400, accepted=396)
+    assert auto.pick(sure, lambda k: 1.0 + 0.05 * k) == 8
+    never = SpeculationStats("ngram", "auto", proposed=400, accepted=0)
+    assert auto.pick(never, lambda k: 1.0 + 0.01 * k) == 1
+    assert AutoTokens((1, 2)).pick(fresh, lambda k: 1.0) == 2
+
+
+def test_auto_draft_tokens_give_plain_decodings_tokens(hf_fixture, capsys):
+    from einpage.models.speculative import AUTO_TOKENS
+    cfg, weights = resolve(str(hf_fixture("tiny-llama-f32")))
+    runner = _runners(cfg, weights)["paged"]
+    tokens, lengths = pad_rows([[5, 9, 2, 7, 7, 3, 1, 8], [4, 4, 8]])
+    plain = generate(cfg, tokens, 24, runner, lengths=lengths)
+    auto = generate(cfg, tokens, 24, runner, lengths=lengths, draft=NgramDraft(8),
+                    auto_tokens=True)
+    assert np.array_equal(auto.tokens, plain.tokens)
+    s = auto.speculation
+    assert s.draft_tokens == "auto" and set(s.used) <= set(AUTO_TOKENS)
+    assert sum(s.used.values()) == s.passes
+    path = hf_fixture("tiny-llama-f32")
+    assert cli("generate", path, "--tokens", "5,9,2,7,7,3,1,8", "--max-new-tokens", 12,
+               "--gpu-mem", "200KB", "--backend", "threads", "--draft", "ngram",
+               "--draft-tokens", "auto", "--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["draft_tokens"] == "auto" and sum(out["draft_tokens_used"].values()) == \
+        out["verify_passes"]
+    assert_one_line_error(capsys, cli("generate", path, "--tokens", "1,2", "--max-new-tokens",
+                                      3, "--draft", "ngram", "--draft-tokens", "many"),
+                          "--draft-tokens takes a count or auto")

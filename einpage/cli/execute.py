@@ -112,9 +112,10 @@ def add_commands(sub) -> None:
                           "model of the same vocabulary, proposes them greedily; one pass of "
                           "the model checks them all. Greedy: the same tokens as without it; "
                           "sampling: the same distribution (the speculative sampling rule)")
-    gen.add_argument("--draft-tokens", type=int,
+    gen.add_argument("--draft-tokens",
                      help="proposals checked per pass (default 4; 1 to 64, at most "
-                          "--kv-granule)")
+                          "--kv-granule), or auto: chosen before each pass from 1, 2, 4, 8 by "
+                          "the predicted pass time and the acceptance measured so far")
     gen.add_argument("--draft-gpu-mem",
                      help="with a draft model and --gpu-mem: the part of the budget the draft "
                           "takes (default 1.25x its weights and KV store: all of it resident); "
@@ -358,7 +359,8 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
                     on_token=printer.on_token if printer else None, lengths=given.lengths,
                     eos_ids=eos.ids, ignore_eos=args.ignore_eos, pad_id=eos.pad_id,
                     temperature=sampling.temperature, top_p=sampling.top_p,
-                    top_k=sampling.top_k, seed=sampling.seed, draft=draft)
+                    top_k=sampling.top_k, seed=sampling.seed, draft=draft,
+                    auto_tokens=args.draft_tokens == "auto")
     new = done.tokens
     stops = not args.ignore_eos and bool(eos.ids)
     summary = {"tokens": new.tolist(), "batch": int(new.shape[0]),
@@ -411,8 +413,15 @@ def _draft_tokens(args) -> int | None:
                 raise InputError(f"{flag} is an option of --draft: give --draft ngram or a "
                                  "draft checkpoint")
         return None
-    k = 4 if args.draft_tokens is None else args.draft_tokens
     most = min(64, args.kv_granule)
+    if args.draft_tokens == "auto":
+        from einpage.models.speculative import AUTO_TOKENS
+        return min(max(AUTO_TOKENS), most)
+    try:
+        k = 4 if args.draft_tokens is None else int(args.draft_tokens)
+    except ValueError:
+        raise InputError(f"--draft-tokens takes a count or auto, got {args.draft_tokens!r}") \
+            from None
     if not 1 <= k <= most:
         raise InputError(f"--draft-tokens must be between 1 and {most} (64, and at most "
                          f"--kv-granule), got {k}")

@@ -427,7 +427,8 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
              lengths: np.ndarray | None = None, *, eos_ids: Iterable[int] | None = None,
              ignore_eos: bool = False, pad_id: int | None = None, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-             draft: "NgramDraft | ModelDraft | None" = None) -> Generated:
+             draft: "NgramDraft | ModelDraft | None" = None,
+             auto_tokens: bool = False) -> Generated:
     """Up to `new_tokens` tokens per row: the prefill picks the first (each row from its last
     real position; `lengths`: rows padded on the right, default all of the prompt), each decode
     step one more (rows at their own positions). Greedy by default; `temperature` > 0 samples
@@ -437,7 +438,9 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
     `new_tokens` could need. With a `draft` (`speculative.NgramDraft`, `ModelDraft`: a smaller
     model of the same vocabulary, `start`ed here on the prompt) each pass of the target
     verifies the draft's proposals and yields one token or more per row: greedy, the same
-    tokens; sampling, the same distribution (`speculative`). InputError for a bad option."""
+    tokens; sampling, the same distribution (`speculative`); `auto_tokens`: the proposals per
+    pass chosen before each pass (`speculative.AutoTokens`, at most `draft.tokens`).
+    InputError for a bad option."""
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, numbers.Integral) \
             or new_tokens < 1:
         raise InputError(f"new_tokens must be at least 1, got {new_tokens!r}")
@@ -463,13 +466,15 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
             rest, opened = _decode(cfg, store, first, new_tokens - 1, run, granule, on_token,
                                    picker)
         else:
-            from einpage.models.speculative import speculate
+            from einpage.models.speculative import AutoTokens, speculate
             history = [prompt[b, :n].tolist() + [int(first[b])]
                        for b, n in enumerate(lengths.tolist())]
             if hasattr(draft, "start"):  # a draft model: its own prefill and store
                 draft.start(prompt, lengths, store.capacity)
+            auto = (AutoTokens([k for k in AutoTokens().candidates if k <= draft.tokens])
+                    if auto_tokens else None)
             rest, opened, stats = speculate(cfg, store, first, new_tokens - 1, run, granule,
-                                            on_token, picker, draft, history)
+                                            on_token, picker, draft, history, auto)
     decode_s = time.perf_counter() - t0
     return Generated(np.concatenate([first[:, None], rest], axis=1), prefill_s, decode_s, opened,
                      tuple(int(n) for n in lengths),

@@ -59,9 +59,10 @@ class RowDraft:
         raise NotImplementedError
 
     def proposals(self, history: list[list[int]], last: np.ndarray, going: np.ndarray,
-                  pad: int) -> np.ndarray:
-        """int64 [B, tokens]: each going row's proposals (`propose`), pads for the others."""
-        return np.array([self.propose(history[b]) if going[b] else [pad] * self.tokens
+                  pad: int, k: int) -> np.ndarray:
+        """int64 [B, k] (k <= tokens): each going row's first k proposals (`propose`), pads
+        for the others."""
+        return np.array([self.propose(history[b])[:k] if going[b] else [pad] * k
                          for b in range(len(history))], np.int64)
 
     def advance(self, pos: np.ndarray) -> None:
@@ -126,11 +127,22 @@ class ModelDraft:
         self.store = KVStore(self.cfg, prompt.shape[0], capacity + self.tokens + 1)
         self.store.fill(out, lengths)
 
+    def step_seconds(self, batch: int) -> float | None:
+        """The predicted seconds of one draft step (its runner's plan of the current bucket),
+        or None where the runner has no plans (the dense reference)."""
+        from einpage.models.generation import decode_step_graph
+        plan = getattr(self.run, "plan", None)
+        if plan is None or self.store is None:
+            return None
+        need = min(capacity_for(int(self.store.pos.max()) + 1, self.granule),
+                   self.store.capacity)
+        return plan(decode_step_graph(self.cfg, batch, need))[0].simulation.makespan_s
+
     def proposals(self, history: list[list[int]], last: np.ndarray, going: np.ndarray,
-                  pad: int) -> np.ndarray:
+                  pad: int, k: int) -> np.ndarray:
         from einpage.models.generation import decode_step_graph, last_logits, open_session
         store, fed, out = self.store, np.where(going, last, pad).astype(np.int64), []
-        for step in range(self.tokens + 1):
+        for step in range(k + 1):
             need = min(capacity_for(int(store.pos.max()) + 1, self.granule), store.capacity)
             if need != self._capacity:
                 if self._session is not None:
@@ -142,7 +154,7 @@ class ModelDraft:
                                         **store.view(need)})
             for name, lead, row in store.write(result):
                 self._session.write(name, lead, row)
-            if step < self.tokens:
+            if step < k:
                 fed = np.argmax(last_logits(result["logits"]), axis=-1).astype(np.int64)
                 out.append(fed)
         return np.stack(out, axis=1)
@@ -184,19 +196,48 @@ def check_vocabulary(draft: LlamaConfig, cfg: LlamaConfig, draft_path: str,
                          "draft proposes the model's own token ids")
 
 
+#: the proposal counts `--draft-tokens auto` chooses from
+AUTO_TOKENS = (1, 2, 4, 8)
+#: the acceptance it assumes before any is measured, and with the weight of that many proposals
+PRIOR_ACCEPTANCE, PRIOR_PROPOSALS = 0.5, 4
+
+
+class AutoTokens:
+    """`--draft-tokens auto`: before each pass, the k of `AUTO_TOKENS` with the most expected
+    tokens per second, `(1 + a + ... + a^k) / t(k)`: `a` the acceptance measured so far (the
+    accepted over the proposed, with a prior of `PRIOR_ACCEPTANCE` worth `PRIOR_PROPOSALS`
+    proposals), `t(k)` the predicted seconds of a pass (the runner's plan of the verify step
+    of k + 1 tokens, and k + 1 draft steps for a draft model), or 1 where the runner has no
+    plans to price (then the largest k wins)."""
+
+    def __init__(self, candidates: Sequence[int] = AUTO_TOKENS):
+        self.candidates = tuple(candidates)
+
+    def pick(self, stats: "SpeculationStats", pass_seconds) -> int:
+        accepted = stats.accepted + PRIOR_ACCEPTANCE * PRIOR_PROPOSALS
+        a = min(accepted / (stats.proposed + PRIOR_PROPOSALS), 1.0)
+
+        def rate(k: int) -> float:
+            expected = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+            seconds = pass_seconds(k)
+            return expected / seconds if seconds else expected
+        return max(self.candidates, key=lambda k: (rate(k), -k))
+
+
 @dataclass
 class SpeculationStats:
     """What the verify passes did: `passes` run, draft tokens `proposed` to rows still going and
     `accepted` of them, and tokens `emitted` (accepted plus the target's own pick, per row per
     pass), over `row_passes` (a row counted in each pass it took part in)."""
     draft: str
-    draft_tokens: int
+    draft_tokens: int | str   # k, or "auto"
     passes: int = 0
     row_passes: int = 0
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
     capacities: list[int] = field(default_factory=list)
+    used: dict[int, int] = field(default_factory=dict)  # passes run with each k
 
     @property
     def acceptance(self) -> float | None:
@@ -210,6 +251,7 @@ class SpeculationStats:
 
     def to_json(self) -> dict:
         return {"draft": self.draft, "draft_tokens": self.draft_tokens,
+                "draft_tokens_used": {str(k): n for k, n in sorted(self.used.items())},
                 "verify_passes": self.passes, "proposed": self.proposed,
                 "accepted": self.accepted, "acceptance": self.acceptance,
                 "tokens_per_pass": self.tokens_per_pass}
@@ -259,31 +301,46 @@ def accept_sampled(probs: np.ndarray, proposals: Sequence[int], rng: np.random.G
 
 def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, run,
               granule: int, on_token: Callable[[np.ndarray], None] | None, picker,
-              draft: "RowDraft | ModelDraft", history: list[list[int]]
+              draft: "RowDraft | ModelDraft", history: list[list[int]],
+              auto: AutoTokens | None = None
               ) -> tuple[np.ndarray, tuple[int, ...], SpeculationStats]:
     """Up to `steps` more tokens per row after `first` [B] (the prefill's pick), several per
     verify pass (see the module docstring): int64 [B, tokens] (rows padded after they stop, as
     plain decoding pads them), the bucket capacities the passes ran, in order, and the stats.
     `history[b]`: row b's prompt and `first[b]`, extended as tokens come. `picker` keeps the
-    rows' stops (`TokenPicker.emit`)."""
+    rows' stops (`TokenPicker.emit`). With `auto` the proposals per pass are chosen before
+    each pass (`AutoTokens`; at most `draft.tokens`), else `draft.tokens`."""
     from einpage.models.generation import open_session, probabilities, sample
-    batch, k = store.batch, draft.tokens
+    batch = store.batch
     last = np.asarray(first, np.int64).copy()
     left = np.full(batch, steps, np.int64)  # tokens each row may still take
     rows: list[list[int]] = [[] for _ in range(batch)]
-    stats = SpeculationStats(draft.name, k)
-    session, capacity = None, 0
+    stats = SpeculationStats(draft.name, "auto" if auto else draft.tokens)
+    session, capacity, k = None, 0, draft.tokens
+    plan = getattr(run, "plan", None)
+
+    def pass_seconds(n: int, bucket: int) -> float | None:
+        if plan is None:
+            return None
+        verify = plan(verify_step_graph(cfg, batch, bucket, n + 1))[0].simulation.makespan_s
+        step = draft.step_seconds(batch) if hasattr(draft, "step_seconds") else 0.0
+        return verify + (n + 1) * (step or 0.0)
+
     try:
         while not picker.done and (left[~picker.finished] > 0).any():
             going = ~picker.finished & (left > 0)
             need = min(capacity_for(int(store.pos.max()) + 1, granule), store.capacity)
-            if need != capacity:
+            chosen = (auto.pick(stats, lambda n: pass_seconds(n, need)) if auto is not None
+                      else draft.tokens)
+            if need != capacity or chosen != k:
                 if session is not None:
                     session.close()
-                capacity = need
-                stats.capacities.append(capacity)
+                if need != capacity:
+                    stats.capacities.append(need)
+                capacity, k = need, chosen
                 session = open_session(run, verify_step_graph(cfg, batch, capacity, k + 1))
-            proposals = draft.proposals(history, last, going, picker.pad)
+            stats.used[k] = stats.used.get(k, 0) + 1
+            proposals = draft.proposals(history, last, going, picker.pad, k)
             fed = np.concatenate([last[:, None], proposals], axis=1)
             ring = {"slots": store.slot_positions(capacity)} if cfg.kv_ring else {}
             out = session.run({"tokens": fed, "pos": store.pos.copy(), **ring,
@@ -337,6 +394,7 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
     return tokens, tuple(stats.capacities), stats
 
 
-__all__ = ["DRAFTS", "ModelDraft", "NgramDraft", "RowDraft", "SpeculationStats",
+__all__ = ["AUTO_TOKENS", "AutoTokens", "DRAFTS", "ModelDraft", "NgramDraft", "RowDraft",
+           "SpeculationStats",
            "accept_sampled", "check_vocabulary", "draft_bytes", "draw", "speculate",
            "verify_step_graph"]
