@@ -207,11 +207,12 @@ class SpeculationForecast:
 def forecast_speculation(cfg: LlamaConfig, batch: int, capacity: int, acceptance: float,
                          ks: tuple[int, ...], options: CompileOptions,
                          workload: dict | None = None, draft: LlamaConfig | None = None,
-                         draft_bytes: int = 0) -> SpeculationForecast:
+                         draft_bytes: int = 0, plain: Compiled | None = None
+                         ) -> SpeculationForecast:
     """Compile and simulate the plain decode step and the verify step of each `k` in `ks` over
     a store of `capacity` slots for `batch` rows under `options`; with a `draft` model, its
     decode step for `draft_bytes` and the verify steps for the rest of the budget (the plain
-    step keeps the whole of it)."""
+    step keeps the whole of it; `plain`: that step, compiled already)."""
     if not 0.0 <= acceptance <= 1.0:
         raise InputError(f"--acceptance must be between 0 and 1, got {acceptance}")
     if not ks or min(ks) < 1:
@@ -224,8 +225,9 @@ def forecast_speculation(cfg: LlamaConfig, batch: int, capacity: int, acceptance
         return compile_graph(graph, replace(options, sources=sources,
                                             workload={**base, **more}))
 
-    plain = compile_for(llama.decode_graph(cfg).bind(B=batch, C=capacity), phase="decode",
-                        seq=1, tokens=batch)
+    if plain is None:
+        plain = compile_for(llama.decode_graph(cfg).bind(B=batch, C=capacity), phase="decode",
+                            seq=1, tokens=batch)
     drafted = None
     if draft is not None:
         if options.device_bytes is not None and draft_bytes >= options.device_bytes:
@@ -246,3 +248,37 @@ def forecast_speculation(cfg: LlamaConfig, batch: int, capacity: int, acceptance
                              expected_tokens(k, acceptance)) for k in ks)
     return SpeculationForecast(cfg.name, batch, capacity, acceptance, plain, plans, drafted,
                                draft_bytes, "ngram" if draft is None else draft.name)
+
+
+#: the draft's shares of the budget the split search also tries, as multiples of its weights
+#: and KV store (the default share is `speculative.draft_bytes`: 1.25x)
+DRAFT_SHARES = (1.1, 1.02)
+
+
+def search_draft_split(cfg: LlamaConfig, batch: int, capacity: int, acceptance: float,
+                       ks: tuple[int, ...], options: CompileOptions, workload: dict,
+                       draft: LlamaConfig) -> tuple[SpeculationForecast, list[tuple[int, float]]]:
+    """The split of the budget between a draft model and the model, by simulated step time:
+    every k at the default share (`speculative.draft_bytes`), then the k it picks at smaller
+    shares (`DRAFT_SHARES` of the draft's weights and KV store, where they leave the model
+    room); the forecast of the fastest, and `(draft bytes, tokens/s)` of each share tried."""
+    from einpage.models.speculative import draft_bytes
+    slots = capacity + max(ks) + 1
+    default = draft_bytes(draft, batch, slots)
+    first = forecast_speculation(cfg, batch, capacity, acceptance, ks, options, workload, draft,
+                                 default)
+    best, tried = first, [(default, first.tokens_per_s(first.best))]
+    if options.device_bytes is None:
+        return best, tried
+    need = default / 1.25
+    for share in DRAFT_SHARES:
+        size = int(share * need)
+        if size >= options.device_bytes or any(size == b for b, _ in tried):
+            continue
+        other = forecast_speculation(cfg, batch, capacity, acceptance, (first.best.k,),
+                                     options, workload, draft, size, plain=first.plain)
+        rate = other.tokens_per_s(other.best)
+        tried.append((size, rate))
+        if rate > best.tokens_per_s(best.best):
+            best = other
+    return best, tried

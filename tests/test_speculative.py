@@ -526,3 +526,15 @@ def test_auto_draft_tokens_give_plain_decodings_tokens(hf_fixture, capsys):
     assert_one_line_error(capsys, cli("generate", path, "--tokens", "1,2", "--max-new-tokens",
                                       3, "--draft", "ngram", "--draft-tokens", "many"),
                           "--draft-tokens takes a count or auto")
+
+
+def test_compile_searches_the_drafts_share_of_the_budget(capsys):
+    assert cli("compile", "small", "--gpu-mem", "6MB", "--phase", "decode", "--past", 100,
+               "--draft", "small", "--json") == 0
+    f = json.loads(capsys.readouterr().out)
+    splits = f["draft_splits"]
+    sizes = [s["draft_bytes"] for s in splits]
+    assert len(splits) == 3 and sizes == sorted(sizes, reverse=True)
+    kept = max(splits, key=lambda s: s["tokens_per_s"])
+    assert f["draft_bytes"] == kept["draft_bytes"]
+    assert f["tokens_per_s"] == pytest.approx(kept["tokens_per_s"])

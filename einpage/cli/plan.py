@@ -197,7 +197,7 @@ def _speculation_report(args, profile, device_bytes: int, over: str | None) -> N
     """`compile --phase decode --draft ngram`: the plain decode step and verify passes of
     k = 1..8 proposals (or --draft-tokens), predicted, at --acceptance; the k it picks."""
     from einpage.compiler import CompileOptions
-    from einpage.forecast import forecast_speculation
+    from einpage.forecast import forecast_speculation, search_draft_split
     if args.phase != "decode":
         raise InputError("--draft forecasts decode steps: add --phase decode")
     for flag, value in (("-o", args.output), ("--plot", args.plot), ("--trace", args.trace)):
@@ -225,12 +225,21 @@ def _speculation_report(args, profile, device_bytes: int, over: str | None) -> N
         host_compute=args.host_compute == "auto",
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         **lookahead_options(args.lookahead))
-    f = forecast_speculation(cfg, args.batch, workload["capacity"], acceptance, ks, options,
-                             {"past": workload["past"]}, draft, draft_bytes)
+    tried = []
+    if draft is not None and args.draft_gpu_mem is None:  # the split by simulated step time
+        f, tried = search_draft_split(cfg, args.batch, workload["capacity"], acceptance, ks,
+                                      options, {"past": workload["past"]}, draft)
+        draft_bytes = f.draft_bytes  # (a smaller share that won was tried at its k only)
+    else:
+        f = forecast_speculation(cfg, args.batch, workload["capacity"], acceptance, ks,
+                                 options, {"past": workload["past"]}, draft, draft_bytes)
     if over:
         print(f"einpage: warning: {over}", file=sys.stderr)
     if args.json:
-        print(json.dumps(f.to_json(), sort_keys=True))
+        out = f.to_json()
+        if tried:
+            out["draft_splits"] = [{"draft_bytes": b, "tokens_per_s": r} for b, r in tried]
+        print(json.dumps(out, sort_keys=True))
         return
     plain = f.plain.simulation.makespan_s
     what = ("ngram drafts (no draft pass)" if draft is None else
@@ -252,10 +261,15 @@ def _speculation_report(args, profile, device_bytes: int, over: str | None) -> N
         rate = f.tokens_per_s(v)
         print(f"  {v.k} | {_s(f.pass_s(v))} | {v.tokens_per_pass:.2f} | {rate:.3g} | "
               f"{rate / f.plain_tokens_per_s:.2f}x")
+    if len(tried) > 1:
+        print("  draft share of the budget, by simulated step time: " + ", ".join(
+            f"{format_size(b)} {r:.3g} tokens/s" for b, r in tried)
+              + f"; keeps {format_size(f.draft_bytes)}")
     best = f.best
+    split = f" --draft-gpu-mem {f.draft_bytes}" if draft is not None else ""
     print(f"  picks k = {best.k}: {f.tokens_per_s(best):.3g} tokens/s, "
           f"{f.tokens_per_s(best) / f.plain_tokens_per_s:.2f}x plain decode (einpage generate "
-          f"--draft {args.draft} --draft-tokens {best.k})")
+          f"--draft {args.draft} --draft-tokens {best.k}{split})")
 
 
 def _generation_report(args, profile, device_bytes: int) -> None:
