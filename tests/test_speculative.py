@@ -538,3 +538,23 @@ def test_compile_searches_the_drafts_share_of_the_budget(capsys):
     kept = max(splits, key=lambda s: s["tokens_per_s"])
     assert f["draft_bytes"] == kept["draft_bytes"]
     assert f["tokens_per_s"] == pytest.approx(kept["tokens_per_s"])
+
+
+def test_the_draft_fixture_drafts_for_its_target(capsys, hf_fixture):
+    """tiny-llama31-draft (made by the fixture script: one layer, tiny-llama31's tokenizer)
+    drafts for tiny-llama31 through the CLI, paged: plain decoding's tokens and text; its own
+    logits are transformers' (float32 rounding)."""
+    draft = hf_fixture("tiny-llama31-draft")
+    target = hf_fixture("tiny-llama31")
+    common = ["generate", target, "--prompt-file", target / "prompt.txt", "--max-new-tokens", 16,
+              "--gpu-mem", "300KB", "--backend", "threads", "--json"]
+    assert cli(*common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli(*common, "--draft", draft, "--draft-tokens", 3) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"]
+    assert spec["draft_model"] == str(draft) and 0 <= spec["acceptance"] <= 1
+    cfg, weights = resolve(str(draft))
+    ids = np.load(draft / "input_ids.npy")
+    got = prefill(cfg, ids, dense_runner(weights))["logits"]
+    np.testing.assert_allclose(got, np.load(draft / "logits.npy"), rtol=1e-4, atol=2e-5)
