@@ -259,22 +259,26 @@ def search_draft_split(cfg: LlamaConfig, batch: int, capacity: int, acceptance: 
                        ks: tuple[int, ...], options: CompileOptions, workload: dict,
                        draft: LlamaConfig) -> tuple[SpeculationForecast, list[tuple[int, float]]]:
     """The split of the budget between a draft model and the model, by simulated step time:
-    every k at the default share (`speculative.draft_bytes`), then the k it picks at smaller
-    shares (`DRAFT_SHARES` of the draft's weights and KV store, where they leave the model
-    room); the forecast of the fastest, and `(draft bytes, tokens/s)` of each share tried."""
+    every k at the largest share that leaves the model room (the default,
+    `speculative.draft_bytes`: 1.25x the draft's weights and KV store, else the next of
+    `DRAFT_SHARES`), then the k it picks at the smaller shares; the forecast of the fastest,
+    and `(draft bytes, tokens/s)` of each share tried."""
     from einpage.models.speculative import draft_bytes
-    slots = capacity + max(ks) + 1
-    default = draft_bytes(draft, batch, slots)
-    first = forecast_speculation(cfg, batch, capacity, acceptance, ks, options, workload, draft,
-                                 default)
-    best, tried = first, [(default, first.tokens_per_s(first.best))]
-    if options.device_bytes is None:
-        return best, tried
+    default = draft_bytes(draft, batch, capacity + max(ks) + 1)
     need = default / 1.25
-    for share in DRAFT_SHARES:
-        size = int(share * need)
-        if size >= options.device_bytes or any(size == b for b, _ in tried):
-            continue
+    sizes = [default] + [int(share * need) for share in DRAFT_SHARES]
+    if options.device_bytes is not None:
+        sizes = [b for b in sizes if b < options.device_bytes]
+        if not sizes:
+            raise InputError(f"the draft needs {format_size(int(need))} (its weights and KV "
+                             f"store) of the {format_size(options.device_bytes)} budget: no "
+                             "room is left for the model (a larger --gpu-mem)")
+    else:
+        sizes = sizes[:1]
+    first = forecast_speculation(cfg, batch, capacity, acceptance, ks, options, workload, draft,
+                                 sizes[0])
+    best, tried = first, [(sizes[0], first.tokens_per_s(first.best))]
+    for size in sizes[1:]:
         other = forecast_speculation(cfg, batch, capacity, acceptance, (first.best.k,),
                                      options, workload, draft, size, plain=first.plain)
         rate = other.tokens_per_s(other.best)

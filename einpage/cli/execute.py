@@ -118,8 +118,8 @@ def add_commands(sub) -> None:
                           "the predicted pass time and the acceptance measured so far")
     gen.add_argument("--draft-gpu-mem",
                      help="with a draft model and --gpu-mem: the part of the budget the draft "
-                          "takes (default 1.25x its weights and KV store: all of it resident); "
-                          "the model gets the rest")
+                          "takes (default: chosen by simulated step time, as compile --draft "
+                          "does); the model gets the rest")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object: tokens (rows padded after their EOS), "
                           "new_lengths, finish_reason (eos or length), text (each row's "
@@ -447,13 +447,35 @@ def _draft_from_args(args, cfg, k: int | None, given):
     from einpage.models.speculative import check_vocabulary, draft_bytes
     check_vocabulary(dcfg, cfg, args.draft, args.model)
     budget = 0
-    if args.gpu_mem or args.arena:
+    if args.gpu_mem and args.draft_gpu_mem is None and args.backend != "reference":
+        budget = _searched_split(args, cfg, dcfg, k, given)
+    elif args.gpu_mem or args.arena:
         budget = (parse_size(args.draft_gpu_mem, "--draft-gpu-mem") if args.draft_gpu_mem
                   else draft_bytes(dcfg, given.tokens.shape[0],
                                    int(given.lengths.max()) + args.max_new_tokens + k + 1))
     elif args.draft_gpu_mem is not None:
         raise InputError("--draft-gpu-mem splits a --gpu-mem budget: give --gpu-mem too")
     return (dcfg, dweights), budget
+
+
+def _searched_split(args, cfg, dcfg, k: int, given) -> int:
+    """The draft's share of --gpu-mem by simulated step time (`forecast.search_draft_split`, as
+    `compile --draft` chooses it), at the last KV bucket of the generation, an acceptance of
+    0.7 and the proposals per pass it will run."""
+    from einpage.compiler import CompileOptions
+    from einpage.forecast import search_draft_split
+    from einpage.models.kvstore import capacity_for
+    from einpage.models.speculative import AUTO_TOKENS
+    ks = tuple(n for n in AUTO_TOKENS if n <= k) if args.draft_tokens == "auto" else (k,)
+    host_bytes, _ = host_budget(args)
+    options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
+                             policy=args.policy or "reuse-distance", device=_profile(args),
+                             host_bytes=host_bytes, host_compute=args.host_compute == "auto")
+    capacity = min(capacity_for(int(given.lengths.max()) + args.max_new_tokens,
+                                args.kv_granule), int(given.lengths.max()) + args.max_new_tokens)
+    f, _ = search_draft_split(cfg, given.tokens.shape[0], capacity, 0.7, ks, options,
+                              {"past": int(given.lengths.max())}, dcfg)
+    return f.draft_bytes
 
 
 def _print_stops(s: dict, out: TextIO) -> None:
