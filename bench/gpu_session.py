@@ -371,7 +371,8 @@ def build_steps() -> list[Step]:
     ]
     for fam in FAMILIES:
         steps.append(Step(f"mvp-{fam}", "measured", f"{fam} prefill plan at 1/4 of its weights,"
-                          " --timing", argv=_fixture_plan_run(fam, passes=MEASURED_PASSES), expect_s=12, limit_s=90,
+                          " --timing", argv=_fixture_plan_run(fam, passes=MEASURED_PASSES),
+                          expect_s=12, limit_s=90,
                           dry_expect_s=4, parse=_workload(f"{fam} prefill at 1/4", shrunk=False),
                           needs=_has_fixture(fam)))
     steps += [

@@ -4,9 +4,9 @@ On the first GPU (2026-11-27, bench/RESULTS.md) a pass's applies followed each o
 on the device, each lasting what the host took to issue it (60-180 us for an elementwise kernel
 of a few microseconds): the passes were bound by the runtime's cost per apply. This step runs a
 prefill of the small fixture, a plan for an arena of 1/4 of its weights, several times in one
-session on cupy, node by node (no CUDA graph) and without timing events: the wall time per pass (median) and per apply, then the same passes with
-`cProfile` on the compute queue's thread (the one that issues the kernels and GEMMs), whose
-functions it lists by own time. The first pass is timed apart: what it adds over the median is
+session on cupy, node by node (no CUDA graph) and without timing events: the wall time per pass
+(median) and per apply, then the same passes with `cProfile` on the compute queue's thread (the
+one that issues the kernels and GEMMs), whose functions it lists by own time. The first pass is timed apart: what it adds over the median is
 what a one-pass `einpage run --timing` also measures (CUDA loads each cuBLAS kernel at its first
 launch; the warm-up runs no GEMM). A later session reads there what to make cheaper.
 """

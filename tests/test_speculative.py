@@ -258,8 +258,8 @@ def _chi_square_p(observed: dict, expected: dict) -> float:
 @pytest.fixture(scope="module")
 def two_token_tables(hf_fixture):
     """The target's distributions for the two tokens after a fixed prefix (tiny-llama-f32,
-    temperature 0.05, top-k 5): p1 over the first, p2[x] over the second after first token x (every x),
-    and the verify step's own [3, vocab] rows for proposals (d1, d2)."""
+    temperature 0.05, top-k 5): p1 over the first, p2[x] over the second after first token x
+    (every x), and the verify step's own [3, vocab] rows for proposals (d1, d2)."""
     from einpage.models.generation import Sampling, probabilities
     cfg, weights = resolve(str(hf_fixture("tiny-llama-f32")))
     run = dense_runner(weights)
