@@ -253,7 +253,7 @@ def parse_install(ctx: Context, record: dict, text: str) -> None:
 
 def _pytest_argv(gpu: bool) -> Callable[[Context], list[str]]:
     def argv(ctx: Context) -> list[str]:
-        base = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
+        base = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs"]
         files = [f for f in GPU_TEST_FILES if (REPO / f).exists()]
         if ctx.dry_run:  # a few fast tests: the invocation and the parsing, not the suite
             if gpu:

@@ -126,6 +126,9 @@ def parse_pytest(ctx: Context, record: dict, text: str) -> None:
             n[key] = int(count)
     n["failures"] = [ln.split(" - ")[0][:200] for ln in text.splitlines()
                      if ln.startswith(("FAILED ", "ERROR "))][:30]
+    # why each skip (-rs): on the GPU machine only a reason that really holds there may stand
+    n["skip_reasons"] = sorted({ln.split(": ", 1)[-1][:200] for ln in text.splitlines()
+                                if ln.startswith("SKIPPED ")})[:30]
     if record["status"] == "failed" and record["rc"] == 5:
         record["note"] = "pytest collected no test"
     if record["status"] == "ok" and "passed" not in n:

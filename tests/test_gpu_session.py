@@ -215,9 +215,11 @@ def test_parse_timing(gs):
 def test_parse_pytest_and_sanitizer_summaries(gs):
     record = {"status": "failed", "rc": 1, "numbers": {}, "note": ""}
     gs.parse_pytest(None, record, "FAILED tests/test_x.py::test_y - AssertionError: no\n"
+                                  "SKIPPED [2] tests/test_z.py:9: a GPU is usable here\n"
                                   "1 failed, 120 passed, 3 skipped, 2 warnings in 61.20s\n")
     n = record["numbers"]
     assert (n["passed"], n["failed"], n["skipped"]) == (120, 1, 3)
+    assert n["skip_reasons"] == ["a GPU is usable here"]
     assert n["failures"] == ["FAILED tests/test_x.py::test_y"]
     ctx = gs.Context(out=Path("."), dry_run=False)
     record = {"name": "san-racecheck-prefill", "status": "ok", "rc": 0, "numbers": {},
