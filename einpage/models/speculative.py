@@ -1,6 +1,6 @@
 """Speculative decoding: several tokens per pass of the target model (issue "Many tokens per
-streamed pass", first step: prompt-lookup drafts; greedy acceptance, and the speculative
-sampling rule when sampling).
+streamed pass"): prompt-lookup drafts and draft models, greedy acceptance, and the speculative
+sampling rule when sampling; `--draft-tokens auto` (`AutoTokens`).
 
 When the weights do not fit, a decode step costs one trip of the streamed weights over the link
 whatever it computes, so checking `k` proposed tokens in one pass costs nearly what one token
@@ -25,8 +25,7 @@ sampling draws with the same seed (the draws differ).
 Drafts: `NgramDraft` proposes from the row's own text (prompt-lookup decoding): the tokens that
 followed the latest earlier occurrence of its last n-gram (n from `max_ngram` down to 1).
 `ModelDraft` runs a smaller model of the same vocabulary greedily, with its own plans and KV
-store, `k + 1` decode steps per pass.
-A row that finishes (EOS, or its `new_tokens`) stops there; rows accept different counts and
+store, `k + 1` decode steps per pass. A row that finishes (EOS, or its `new_tokens`) stops there; rows accept different counts and
 keep their own positions. Plans: one per (bucket, T), cached by the runner as decode plans are.
 """
 from __future__ import annotations
