@@ -1,4 +1,4 @@
-"""Speculative decoding, first step (issue "Many tokens per streamed pass"): the verify step
+"""Speculative decoding (issue "Many tokens per streamed pass"): the verify step
 computes what that many decode steps compute; prompt-lookup drafts; greedy acceptance gives
 plain decoding's tokens, token for token, on every family fixture,
 paged and dense, rows of different lengths accepting different counts, sliding-window rings
