@@ -11,6 +11,7 @@ from einpage.errors import InputError
 from einpage.models import llama, schema
 from einpage.models.config import LlamaConfig
 from einpage.models.kvstore import GRANULE, bucket_steps
+from einpage.models.speculative import expected_tokens
 from einpage.predict import DEFAULT_DEVICE, get_device
 from einpage.units import format_size
 
@@ -125,15 +126,6 @@ def forecast_generation(cfg: LlamaConfig, batch: int, prompt: int, new_tokens: i
         step.bind(B=batch, C=cap), phase="decode", seq=1, capacity=cap, tokens=batch), bandwidth)
         for cap, steps in bucket_steps(prompt, new_tokens, granule, cfg.kv_ring))
     return GenerationForecast(cfg.name, batch, prompt, new_tokens, pre, buckets)
-
-
-def expected_tokens(k: int, acceptance: float) -> float:
-    """Tokens a row gets from one verify pass of `k` proposals when each is accepted with
-    probability `acceptance`, independently, until the first rejection: 1 + a + ... + a^k
-    (the accepted run, then the target's own token)."""
-    if acceptance >= 1.0:
-        return k + 1.0
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
 @dataclass(frozen=True)

@@ -354,7 +354,7 @@ def test_cli_samples_with_a_draft(capsys, hf_fixture):
 
 
 def test_expected_tokens_per_pass():
-    from einpage.forecast import expected_tokens
+    from einpage.models.speculative import expected_tokens
     assert expected_tokens(4, 0.0) == 1.0 and expected_tokens(4, 1.0) == 5.0
     assert expected_tokens(2, 0.5) == pytest.approx(1.75)
     assert expected_tokens(8, 0.7) == pytest.approx(sum(0.7 ** i for i in range(9)))

@@ -122,7 +122,7 @@ def bound_sentence(r: PlanReport) -> str:
 def _time_lines(r: PlanReport) -> list[str]:
     sim, tps = r.simulation, r.tokens_per_s
     rate = (f" ({tps:,.0f} tokens/s)" if tps >= 100 else f" ({tps:.3g} tokens/s)") if tps else ""
-    host = f", host CPU {_secs(sim.host_s)}" if getattr(sim, "host_s", 0.0) else ""
+    host = f", host CPU {_secs(sim.host_s)}" if sim.host_s else ""
     lines = [f"  predicted on {sim.device}: {_secs(sim.makespan_s)} per pass{rate}; busy: "
              f"compute {_secs(sim.compute_s)}, host->device {_secs(sim.h2d_s)}, device->host "
              f"{_secs(sim.d2h_s)}{host}; compute waits {_secs(sim.stall_s)} for data"]

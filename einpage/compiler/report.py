@@ -212,7 +212,7 @@ class PlanReport:
         placed on the host's CPU)."""
         sim = self.simulation
         busy = {"compute": sim.compute_s, "h2d": sim.h2d_s, "d2h": sim.d2h_s,
-                "disk": getattr(sim, "disk_s", 0.0), "host": getattr(sim, "host_s", 0.0)}
+                "disk": getattr(sim, "disk_s", 0.0), "host": sim.host_s}
         return max(busy, key=lambda k: (busy[k], k == "compute"))
 
     def with_notes(self, **notes: str) -> "PlanReport":

@@ -145,17 +145,7 @@ class KVStore:
         the step's own rows (a session quantizes them for a packed store as this store does)."""
         if self.full:
             raise InputError(f"the KV store is full: {self.capacity} slots")
-        written = []
-        for name, array in self.arrays.items():
-            new = step["new." + name[len("cache."):]]
-            packed = self._packed(new)
-            for b in range(self.batch):
-                slot = self.slot(int(self.pos[b]))
-                array[b, slot] = packed[b, 0]
-                written.append((name, (b, slot), new[b, 0] if self.storage is not None
-                                else array[b, slot]))
-        self.pos += 1
-        return written
+        return self.write_rows(step, np.ones(self.batch, np.int64))
 
     def slot_positions(self, capacity: int) -> np.ndarray:
         """int64 [batch, capacity]: the position each of the first `capacity` slots holds, -1

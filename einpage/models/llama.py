@@ -67,6 +67,7 @@ class _Llama:
         self.dt = cfg.dtype
         self.pos: Tensor | None = None  # decode: each row's position, [B] int64
         self.slots: Tensor | None = None  # a verify step over a ring: each slot's position
+        self.query: Tensor | None = None  # a verify step: each new token's position
         self.masks: dict[int | None, Tensor] = {}  # by sliding window (None: causal)
         self.picks: dict[int, Tensor] = {}         # Mixtral: one-hot of each expert
         self.storage = weight_storage(cfg)         # quantized weights
@@ -140,13 +141,19 @@ class _Llama:
         """Decode: rot[b, u, r, j] at position pos[b] (angles computed on the device)."""
         return self._rotary(self.pos, "b")
 
+    def verify_positions(self, seq) -> Tensor:
+        """Verify step: position[b, s] = pos[b] + s of each new token (made once per graph,
+        for the rotary table and the store mask)."""
+        if self.query is None:
+            g = self.g
+            offset = g.fill((seq,), lambda s: s, dtype=DType.f32)
+            self.query = g.einsum("b,s->bs", self.pos, offset, join=lambda p, o: p + o,
+                                  dtype=DType.f32)
+        return self.query
+
     def verify_rotary_table(self, seq) -> Tensor:
         """Verify step: rot[b, s, u, r, j] at position pos[b] + s."""
-        g = self.g
-        offset = g.fill((seq,), lambda s: s, dtype=DType.f32)
-        position = g.einsum("b,s->bs", self.pos, offset, join=lambda p, o: p + o,
-                            dtype=DType.f32)
-        return self._rotary(position, "bs")
+        return self._rotary(self.verify_positions(seq), "bs")
 
     def _rotary(self, position: Tensor, p: str) -> Tensor:
         """rot[p, u, r, j] for positions `position[p]`. As transformers does, the angle is the
@@ -196,10 +203,7 @@ class _Llama:
         the ring's oldest rows."""
         key = ("verify", window)
         if key not in self.masks:
-            g = self.g
-            offset = g.fill((seq,), lambda s: s, dtype=DType.f32)
-            query = g.einsum("b,s->bs", self.pos, offset, join=lambda p, o: p + o,
-                             dtype=DType.f32)
+            g, query = self.g, self.verify_positions(seq)
             if self.slots is not None:
                 self.masks[key] = g.einsum(
                     "bs,bt->bst", query, self.slots, dtype=DType.f32,

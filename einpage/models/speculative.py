@@ -195,6 +195,15 @@ def check_vocabulary(draft: LlamaConfig, cfg: LlamaConfig, draft_path: str,
                          "draft proposes the model's own token ids")
 
 
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens a row gets from one verify pass of `k` proposals when each is accepted with
+    probability `acceptance`, independently, until the first rejection: 1 + a + ... + a^k
+    (the accepted run, then the target's own token)."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
 #: the proposal counts `--draft-tokens auto` chooses from
 AUTO_TOKENS = (1, 2, 4, 8)
 #: the acceptance it assumes before any is measured, and with the weight of that many proposals
@@ -217,7 +226,7 @@ class AutoTokens:
         a = min(accepted / (stats.proposed + PRIOR_PROPOSALS), 1.0)
 
         def rate(k: int) -> float:
-            expected = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+            expected = expected_tokens(k, a)
             seconds = pass_seconds(k)
             return expected / seconds if seconds else expected
         return max(self.candidates, key=lambda k: (rate(k), -k))
@@ -317,13 +326,18 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
     stats = SpeculationStats(draft.name, "auto" if auto else draft.tokens)
     session, capacity, k = None, 0, draft.tokens
     plan = getattr(run, "plan", None)
+    priced: dict[tuple[int, int], float | None] = {}  # (bucket, k) -> predicted pass seconds
 
     def pass_seconds(n: int, bucket: int) -> float | None:
-        if plan is None:
-            return None
-        verify = plan(verify_step_graph(cfg, batch, bucket, n + 1))[0].simulation.makespan_s
-        step = draft.step_seconds(batch) if hasattr(draft, "step_seconds") else 0.0
-        return verify + (n + 1) * (step or 0.0)
+        if (bucket, n) not in priced:
+            if plan is None:
+                priced[bucket, n] = None
+            else:
+                graph = verify_step_graph(cfg, batch, bucket, n + 1)
+                step = draft.step_seconds(batch) if hasattr(draft, "step_seconds") else 0.0
+                priced[bucket, n] = (plan(graph)[0].simulation.makespan_s
+                                     + (n + 1) * (step or 0.0))
+        return priced[bucket, n]
 
     try:
         while not picker.done and (left[~picker.finished] > 0).any():
@@ -395,5 +409,6 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
 
 __all__ = ["AUTO_TOKENS", "AutoTokens", "DRAFTS", "ModelDraft", "NgramDraft", "RowDraft",
            "SpeculationStats",
-           "accept_sampled", "check_vocabulary", "draft_bytes", "draw", "speculate",
+           "accept_sampled", "check_vocabulary", "draft_bytes", "draw", "expected_tokens",
+           "speculate",
            "verify_step_graph"]

@@ -5,7 +5,6 @@ they differ in where the arrays live and when a node may run, not in what a node
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -62,7 +61,7 @@ def _guarded(n: ApplyNode, reads: Sequence[np.ndarray], write: np.ndarray,
     if guard is None:
         return n, reads
     if reads[-1].flat[guard.index]:
-        return replace(n, op=op, reads=n.reads[:-1]), reads[:-1]
+        return n.unguarded(), reads[:-1]
     for a in n.frees if release is not None else ():
         release(a)
     if not n.accumulate:
