@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -53,7 +52,6 @@ REPO = HERE.parent
 if str(HERE) not in sys.path:  # the session's own modules (also when loaded by path)
     sys.path.insert(0, str(HERE))
 from gpu_session_fake import install_fake  # noqa: E402
-from gpu_session_profile import py_profile as profile_step  # noqa: E402
 from gpu_session_runner import (_CURRENT, DEFAULT_DEADLINE_S, FAKE_ENV,  # noqa: E402
                                 LOGS, OK_STATUSES, Context, Step, _kill_group,
                                 find_sanitizer, run_steps, select, short_table)
@@ -62,48 +60,18 @@ from gpu_session_runner import RESERVE_S, check_sanitizer_argv, sanitizer_argv  
 from gpu_session_parse import (parse_bytes, parse_calibrate, parse_measured,  # noqa: E402
                                parse_pytest, parse_sanitized)
 from gpu_session_parse import parse_timing  # noqa: E402, F401 (the tests reach it here)
-#: where the tests look for the Hugging Face fixtures (tests/conftest.py)
-TEST_FIXTURES = REPO / "tests" / "fixtures"
-FIXTURES_ENV = "EINPAGE_GPU_SESSION_FIXTURES"   # --fixtures, for the children
-#: the fixtures this session uses (`--fixtures`; by default the repository's own, which travel
-#: with the checkout)
-FIXTURES = Path(os.environ.get(FIXTURES_ENV) or TEST_FIXTURES)
-#: every Hugging Face fixture family (tests/fixtures/<name>)
-FAMILIES = ("tiny-llama-f32", "tiny-llama-bf16", "tiny-llama31", "tiny-mistral", "tiny-qwen2",
-            "tiny-qwen3", "tiny-mixtral")
-#: the fixture the sanitizer, the soak and the decode checks run
-SMALL_FIXTURE = "tiny-llama-f32"
-#: the test files that run on the GPU (the rest of the suite is `pytest-cpu`)
-GPU_TEST_FILES = ("tests/test_cuda_backend.py", "tests/test_cuda_source.py",
-                  "tests/test_cuda_memory.py", "tests/test_gemm_plan.py",
-                  "tests/test_cupy_api.py", "tests/test_nvrtc.py", "tests/test_cli_backends.py")
-#: einpage's own dependencies (pyproject.toml): without one nothing runs
-REQUIRED = ("numpy", "opt_einsum", "sympy", "safetensors", "ml_dtypes", "tqdm", "tokenizers")
-OPTIONAL = ("pytest", "hypothesis", "cupy", "torch", "transformers", "accelerate", "matplotlib")
-FAMILIES_ENV = "EINPAGE_GPU_SESSION_FAMILIES"  # --families: the families `agree` checks
-XDIST_ENV = "EINPAGE_GPU_SESSION_XDIST"  # --xdist N: pytest-cpu on N workers (pytest-xdist)
-
-# Workloads: (real, dry run). The dry run keeps every command's shape on sizes a CPU runs in
-# seconds (the `small` preset for llama-7b/13b, fewer tokens and steps).
-LLAMA_PREFILL_SEQ = (2048, 32)        # tokens of the llama prefill rows (B=1)
-DECODE_PROMPT = (512, 16)             # prompt of the decode rows
-DECODE_STEPS = (64, 6)                # decode steps (new tokens = steps + 1)
-SOAK_STEPS = (1000, 20)               # decode steps of the soak
-MEASURED_PASSES = 5                   # prefill rows: the first pass and the median of 4 more
-SOAK_MARK = 10                        # the soak compares memory at this step and the last
-AGREE_NEW_TOKENS = 16                 # new tokens of the cupy-vs-threads generate check
-SAN_DECODE_STEPS = 32                 # decode steps of the sanitizer's decode run
-
-
+from gpu_session_config import (DECODE_PROMPT, DECODE_STEPS, FAMILIES,  # noqa: E402, F401
+                                FAMILIES_ENV, FIXTURES, FIXTURES_ENV, GPU_TEST_FILES,
+                                LLAMA_PREFILL_SEQ, MEASURED_PASSES, REQUIRED, SAN_DECODE_STEPS,
+                                SMALL_FIXTURE, SOAK_STEPS, TEST_FIXTURES, XDIST_ENV, fixture,
+                                npy_shape, slug)
+from gpu_session_checks import PY_STEPS, arena_runner  # noqa: E402, F401
+import gpu_session_config as config  # noqa: E402
 # ====================================================================== the steps
 
-def _fixture(name: str) -> Path:
-    return FIXTURES / name
-
-
-def _has_fixture(name: str) -> Callable[[Context], str | None]:
+def _hasfixture(name: str) -> Callable[[Context], str | None]:
     def need(ctx: Context) -> str | None:
-        path = _fixture(name)
+        path = fixture(name)
         return None if (path / "model.safetensors").exists() else f"no fixture {path}"
     return need
 
@@ -156,16 +124,11 @@ def _tokens_file(ctx: Context, batch: int, seq: int, vocab: int = 32000) -> str:
     return str(path)
 
 
-def _shape(path: Path) -> tuple[int, int]:
-    import numpy as np
-    return tuple(np.load(path).shape)
-
-
 def _host_budget_for_disk(ctx: Context, path: Path, arena: int) -> str:
     """A `--cpu-mem` small enough that most streamed weight blocks come from disk: what
     `einpage compile --cpu-mem 1` names as the smallest host budget that works, with a margin
     (the figure is rounded)."""
-    batch, seq = _shape(path / "input_ids.npy")
+    batch, seq = npy_shape(path / "input_ids.npy")
     argv = ctx.einpage + ["compile", str(path), "--gpu-mem", str(arena), "--batch", str(batch),
                           "--seq", str(seq), "--cpu-mem", "1", "--quiet"]
     env = ctx.env()
@@ -184,9 +147,9 @@ def _fixture_plan_run(name: str, disk: bool = False, timing: bool = True, passes
     weights on disk), then `einpage run plan --checkpoint FIXTURE --backend cupy`. (With
     `--gpu-mem` a cupy budget counts the CUDA context, which 1/4 of a fixture cannot hold.)"""
     def argv(ctx: Context) -> list[list[str]]:
-        path = _fixture(name)
+        path = fixture(name)
         arena = _weight_bytes(path) // 4
-        batch, seq = _shape(path / "input_ids.npy")
+        batch, seq = npy_shape(path / "input_ids.npy")
         plans = ctx.work / "plans"
         plans.mkdir(exist_ok=True)
         plan = plans / f"{name}{'-disk' if disk else ''}.json"
@@ -272,7 +235,8 @@ def _calibrate_argv(ctx: Context) -> list[str]:
     cmd = ctx.einpage + ["calibrate", "--backend", "cupy", "-o",
                          str(ctx.out / f"profile-{ctx.kind}.json")]
     if not ctx.dry_run:  # the drive of the checkpoints: 1 GB written there, read, removed
-        cmd += ["--disk", str(FIXTURES.parent if FIXTURES.parent.is_dir() else REPO)]
+        fixtures = config.FIXTURES
+        cmd += ["--disk", str(fixtures.parent if fixtures.parent.is_dir() else REPO)]
     return cmd
 
 
@@ -347,7 +311,7 @@ def _workload(text: str, shrunk: bool = True):
 def build_steps() -> list[Step]:
     """The session, in the order it runs (the most wanted first: what does not fit the deadline
     is at the end)."""
-    san_need = _both(_has_fixture(SMALL_FIXTURE), _needs_sanitizer)
+    san_need = _both(_hasfixture(SMALL_FIXTURE), _needs_sanitizer)
     steps = [
         Step("env", "env", "python, GPU, CuPy, dependencies, compute-sanitizer, fixtures",
              py="env", expect_s=10, limit_s=60, parse=_parse_env),
@@ -374,16 +338,16 @@ def build_steps() -> list[Step]:
                           " --timing", argv=_fixture_plan_run(fam, passes=MEASURED_PASSES),
                           expect_s=12, limit_s=90,
                           dry_expect_s=4, parse=_workload(f"{fam} prefill at 1/4", shrunk=False),
-                          needs=_has_fixture(fam)))
+                          needs=_hasfixture(fam)))
     steps += [
         Step("agree", "agree", "cupy vs threads on every family at 1/4: run (plan file) and "
              "generate (in-process)", py="agree", expect_s=60, limit_s=240, dry_expect_s=20),
         Step("soak", "soak", f"{SOAK_STEPS[0]} decode steps in one session: memGetInfo and "
              "RSS flat", py="soak", expect_s=60, limit_s=300, dry_expect_s=8,
-             needs=_has_fixture(SMALL_FIXTURE)),
+             needs=_hasfixture(SMALL_FIXTURE)),
         Step("profile", "profile", f"{SMALL_FIXTURE} prefill passes in one session: time per "
              "apply, and cProfile of the compute queue's thread", py="profile", expect_s=20,
-             limit_s=120, dry_expect_s=15, needs=_has_fixture(SMALL_FIXTURE)),
+             limit_s=120, dry_expect_s=15, needs=_hasfixture(SMALL_FIXTURE)),
         Step("mvp-7b-16GB", "measured", "llama-7b --random-weights prefill B=1 S=2048 at 16 GB",
              argv=_llama_run("llama-7b", "16GB", lambda w: 2 * w), expect_s=90, limit_s=300,
              dry_expect_s=5, parse=_workload("llama-7b B=1 S=2048 at 16GB")),
@@ -426,321 +390,6 @@ def _launch_cli(argv: list[str]) -> int:
         install_fake(Path(kernels))
     from einpage.cli.main import main
     return main(argv)
-
-
-# ====================================================================== children: python steps
-
-def _rss() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def py_env(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
-    import importlib.metadata as md
-    import importlib.util
-    n: dict = {"python": sys.version.split()[0], "platform": platform.platform(),
-               "cpus": os.cpu_count(), "stand_in_lacks": shims}
-    versions = {}
-    for mod in REQUIRED + OPTIONAL:
-        if mod in sys.modules:  # the stand-in (dry run) has no __spec__
-            versions[mod] = getattr(sys.modules[mod], "__version__", "present")
-            continue
-        if importlib.util.find_spec(mod) is None:
-            versions[mod] = None
-            continue
-        dist = {"cupy": None, "opt_einsum": "opt_einsum"}.get(mod, mod)
-        try:
-            versions[mod] = md.version(dist) if dist else "present"
-        except md.PackageNotFoundError:
-            versions[mod] = "present"
-    n["modules"] = versions
-    if versions.get("cupy") or dry:
-        try:
-            import cupy
-            versions["cupy"] = getattr(cupy, "__version__", "present")
-        except Exception as exc:
-            versions["cupy"] = f"import failed: {type(exc).__name__}: {exc}"
-    missing = [m for m in REQUIRED if not versions.get(m)]
-    smi = shutil.which("nvidia-smi")
-    if smi and not dry:
-        try:
-            got = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version,"
-                                  "compute_cap", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=30)
-            first = got.stdout.strip().splitlines()[0].split(", ")
-            n.update(gpu_name=first[0], gpu_memory=first[1], driver=first[2],
-                     compute_cap=first[3] if len(first) > 3 else None)
-        except Exception as exc:
-            n["nvidia_smi"] = f"failed: {exc}"
-    try:
-        from einpage.runtime.backends.cuda import _unusable_reason
-        reason = _unusable_reason()
-        n["cuda_usable"] = reason is None
-        if reason:
-            n["cuda_unusable_reason"] = reason
-        else:
-            import cupy
-            props = cupy.cuda.runtime.getDeviceProperties(0)
-            name = props.get("name", b"")
-            n.setdefault("gpu_name", name.decode() if isinstance(name, bytes) else str(name))
-            n["device_memory_bytes"] = int(props.get("totalGlobalMem", 0))
-            n["mem_get_info"] = list(cupy.cuda.runtime.memGetInfo())
-            n["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
-    except Exception as exc:
-        n["cuda_probe_error"] = f"{type(exc).__name__}: {exc}"
-    try:
-        import einpage
-        n["einpage"] = {"version": einpage.__version__, "file": einpage.__file__}
-    except Exception as exc:
-        n["einpage"] = f"import failed: {type(exc).__name__}: {exc}"
-        missing.append("einpage")
-    n["sanitizer"] = find_sanitizer()
-    n["fixtures"] = {f: (_fixture(f) / "model.safetensors").exists() for f in FAMILIES}
-    n["kind"] = "fake-cupy" if dry else _slug(n.get("gpu_name") or "gpu")
-    if missing:
-        return "failed", f"missing: {', '.join(missing)}", n
-    if not dry and not n.get("cuda_usable"):
-        return "failed", f"no usable GPU: {n.get('cuda_unusable_reason')}", n
-    return "ok", "", n
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
-
-
-def _cli_in_process(argv: list[str]) -> tuple[int, str, str]:
-    """`einpage ARGV` in this process: (exit status, stdout, stderr)."""
-    import contextlib
-    import io
-    from einpage.cli.main import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in argv])
-    return rc, out.getvalue(), err.getvalue()
-
-
-def arena_runner(weights, arena: int, backend: str = "cupy", timing: bool = False):
-    """A `PlanRunner` whose plans are compiled for an arena of exactly `arena` bytes (as
-    `--arena` asks): on cupy the CUDA context and the workspaces come on top instead of out of
-    the budget, which 1/4 of a fixture's weights could not hold."""
-    from einpage.compiler import CompileOptions
-    from einpage.runners import PlanRunner
-    return PlanRunner(weights, CompileOptions(arena), backend, timing=timing, arena=True)
-
-
-def _fixture_prompt(path: Path):
-    """(tokens, lengths, codec or None) of a fixture's generation prompt: its prompt.txt through
-    its tokenizer where it has one (as `einpage generate --prompt-file`), else
-    greedy_prompt.npy."""
-    import numpy as np
-    from einpage.models.generation import pad_rows
-    from einpage.models.text import TextCodec, has_tokenizer
-    codec = TextCodec.from_checkpoint(path) if has_tokenizer(path) else None
-    if codec is not None and (path / "prompt.txt").exists():
-        lines = [ln for ln in (path / "prompt.txt").read_text(encoding="utf-8").splitlines() if ln]
-        return (*pad_rows([codec.encode(t) for t in lines]), codec)
-    tokens = np.load(path / "greedy_prompt.npy").astype(np.int64)
-    return tokens, np.full(tokens.shape[0], tokens.shape[1], np.int64), codec
-
-
-def _generate(path: Path, runner, new_tokens: int, ignore_eos: bool = False):
-    """Greedy generation of a fixture on `runner`, with its EOS ids as `einpage generate`."""
-    from einpage.models import resolve
-    from einpage.models.generation import generate
-    from einpage.models.text import end_of_sequence
-    cfg, _ = resolve(str(path))
-    tokens, lengths, codec = _fixture_prompt(path)
-    eos = end_of_sequence(path)
-    done = generate(cfg, tokens, new_tokens, runner, lengths=lengths,
-                    eos_ids=None if ignore_eos else eos.ids, pad_id=eos.pad_id)
-    texts = [codec.decode(row) for row in done.rows()] if codec is not None else None
-    return done, texts
-
-
-def py_agree(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
-    """cupy against threads for every fixture family at 1/4 of its weights: `einpage run` (a
-    plan file compiled for 1/4 on cupy; `--gpu-mem W/4` on threads) gives logits within
-    tolerance, greedy generation (in-process, plans for an arena of 1/4 on both) gives identical
-    tokens and text, and `einpage generate --backend cupy --arena W/4` gives the tokens and text
-    of `einpage generate --backend threads --arena W/4`, and with `--draft ngram` (verify
-    steps) the tokens of plain decoding on cupy."""
-    import numpy as np
-    from einpage.models import resolve
-    work = work / "agree"
-    work.mkdir(exist_ok=True)
-    fixtures, bad = {}, []
-    chosen = os.environ.get(FAMILIES_ENV)
-    for fam in [f for f in chosen.split(",") if f] if chosen else FAMILIES:
-        path = _fixture(fam)
-        if not (path / "model.safetensors").exists():
-            fixtures[fam] = {"ok": False, "error": "fixture missing"}
-            bad.append(fam)
-            continue
-        cfg, weights = resolve(str(path))
-        arena = cfg.weight_bytes() // 4
-        batch, seq = _shape(path / "input_ids.npy")
-        f: dict = {"arena": arena}
-        try:
-            plan, got = work / f"{fam}.plan.json", {}
-            steps = {"compile": ["compile", path, "--gpu-mem", arena, "--batch", batch, "--seq",
-                                 seq, "--quiet", "-o", plan],
-                     "cupy": ["run", plan, "--checkpoint", path, "--tokens-file",
-                              path / "input_ids.npy", "--backend", "cupy", "--out",
-                              work / f"{fam}-cupy.npy"],
-                     "threads": ["run", path, "--tokens-file", path / "input_ids.npy",
-                                 "--gpu-mem", arena, "--backend", "threads", "--out",
-                                 work / f"{fam}-threads.npy"]}
-            for what, argv in steps.items():
-                rc, so, se = _cli_in_process(argv)
-                print(f"{fam}: einpage {' '.join(map(str, argv))}: rc {rc}\n{so}{se}", flush=True)
-                if rc:
-                    raise RuntimeError(f"einpage {argv[0]} ({what}): {se.strip()}")
-            a, b = np.load(work / f"{fam}-cupy.npy"), np.load(work / f"{fam}-threads.npy")
-            f["logits_max_abs_diff"] = float(np.max(np.abs(a - b)))
-            f["logits_close"] = bool(np.allclose(a, b, rtol=1e-4, atol=2e-5))
-            if (path / "logits.npy").exists():
-                want = np.load(path / "logits.npy")
-                if want.shape == a.shape:
-                    f["vs_transformers_max_abs_diff"] = float(np.max(np.abs(a - want)))
-            for backend in ("cupy", "threads"):
-                got[backend] = _generate(path, arena_runner(weights, arena, backend),
-                                         AGREE_NEW_TOKENS)
-            (cu, cu_text), (th, th_text) = got["cupy"], got["threads"]
-            f["tokens_identical"] = bool(np.array_equal(cu.tokens, th.tokens))
-            if cu_text is not None:
-                f["text_identical"] = cu_text == th_text
-            prompt = (["--prompt-file", path / "prompt.txt"] if (path / "prompt.txt").exists()
-                      else ["--tokens-file", path / "greedy_prompt.npy"])
-            cli = {}
-            for backend in ("cupy", "threads"):
-                argv = ["generate", path, *prompt, "--max-new-tokens", AGREE_NEW_TOKENS,
-                        "--arena", str(arena), "--backend", backend, "--json"]
-                rc, so, se = _cli_in_process(argv)
-                print(f"{fam}: einpage {' '.join(map(str, argv))}: rc {rc}\n{so}{se}", flush=True)
-                if rc:
-                    raise RuntimeError(f"einpage generate --backend {backend}: {se.strip()}")
-                cli[backend] = json.loads(so.strip().splitlines()[-1])
-            # speculative decoding on cupy (verify steps, captured as decode steps are): the
-            # tokens of plain decoding
-            argv = ["generate", path, *prompt, "--max-new-tokens", AGREE_NEW_TOKENS, "--arena",
-                    str(arena), "--backend", "cupy", "--json", "--draft", "ngram",
-                    "--draft-tokens", "3"]
-            rc, so, se = _cli_in_process(argv)
-            print(f"{fam}: einpage {' '.join(map(str, argv))}: rc {rc}\n{so}{se}", flush=True)
-            if rc:
-                raise RuntimeError(f"einpage generate --draft ngram: {se.strip()}")
-            spec = json.loads(so.strip().splitlines()[-1])
-            f["draft_tokens_identical"] = spec["tokens"] == cli["cupy"]["tokens"]
-            f["draft_acceptance"] = spec["acceptance"]
-            f["cli_tokens_identical"] = cli["cupy"]["tokens"] == cli["threads"]["tokens"]
-            f["cli_text_identical"] = cli["cupy"].get("text") == cli["threads"].get("text")
-            f["cli_matches_in_process"] = cli["threads"]["tokens"] == th.tokens.tolist()
-            f["ok"] = bool(f["logits_close"] and f["tokens_identical"]
-                           and f.get("text_identical", True) and f["cli_tokens_identical"]
-                           and f["cli_text_identical"] and f["draft_tokens_identical"])
-        except Exception as exc:
-            f.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
-        fixtures[fam] = f
-        if not f["ok"]:
-            bad.append(fam)
-    n = {"fixtures": fixtures, "new_tokens": AGREE_NEW_TOKENS,
-         "tolerance": "rtol 1e-4, atol 2e-5"}
-    return ("failed", f"differ or failed: {', '.join(bad)}", n) if bad else ("ok", "", n)
-
-
-def py_decode(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
-    """The sanitizer's decode run: the small fixture's prefill and SAN_DECODE_STEPS decode steps
-    on cupy, plans for an arena of 1/4 of its weights."""
-    from einpage.models import resolve
-    path = _fixture(SMALL_FIXTURE)
-    cfg, weights = resolve(str(path))
-    runner = arena_runner(weights, cfg.weight_bytes() // 4, "cupy")
-    done, _ = _generate(path, runner, SAN_DECODE_STEPS + 1, ignore_eos=True)
-    print(json.dumps({"decode_steps": done.decode_steps, "tokens": done.tokens.tolist()}))
-    n = {"decode_steps": done.decode_steps, "passes": len(runner.passes),
-         "arena": cfg.weight_bytes() // 4}
-    if done.decode_steps != SAN_DECODE_STEPS:
-        return "failed", f"{done.decode_steps} decode steps, not {SAN_DECODE_STEPS}", n
-    return "ok", "", n
-
-
-def py_soak(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
-    """Decode steps of the small fixture, plans for an arena of 1/4 of its weights, in one
-    `PlanSession` (one KV bucket holds every step) on cupy: `cupy.cuda.runtime.memGetInfo` and
-    host RSS at step SOAK_MARK and at the last step; flat device memory and RSS growth <= 1%
-    pass."""
-    import cupy
-    import numpy as np
-    from einpage.models import resolve
-    from einpage.models.generation import decode_step_graph, last_logits, prefill
-    from einpage.models.kvstore import KVStore, capacity_for
-    steps = SOAK_STEPS[1] if dry else SOAK_STEPS[0]
-    path = _fixture(SMALL_FIXTURE)
-    cfg, weights = resolve(str(path))
-    prompt = np.load(path / "greedy_prompt.npy")
-    batch, length = prompt.shape
-    arena = cfg.weight_bytes() // 4
-    runner = arena_runner(weights, arena, "cupy")
-    logits = prefill(cfg, prompt, runner)
-    last = np.argmax(last_logits(logits["logits"]), axis=-1)
-    capacity = capacity_for(length + steps)
-    store = KVStore(cfg, batch, capacity)
-    store.fill(logits)
-    graph = decode_step_graph(cfg, batch, capacity)
-    marks, times = [], []
-    with runner.open(graph) as session:
-        for k in range(1, steps + 1):
-            t0 = time.perf_counter()
-            got = session.run({"tokens": last[:, None], "pos": store.pos.copy(),
-                               **store.view(capacity)})
-            for name, lead, row in store.write(got):
-                session.write(name, lead, row)
-            last = np.argmax(last_logits(got["logits"]), axis=-1)
-            times.append(time.perf_counter() - t0)
-            if k in (1, SOAK_MARK, steps) or k % 100 == 0:
-                free, total = cupy.cuda.runtime.memGetInfo()
-                marks.append({"step": k, "device_free": int(free), "device_total": int(total),
-                              "rss": _rss()})
-        # CuPy allocations outside the arena and workspace since the session's warm-up: the
-        # pool (the memory hook, every queue) and the allocator the compute thread sets
-        backend = session._streams.backend
-        hook = {"hook_allocations": int(backend.hook.allocations),
-                "hook_bytes": int(backend.hook.bytes),
-                "hidden_allocations": int(backend.hidden_allocations)}
-    at = {m["step"]: m for m in marks}
-    first, end = at[SOAK_MARK], at[steps]
-    growth = (end["rss"] - first["rss"]) / first["rss"] * 100
-    ordered = sorted(times)
-    n = {"fixture": SMALL_FIXTURE, "backend": runner.backend, "batch": batch, "steps": steps,
-         "arena_bytes": arena, "capacity": capacity, "marks": marks,
-         "device_free_delta_bytes": end["device_free"] - first["device_free"],
-         "rss_growth_pct": growth, "passes_kept": len(runner.passes), **hook,
-         "step_p50_s": ordered[len(ordered) // 2],
-         "step_p95_s": ordered[max(int(len(ordered) * 0.95) - 1, 0)],
-         "tokens_last": last.tolist()}
-    problems = []
-    if end["device_free"] != first["device_free"]:
-        problems.append(f"device free memory moved by {n['device_free_delta_bytes']} B between "
-                        f"step {SOAK_MARK} and {steps}")
-    if growth > 1.0:
-        problems.append(f"host RSS grew {growth:.2f}% (> 1%)")
-    if hook["hook_allocations"] or hook["hidden_allocations"]:
-        problems.append(f"{hook['hook_allocations']} allocations through CuPy's pool "
-                        f"({hook['hook_bytes']} B) and {hook['hidden_allocations']} through the "
-                        "compute thread's allocator outside the arena and workspace")
-    return ("failed", "; ".join(problems), n) if problems else ("ok", "", n)
-
-
-#: the python steps: (output dir, dry run, what the stand-in lacked) -> (status, note, numbers)
-def py_profile(work: Path, dry: bool, shims: list[str]) -> tuple[str, str, dict]:
-    return profile_step(work, dry, shims, _fixture(SMALL_FIXTURE))
-
-
-PY_STEPS = {"env": py_env, "agree": py_agree, "soak": py_soak, "decode": py_decode,
-            "profile": py_profile}
 
 
 def _run_py_step(function: str, name: str, work: Path, dry: bool) -> int:
@@ -818,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.profile = str(Path(args.profile).absolute())
         ctx.profile_note = f"--profile {args.profile}"
     if "env" not in [s.name for s in chosen] and not args.dry_run:
-        ctx.kind = _slug(_gpu_name_quick() or "gpu")
+        ctx.kind = slug(_gpu_name_quick() or "gpu")
     ctx.notes.append("on cupy --gpu-mem counts all the process takes of the device (the CUDA "
                      "context, cuBLAS's workspace, the apply workspace), which 1/4 of a fixture's "
                      "weights cannot hold: the fixture prefill steps compile a plan for 1/4 "
@@ -851,20 +500,19 @@ def _use_fixtures(given: str | None) -> list[str]:
     """Point FIXTURES (here and, through the environment, in the children) at `given` or the
     repository's own (tests/fixtures, where the tests look); where that does not exist, link
     it to `given`. Returns notes of what was done."""
-    global FIXTURES
     candidates = [Path(given)] if given else [TEST_FIXTURES]
     found = next((c for c in candidates if c.is_dir()), None)
     if found is None:
         return [f"no fixtures directory ({', '.join(map(str, candidates))}): the fixture steps "
                 "are not available"]
-    FIXTURES = found.absolute()
-    os.environ[FIXTURES_ENV] = str(FIXTURES)
-    notes = [] if FIXTURES == TEST_FIXTURES.absolute() else [f"fixtures from {FIXTURES}"]
+    fixtures = config.FIXTURES = found.absolute()  # `config.fixture` reads it
+    os.environ[FIXTURES_ENV] = str(fixtures)
+    notes = [] if fixtures == TEST_FIXTURES.absolute() else [f"fixtures from {fixtures}"]
     if not TEST_FIXTURES.exists():
         try:
             TEST_FIXTURES.parent.mkdir(parents=True, exist_ok=True)
-            TEST_FIXTURES.symlink_to(FIXTURES, target_is_directory=True)
-            notes.append(f"linked {TEST_FIXTURES} -> {FIXTURES} for the tests")
+            TEST_FIXTURES.symlink_to(fixtures, target_is_directory=True)
+            notes.append(f"linked {TEST_FIXTURES} -> {fixtures} for the tests")
         except OSError as exc:
             notes.append(f"the tests will not find the fixtures: cannot link {TEST_FIXTURES}: "
                          f"{exc}")
