@@ -62,7 +62,8 @@ from gpu_session_parse import (parse_bytes, parse_calibrate, parse_measured,  # 
 from gpu_session_parse import parse_timing  # noqa: E402, F401 (the tests reach it here)
 from gpu_session_config import (DECODE_PROMPT, DECODE_STEPS, FAMILIES,  # noqa: E402, F401
                                 FAMILIES_ENV, FIXTURES, FIXTURES_ENV, GPU_TEST_FILES,
-                                LLAMA_PREFILL_SEQ, MEASURED_PASSES, REQUIRED, SAN_DECODE_STEPS,
+                                FITS_BUDGET, LLAMA_PREFILL_SEQ, MEASURED_PASSES, PEER_BUDGET,
+                                PEERS_DEADLINE_S, REQUIRED, SAN_DECODE_STEPS,
                                 SMALL_FIXTURE, SOAK_STEPS, TEST_FIXTURES, XDIST_ENV, fixture,
                                 npy_shape, slug)
 from gpu_session_checks import PY_STEPS, arena_runner  # noqa: E402, F401
@@ -285,10 +286,10 @@ def _llama_run(model: str, budget: str, dry_arena: Callable[[int], int]):
     return argv
 
 
-def _llama_decode(batch: int):
+def _llama_decode(batch: int, budget: str = "16GB"):
     def argv(ctx: Context) -> list[str]:
         name, flag = (("small", str(dry_budget(2 * _preset_bytes("small")))) if ctx.dry_run
-                      else ("llama-7b", "16GB"))
+                      else ("llama-7b", budget))
         prompt = ctx.pick(DECODE_PROMPT)
         steps = ctx.pick(DECODE_STEPS)
         return ctx.einpage + ["generate", name, "--random-weights", "--tokens-file",
@@ -297,6 +298,38 @@ def _llama_decode(batch: int):
                               "--gpu-mem", flag, "--backend", "cupy", "--json", "--timing",
                               *_device_args(ctx)]
     return argv
+
+
+def _peers_argv(ctx: Context) -> list[str]:
+    """bench/peers.py on llama-7b (dry run: the `tiny` preset, eager only, on the CPU) with the
+    tokens the llama rows give einpage; its JSON goes to the work directory."""
+    seq = ctx.pick(LLAMA_PREFILL_SEQ)
+    argv = [ctx.python, str(REPO / "bench" / "peers.py"), "--json", str(ctx.work / "peers.json"),
+            "--tokens-file", _tokens_file(ctx, 1, seq, 256 if ctx.dry_run else 32000),
+            "--seq", str(seq), "--prompt", str(ctx.pick(DECODE_PROMPT)),
+            "--new", str(ctx.pick(DECODE_STEPS)), "--budget", PEER_BUDGET,
+            "--deadline", str(PEERS_DEADLINE_S)]
+    if ctx.dry_run:
+        argv += ["--model", "tiny", "--which", "eager", "--reps", "2"]
+    return argv
+
+
+def _parse_peers(ctx: Context, record: dict, text: str) -> None:
+    """The peers' seconds: prefill median, decode seconds per step and tokens/s, per peer."""
+    path = ctx.work / "peers.json"
+    if not path.exists():
+        return
+    got = json.loads(path.read_text())
+    n = record["numbers"]
+    n["peers"] = got
+    for peer, r in got.get("peers", {}).items():
+        pre, gen = r.get("prefill", {}), r.get("generate", {})
+        if pre.get("median_s") is not None:
+            n[f"{peer}_prefill_s"] = pre["median_s"]
+        if gen.get("decode_step_s") is not None:
+            n[f"{peer}_decode_step_s"] = gen["decode_step_s"]
+    record["note"] = ", ".join(f"{k} {v:.3f} s" for k, v in n.items()
+                               if isinstance(v, float))
 
 
 def _workload(text: str, shrunk: bool = True):
@@ -360,6 +393,18 @@ def build_steps() -> list[Step]:
         Step("mvp-decode64-b16", "measured", "llama-7b 64 decode steps, B=16, prompt 512, 16 GB",
              argv=_llama_decode(16), expect_s=180, limit_s=450, dry_expect_s=8,
              parse=_workload("llama-7b decode 64 steps B=16 at 16GB")),
+        Step("mvp-7b-fits", "measured", f"llama-7b --random-weights prefill B=1 S=2048 at "
+             f"{FITS_BUDGET} (the model fits: against eager PyTorch)",
+             argv=_llama_run("llama-7b", FITS_BUDGET, lambda w: 2 * w), expect_s=60,
+             limit_s=300, dry_expect_s=5, parse=_workload(f"llama-7b B=1 S=2048 at {FITS_BUDGET}")),
+        Step("mvp-decode64-b1-4GB", "measured", "llama-7b 64 decode steps, B=1, prompt 512, "
+             f"{PEER_BUDGET} (against accelerate)", argv=_llama_decode(1, PEER_BUDGET),
+             expect_s=120, limit_s=400, dry_expect_s=6,
+             parse=_workload(f"llama-7b decode 64 steps B=1 at {PEER_BUDGET}")),
+        Step("peers", "peers", f"bench/peers.py: eager PyTorch, accelerate (max_memory "
+             f"{PEER_BUDGET}) and torch.compile on llama-7b with einpage's random weights",
+             argv=_peers_argv, expect_s=240, limit_s=PEERS_DEADLINE_S + 120, dry_expect_s=10,
+             parse=_parse_peers, needs=_needs_modules("torch", "transformers", "accelerate")),
     ]
     for tool, expect in (("memcheck", 60), ("racecheck", 90), ("synccheck", 60)):
         steps.append(Step(f"san-{tool}-prefill", "sanitizer", f"compute-sanitizer {tool}: "

@@ -39,6 +39,9 @@ MEASURED_PASSES = 5                   # prefill rows: the first pass and the med
 SOAK_MARK = 10                        # the soak compares memory at this step and the last
 AGREE_NEW_TOKENS = 16                 # new tokens of the cupy-vs-threads generate check
 SAN_DECODE_STEPS = 32                 # decode steps of the sanitizer's decode run
+PEER_BUDGET = "4GB"                   # the device budget einpage and accelerate get (issue 27)
+FITS_BUDGET = "40GB"                  # a budget llama-7b fits in (against eager PyTorch)
+PEERS_DEADLINE_S = 300                # bench/peers.py stops starting work after this
 
 
 def fixture(name: str) -> Path:

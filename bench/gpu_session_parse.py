@@ -28,7 +28,8 @@ def parse_secs(text: str) -> float | None:
     return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
 
 
-_TITLE = re.compile(r"^(\S.*?) on (\S+): measured(?: \| predicted on (.+))?$")
+_TITLE = re.compile(r"^(\S.*?) on (\S+)( \(one CUDA graph launch: wall only\))?: measured"
+                    r"(?: \| predicted on (.+))?$")
 _ROW = re.compile(r"^\s+(wall|compute busy|compute stall|h2d busy|d2h busy|disk busy)\s+"
                   r"(-|[0-9.e+-]+ m?s)\s+\|\s+(-|[0-9.e+-]+ m?s)(?:\s+\(([0-9.e+-]+)x\))?\s*$")
 _BYTES = re.compile(r"^\s+(h2d|d2h|disk) bytes\s+(.+?)\s+\|\s+(.+?)\s+achieved (.+?)\s*$")
@@ -43,7 +44,8 @@ def parse_timing(text: str) -> list[dict]:
     for line in text.splitlines():
         m = _TITLE.match(line)
         if m:
-            passes.append({"title": m.group(1), "backend": m.group(2), "device": m.group(3)})
+            passes.append({"title": m.group(1), "backend": m.group(2),
+                           "replayed": bool(m.group(3)), "device": m.group(4)})
             continue
         if not passes:
             continue
@@ -93,7 +95,7 @@ def parse_measured(ctx: Context, record: dict, text: str) -> None:
     if steady is not None:
         cold = first.get("wall", {})
         n.update(first_measured_s=cold.get("measured"), first_ratio=cold.get("ratio"),
-                 steady=steady["title"])
+                 steady=steady["title"], steady_replayed=steady["replayed"])
     row = steady or first
     wall = row.get("wall", {})
     n.update(wall_measured_s=wall.get("measured"), wall_predicted_s=wall.get("predicted"),
@@ -105,7 +107,8 @@ def parse_measured(ctx: Context, record: dict, text: str) -> None:
         got = sum(p.get("wall", {}).get("measured") or 0.0 for p in decode)
         want = [p.get("wall", {}).get("predicted") for p in decode]
         want_s = sum(want) if all(w is not None for w in want) else None
-        n.update(decode_steps=len(decode), decode_measured_s=got, decode_predicted_s=want_s,
+        n.update(decode_steps=len(decode), decode_replayed=sum(p["replayed"] for p in decode),
+                 decode_measured_s=got, decode_predicted_s=want_s,
                  decode_ratio=got / want_s if want_s else None,
                  decode_step_mean_s=got / len(decode))
     summary = _json_line(text)

@@ -295,8 +295,13 @@ def test_decode_steps_replay_one_captured_graph(fake_cupy):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     applies = sum(n.kind == "apply" for n in mg.nodes)
     assert replays == 2 and len(calls) == 2 * applies  # pass 1 eager, pass 2 captured
-    timed, replays = steps(CupyBackend(), True)  # per-node timing: no graph
-    assert replays == 0
+    # per-node timing times the pass the workers issue; the replays are timed as a whole
+    timed_backend = Counting()
+    calls.clear()
+    seen = []
+    timed, replays = held_decode_steps(cfg, weights, mg, prompt, timed_backend, True,
+                                       after_pass=lambda b: seen.append(len(calls)))
+    assert replays == 2 and seen[0] == seen[1] // 2 == applies
     np.testing.assert_allclose(timed, want, rtol=0, atol=1e-5)
 
 
@@ -310,3 +315,16 @@ def test_timing_says_what_the_budget_holds_besides_the_plan(fake_cupy, capsys):
     line = next(x for x in out.splitlines() if x.startswith("device budget"))
     assert "400.00 MB" in line and "CUDA context and cuBLAS handles" in line
     assert "kernels compiled in" in out
+
+
+def test_timed_passes_after_the_first_replay_the_captured_graph(fake_cupy, capsys):
+    """`--timing --passes N` on cupy times the first pass node by node and the rest as the
+    untimed run runs them: one launch of the captured pass each, timed as a whole."""
+    from test_cli import cli
+    assert cli("run", "tiny", "--random-weights", "--tokens", "1,2,3", "--backend", "cupy",
+               "--gpu-mem", "400MB", "--timing", "--passes", "4", "--device", "h100-pcie") == 0
+    out = capsys.readouterr().out
+    first = next(x for x in out.splitlines() if x.startswith("pass 1 of 4"))
+    later = next(x for x in out.splitlines() if x.startswith("median of passes 2-4"))
+    assert "graph" not in first and "one CUDA graph launch: wall only" in later
+    assert "compute busy" in out  # the first pass's spans

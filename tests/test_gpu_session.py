@@ -13,6 +13,7 @@ import tarfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +35,7 @@ DRY_STEPS = ("env,install,pytest-gpu,san-memcheck-disk,calibrate,mvp-tiny-llama-
              "mvp-decode64-b1,agree,soak,profile")
 KINDS = {"env", "install", "pytest", "sanitizer", "calibrate", "measured", "agree", "soak",
          "profile"}
+PEERS = "peers"  # bench/peers.py needs torch, transformers and accelerate: not in the dry run
 
 
 def test_dry_run_end_to_end(tmp_path, gs):
@@ -168,7 +170,7 @@ def test_select_steps_by_name_and_glob(gs):
     with pytest.raises(SystemExit, match="matches no step"):
         gs.select(steps, "soak,sanitize")
     kinds = {s.kind for s in steps}
-    assert kinds == KINDS
+    assert kinds == KINDS | {PEERS}
     for s in steps:  # a dry run and a real run each fit their limits
         for dry in (True, False):
             expect, limit = s.times(dry)
@@ -252,3 +254,25 @@ def test_sanitizer_invocation_check(gs):
                                                  *inner])
     assert "integer" in gs.check_sanitizer_argv(["compute-sanitizer", "--tool", "memcheck",
                                                  "--error-exitcode", "one", *inner])
+
+
+def test_peers_step_runs_peers_py_on_the_llama_rows_tokens_and_reads_its_json(gs, tmp_path):
+    """The peers step gives bench/peers.py the tokens the llama rows give einpage and the
+    budget of the 4 GB rows, and reports each peer's prefill median and decode step."""
+    ctx = gs.Context(out=tmp_path / "out", work=tmp_path / "work")
+    ctx.work.mkdir(parents=True)
+    argv = gs._peers_argv(ctx)
+    assert argv[1].endswith("bench/peers.py")
+    tokens = argv[argv.index("--tokens-file") + 1]
+    assert np.load(tokens).shape == (1, gs.LLAMA_PREFILL_SEQ[0])
+    assert argv[argv.index("--budget") + 1] == gs.PEER_BUDGET
+    (ctx.work / "peers.json").write_text(json.dumps({"peers": {
+        "eager": {"prefill": {"median_s": 0.25}, "generate": {"decode_step_s": 0.02}},
+        "accelerate": {"prefill": {"median_s": 3.5}, "generate": {"one_token_s": 1.0}},
+        "compile": {"skipped": "deadline"}}}))
+    record = {"status": "ok", "numbers": {}, "note": ""}
+    gs._parse_peers(ctx, record, "")
+    n = record["numbers"]
+    assert n["eager_prefill_s"] == 0.25 and n["eager_decode_step_s"] == 0.02
+    assert n["accelerate_prefill_s"] == 3.5 and "accelerate_decode_step_s" not in n
+    assert "compile_prefill_s" not in n and "eager_prefill_s 0.250 s" in record["note"]

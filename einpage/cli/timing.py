@@ -19,7 +19,9 @@ def _rate(nbytes: int, seconds: float) -> str:
 def print_measured(m, sim, title: str = "pass") -> None:
     """One pass: `m` a `Measured`, `sim` the `Simulation` of the same plan or None."""
     have = bool(m.spans)
-    print(f"{title} on {m.backend}: measured" + (f" | predicted on {sim.device}" if sim else ""))
+    how = " (one CUDA graph launch: wall only)" if m.replayed else ""
+    print(f"{title} on {m.backend}{how}: measured"
+          + (f" | predicted on {sim.device}" if sim else ""))
     rows = [("wall", m.wall_s, sim.makespan_s if sim else None)]
     if have:
         rows += [("compute busy", m.busy_s("compute"), sim.compute_s if sim else None),

@@ -26,6 +26,7 @@ class Measured:
     load_bytes: int
     spans: tuple[Span, ...]    # every node of the pass (empty when timing was off)
     compile_s: float = 0.0     # before the pass: the kernels compiled when the plan was opened
+    replayed: bool = False     # the pass ran as one launch of a captured graph (no spans)
 
     def busy_s(self, queue: str) -> float:
         return sum(s.end - s.start for s in self.spans if s.queue == queue)
@@ -53,7 +54,8 @@ class Measured:
         return _overlap(sorted(copies), compute) / busy
 
     def to_json(self) -> dict:
-        out = {"backend": self.backend, "wall_s": self.wall_s, "load_s": self.load_s,
+        out = {"backend": self.backend, "replayed": self.replayed, "wall_s": self.wall_s,
+               "load_s": self.load_s,
                "load_bytes": self.load_bytes, "compute_stall_s": self.compute_stall_s}
         for q in QUEUES:
             out[f"{q}_busy_s"] = self.busy_s(q)

@@ -75,10 +75,13 @@ class StreamSession:
     pass, `write(name, lead, values)` between passes, `close()` (or a `with` block) at the end:
     it joins the worker threads, then closes the backend. Any error closes the session (memory
     released) before it reaches the caller. A session dropped without `close` ends its threads
-    when it is collected. With `graphs` (the default), `timing` off and a backend that can
+    when it is collected. With `graphs` (the default) and a backend that can
     (`Backend.can_capture`: CUDA graphs on cupy), the second pass is captured and every pass
-    from then on is one replay of it: one launch, no Python per node. The plan is validated
-    first (`einpage.ir.validator.checked`), unless `check` is off (see `NumpyExecutor.run`)."""
+    from then on is one replay of it: one launch, no Python per node. `timing` times every node
+    of the passes the workers issue (the first, or all of them without graphs); a replayed
+    pass is timed as a whole (its wall; no spans), so `--timing` measures the passes a run
+    without it would run. The plan is validated first (`einpage.ir.validator.checked`), unless
+    `check` is off (see `NumpyExecutor.run`)."""
 
     def __init__(self, mg: MemGraph, weights: WeightSource | None = None,
                  backend: Backend | str = "threads", program: StreamProgram | None = None,
@@ -187,24 +190,24 @@ class StreamSession:
     def _pass(self, load_s: float | None) -> StreamRun:
         """One pass; `load_s` the preload's seconds when this is the session's first pass."""
         mg, backend = self.mg, self.backend
-        replay = self._captured or (self.graphs and not self.timing and self.passes >= 1
-                                    and backend.can_capture())
-        origin = backend.stamp("compute") if self.timing else None
+        replay = self._captured or (self.graphs and self.passes >= 1 and backend.can_capture())
+        timed = self.timing and not replay
+        origin = backend.stamp("compute") if timed else None
         t0 = time.perf_counter()
         if replay:
             self._replay()
             stamps = None
         else:
-            stamps = self._crew.run(self.timing)
+            stamps = self._crew.run(timed)
         self._finish()
         wall = time.perf_counter() - t0
-        spans = _spans(mg, backend, origin, stamps) if self.timing else ()
+        spans = _spans(mg, backend, origin, stamps) if timed else ()
         load_bytes = (sum(mg.tensors[mg.nodes[i].tensor].bytes for i in self.program.preloaded)
                       if load_s is not None else 0)
         outputs = self.io.results(backend.output)
         compile_s = getattr(backend, "compile_s", 0.0) if load_s is not None else 0.0
         return StreamRun(outputs, Measured(backend.name, wall, load_s or 0.0, load_bytes, spans,
-                                           compile_s))
+                                           compile_s, replayed=replay))
 
     def _replay(self) -> None:
         """The pass as one replay of the captured one (captured first, on the workers, where
