@@ -152,6 +152,8 @@ def parse_calibrate(ctx: Context, record: dict, text: str) -> None:
     for dtype, flops in profile.get("matmul_flops", {}).items():
         n[f"{dtype}_TFLOPs"] = flops / 1e12
     n["launch_overhead_us"] = profile.get("launch_overhead", 0) * 1e6
+    if profile.get("graph_launch_overhead") is not None:
+        n["graph_launch_overhead_us"] = profile["graph_launch_overhead"] * 1e6
     ctx.profile = str(path)
     ctx.profile_note = f"calibrated: {path.name}"
     record["note"] = (f"copy {n['profile_file']} to bench/profiles/{ctx.kind}.json to keep it"

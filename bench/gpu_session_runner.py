@@ -346,7 +346,9 @@ def _key(record: dict) -> str:
     if kind == "calibrate" and "h2d_GBps" in n:
         return (f"h2d {n['h2d_GBps']:.3g} GB/s, d2h {n['d2h_GBps']:.3g} GB/s, f16 "
                 f"{n.get('f16_TFLOPs', 0):.3g} TFLOP/s, per node "
-                f"{n.get('launch_overhead_us', 0):.3g} us")
+                f"{n.get('launch_overhead_us', 0):.3g} us"
+                + (f" ({n['graph_launch_overhead_us']:.3g} us replayed)"
+                   if n.get("graph_launch_overhead_us") is not None else ""))
     if kind == "measured" and "wall_measured_s" in n:
         text = (f"{n.get('steady') or n['first']}: {_s(n['wall_measured_s'])} vs "
                 f"{_s(n.get('wall_predicted_s'))} ({_x(n.get('ratio'))})")

@@ -125,12 +125,15 @@ def _numpy_dtype(dtype: str) -> np.dtype:
     return np.dtype(as_dtype(dtype).numpy)
 
 
-def node_overhead(backend: str, nodes: int = 300) -> float:
-    """Wall seconds per node of a plan of `nodes` tiny elementwise applies on `backend`."""
+def node_overhead(backend: str, nodes: int = 300) -> tuple[float, float | None]:
+    """Wall seconds per node of a plan of `nodes` tiny elementwise applies on `backend`, issued
+    node by node (one pass of a fresh session, as `einpage run` runs a plan), and replayed as
+    one captured graph (the passes after the second of one session, where the backend
+    captures; else None)."""
     from einpage.compiler import CompileOptions, compile_graph
     from einpage.ir import GraphBuilder
     from einpage.runtime.backends import make_backend
-    from einpage.runtime.stream_executor import run_streams
+    from einpage.runtime.stream_executor import StreamSession, run_streams
     g = GraphBuilder()
     x = g.input("x", (8,), "f32")
     for _ in range(nodes):
@@ -141,7 +144,11 @@ def node_overhead(backend: str, nodes: int = 300) -> float:
     applies = mg.count("apply")
     walls = [run_streams(mg, inputs, None, make_backend(backend), timing=False).measured.wall_s
              for _ in range(_REPEATS)]
-    return statistics.median(walls) / applies
+    issued = statistics.median(walls) / applies
+    with StreamSession(mg, None, make_backend(backend), timing=False) as session:
+        runs = [session.run(inputs).measured for _ in range(_REPEATS + 2)]
+    replays = [m.wall_s for m in runs if m.replayed][1:]  # the first one also captured
+    return issued, (statistics.median(replays) / applies if replays else None)
 
 
 DISK_CHUNK = 4 << 20
@@ -251,7 +258,7 @@ def calibrate(backend: str = "threads", progress: Callable[[str], None] | None =
         vector = probe.vector_flops()
         memory = probe.memory_bandwidth()
         say("per-node overhead")
-        overhead = node_overhead(backend)
+        overhead, graph_overhead = node_overhead(backend)
         name = f"{backend}-calibrated"
         source = (f"einpage calibrate --backend {backend} on {platform.node() or 'this host'} "
                   f"({probe.describe()}), {date.today().isoformat()}")
@@ -265,7 +272,7 @@ def calibrate(backend: str = "threads", progress: Callable[[str], None] | None =
             name=name, matmul_flops=matmul, vector_flops={d: vector for d in matmul},
             hbm_bandwidth=memory, h2d_bandwidth=h2d_rate, d2h_bandwidth=d2h_rate,
             memory_bytes=probe.memory_bytes(), copy_latency=(h2d_latency + d2h_latency) / 2,
-            launch_overhead=overhead, source=source)
+            launch_overhead=overhead, graph_launch_overhead=graph_overhead, source=source)
     finally:
         probe.close()
 

@@ -317,14 +317,38 @@ def test_timing_says_what_the_budget_holds_besides_the_plan(fake_cupy, capsys):
     assert "kernels compiled in" in out
 
 
-def test_timed_passes_after_the_first_replay_the_captured_graph(fake_cupy, capsys):
+def test_timed_passes_after_the_first_replay_the_captured_graph(fake_cupy, capsys, tmp_path):
     """`--timing --passes N` on cupy times the first pass node by node and the rest as the
-    untimed run runs them: one launch of the captured pass each, timed as a whole."""
+    untimed run runs them: one launch of the captured pass each, timed as a whole, and priced
+    with the profile's graph launch gap instead of the host's issue per node."""
+    import json
+
     from test_cli import cli
+
+    from einpage.predict import PROFILES
+    profile = dict(PROFILES["h100-pcie"].to_json(), launch_overhead=1e-3,
+                   graph_launch_overhead=1e-6, name="slow-issue")
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
     assert cli("run", "tiny", "--random-weights", "--tokens", "1,2,3", "--backend", "cupy",
-               "--gpu-mem", "400MB", "--timing", "--passes", "4", "--device", "h100-pcie") == 0
-    out = capsys.readouterr().out
-    first = next(x for x in out.splitlines() if x.startswith("pass 1 of 4"))
-    later = next(x for x in out.splitlines() if x.startswith("median of passes 2-4"))
-    assert "graph" not in first and "one CUDA graph launch: wall only" in later
-    assert "compute busy" in out  # the first pass's spans
+               "--gpu-mem", "400MB", "--timing", "--passes", "4", "--device-file", path) == 0
+    lines = capsys.readouterr().out.splitlines()
+    first = next(k for k, x in enumerate(lines) if x.startswith("pass 1 of 4"))
+    later = next(k for k, x in enumerate(lines) if x.startswith("median of passes 2-4"))
+    assert "graph" not in lines[first]
+    assert "one CUDA graph launch: wall only" in lines[later]
+    assert "compute busy" in lines[first + 2]  # the first pass's spans
+
+    def predicted(k):  # "  wall   <measured> |  <predicted> ms  (..x)"
+        value, unit = lines[k + 1].split("|")[1].split()[:2]
+        return float(value) * {"s": 1, "ms": 1e-3}[unit]
+    assert predicted(first) > 100 * predicted(later)  # 1 ms per kernel issued, 1 us replayed
+
+
+def test_calibrate_measures_the_graph_launch_gap_where_the_backend_captures(fake_cupy):
+    """`node_overhead`: per node issued, and per node replayed as one captured graph (cupy);
+    the threads backend captures nothing."""
+    from einpage.calibrate import node_overhead
+    issued, replayed = node_overhead("cupy", nodes=20)
+    assert issued > 0 and replayed is not None and replayed > 0
+    assert node_overhead("threads", nodes=20)[1] is None

@@ -56,6 +56,22 @@ def test_device_file_as_a_list_or_one_profile(tmp_path):
         load_device_file(path, "v100")
 
 
+def test_graph_launch_overhead_round_trips_and_prices_replayed_passes(tmp_path):
+    """A profile's `graph_launch_overhead` (what calibrate measures on cupy) survives the file;
+    `replayed()` prices a kernel at it; a profile without one prices replays as issued."""
+    from dataclasses import replace
+    h100 = PROFILES["h100-pcie"]
+    assert h100.graph_launch_overhead is None and h100.replayed() is h100
+    timed = replace(h100, graph_launch_overhead=2e-6)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(timed.to_json()))
+    loaded = load_device_file(path)
+    assert loaded == timed and loaded.replayed().launch_overhead == 2e-6
+    path.write_text(json.dumps(dict(timed.to_json(), graph_launch_overhead=-1)))
+    with pytest.raises(InputError, match="graph_launch_overhead"):
+        load_device_file(path)
+
+
 def test_compile_picks_the_device_from_a_file_of_several(devices_json, capsys):
     assert cli("compile", "tiny", "--gpu-mem", "1MB", "--seq", "4", "--device-file",
                devices_json, "--device", "t4", "--json") == 0

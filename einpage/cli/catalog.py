@@ -107,6 +107,8 @@ def cmd_calibrate(args) -> None:
           f"{profile.d2h_bandwidth / 1e9:.2f} GB/s, matmul f32 {mm['f32'] / 1e9:.1f} GFLOP/s, "
           f"memory {profile.hbm_bandwidth / 1e9:.1f} GB/s, per node "
           f"{profile.launch_overhead * 1e6:.0f} us"
+          + (f" issued, {profile.graph_launch_overhead * 1e6:.1f} us in a replayed CUDA graph"
+             if profile.graph_launch_overhead is not None else "")
           + (f", disk {profile.disk_bandwidth / 1e9:.2f} GB/s ({profile.disk_latency * 1e3:.2f} ms "
              "per read)" if args.disk else ""))
 

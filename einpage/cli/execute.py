@@ -214,11 +214,31 @@ def _show_passes(args, passes, first: str = "prefill pass", repeated: bool = Fal
             print(f"wrote the measured trace of {len(passes)} pass(es) to {args.trace}")
     if args.timing:
         from einpage.cli.timing import print_repeated, print_timing
+        passes = _replay_priced(args, passes)
         if repeated:
             print_repeated(passes)
         else:
             print_timing(passes, first, later)
     written.finish()
+
+
+def _replay_priced(args, passes):
+    """`passes` with each pass replayed as one CUDA graph priced as such
+    (`DeviceProfile.replayed`: the graph's launch gap per kernel instead of the host's issue),
+    where the profile knows that gap; each plan simulated once."""
+    if not any(m.replayed and sim is not None for _, m, sim in passes):
+        return passes
+    profile = _profile(args).replayed()
+    sims: dict[int, object] = {}
+    out = []
+    for mg, m, sim in passes:
+        if m.replayed and sim is not None:
+            if id(mg) not in sims:
+                from einpage.predict import simulate
+                sims[id(mg)] = simulate(mg, profile)
+            sim = sims[id(mg)]
+        out.append((mg, m, sim))
+    return out
 
 
 def _resolve(args):

@@ -53,6 +53,16 @@ class DeviceProfile:
     disk_latency: float = DEFAULT_DISK_LATENCY      # seconds per read
     #: the host the device sits in: what an apply placed on the host costs (`--host`)
     host: HostProfile = field(default=HOSTS[DEFAULT_HOST], compare=False)
+    #: seconds per kernel of a pass replayed as one CUDA graph (the CuPy backend replays every
+    #: pass after the first of a plan it can capture); None: priced as issued node by node
+    graph_launch_overhead: float | None = None
+
+    def replayed(self) -> "DeviceProfile":
+        """This profile for a pass replayed as one captured graph: each kernel costs the graph's
+        launch gap instead of the host's issue (the same profile where that is not known)."""
+        if self.graph_launch_overhead is None:
+            return self
+        return replace(self, launch_overhead=self.graph_launch_overhead)
 
     def flops(self, dtype: str, matmul: bool) -> float:
         table = self.matmul_flops if matmul else self.vector_flops
@@ -66,7 +76,9 @@ class DeviceProfile:
                 "h2d_bandwidth": self.h2d_bandwidth, "d2h_bandwidth": self.d2h_bandwidth,
                 "memory_bytes": self.memory_bytes, "copy_latency": self.copy_latency,
                 "launch_overhead": self.launch_overhead, "source": self.source,
-                "disk_bandwidth": self.disk_bandwidth, "disk_latency": self.disk_latency}
+                "disk_bandwidth": self.disk_bandwidth, "disk_latency": self.disk_latency,
+                **({"graph_launch_overhead": self.graph_launch_overhead}
+                   if self.graph_launch_overhead is not None else {})}
 
 
 T = 1e12
@@ -170,7 +182,10 @@ def load_device_file(path: str | Path, name: str | None = None) -> DeviceProfile
             disk_bandwidth=_positive(data.get("disk_bandwidth", DEFAULT_DISK_BANDWIDTH),
                                      "disk_bandwidth"),
             disk_latency=_non_negative(data.get("disk_latency", DEFAULT_DISK_LATENCY),
-                                       "disk_latency"))
+                                       "disk_latency"),
+            graph_launch_overhead=(None if data.get("graph_launch_overhead") is None else
+                                   _non_negative(data["graph_launch_overhead"],
+                                                 "graph_launch_overhead")))
     except InputError as exc:
         raise InputError(f"{path}: {exc}") from None
     return profile
