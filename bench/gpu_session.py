@@ -272,6 +272,26 @@ def dry_budget(arena: int) -> int:
     return budget
 
 
+def _random_dir(ctx: Context, model: str) -> Path:
+    """Where the `weights-*` step writes `model`'s random weights (bench/random_checkpoint.py)."""
+    return ctx.work / f"{model}-random"
+
+
+def _weights(ctx: Context, model: str) -> list[str]:
+    """`model --random-weights`, or the checkpoint of the same weights a `weights-*` step of
+    this session wrote (read from the page cache: no weights made again per run)."""
+    path = _random_dir(ctx, model)
+    return [str(path)] if (path / "einpage-random.json").exists() else [model, "--random-weights"]
+
+
+def _write_weights(model: str):
+    def argv(ctx: Context) -> list[str]:
+        name = "small" if ctx.dry_run else model
+        return [ctx.python, str(REPO / "bench" / "random_checkpoint.py"), name,
+                str(_random_dir(ctx, name))]
+    return argv
+
+
 def _llama_run(model: str, budget: str, dry_arena: Callable[[int], int]):
     def argv(ctx: Context) -> list[str]:
         if ctx.dry_run:
@@ -279,7 +299,7 @@ def _llama_run(model: str, budget: str, dry_arena: Callable[[int], int]):
         else:
             name, flag = model, budget
         seq = ctx.pick(LLAMA_PREFILL_SEQ)
-        return ctx.einpage + ["run", name, "--random-weights", "--tokens-file",
+        return ctx.einpage + ["run", *_weights(ctx, name), "--tokens-file",
                               _tokens_file(ctx, 1, seq, 256 if ctx.dry_run else 32000),
                               "--gpu-mem", flag, "--backend", "cupy", "--timing",
                               "--passes", str(MEASURED_PASSES), *_device_args(ctx)]
@@ -292,7 +312,7 @@ def _llama_decode(batch: int, budget: str = "16GB"):
                       else ("llama-7b", budget))
         prompt = ctx.pick(DECODE_PROMPT)
         steps = ctx.pick(DECODE_STEPS)
-        return ctx.einpage + ["generate", name, "--random-weights", "--tokens-file",
+        return ctx.einpage + ["generate", *_weights(ctx, name), "--tokens-file",
                               _tokens_file(ctx, batch, prompt, 256 if ctx.dry_run else 32000),
                               "--max-new-tokens", str(steps + 1), "--ignore-eos",
                               "--gpu-mem", flag, "--backend", "cupy", "--json", "--timing",
@@ -309,6 +329,9 @@ def _peers_argv(ctx: Context) -> list[str]:
             "--seq", str(seq), "--prompt", str(ctx.pick(DECODE_PROMPT)),
             "--new", str(ctx.pick(DECODE_STEPS)), "--budget", PEER_BUDGET,
             "--deadline", str(PEERS_DEADLINE_S)]
+    written = _weights(ctx, "tiny" if ctx.dry_run else "llama-7b")
+    if len(written) == 1:
+        argv += ["--checkpoint", written[0]]
     if ctx.dry_run:
         argv += ["--model", "tiny", "--which", "eager", "--reps", "2"]
     return argv
@@ -381,6 +404,9 @@ def build_steps() -> list[Step]:
         Step("profile", "profile", f"{SMALL_FIXTURE} prefill passes in one session: time per "
              "apply, and cProfile of the compute queue's thread", py="profile", expect_s=20,
              limit_s=120, dry_expect_s=15, needs=_hasfixture(SMALL_FIXTURE)),
+        Step("weights-7b", "weights", "llama-7b's --random-weights written once as a "
+             "checkpoint (bench/random_checkpoint.py): the llama-7b rows and peers read it",
+             argv=_write_weights("llama-7b"), expect_s=30, limit_s=240, dry_expect_s=3),
         Step("mvp-7b-16GB", "measured", "llama-7b --random-weights prefill B=1 S=2048 at 16 GB",
              argv=_llama_run("llama-7b", "16GB", lambda w: 2 * w), expect_s=90, limit_s=300,
              dry_expect_s=5, parse=_workload("llama-7b B=1 S=2048 at 16GB")),
@@ -419,6 +445,9 @@ def build_steps() -> list[Step]:
                           limit_s=3 * expect, dry_expect_s=5, parse=parse_sanitized,
                           needs=san_need))
     steps += [
+        Step("weights-13b", "weights", "llama-13b's --random-weights written once as a "
+             "checkpoint", argv=_write_weights("llama-13b"), expect_s=50, limit_s=300,
+             dry_expect_s=3),
         Step("mvp-13b-12GB", "measured", "llama-13b --random-weights prefill B=1 S=2048 at 12 GB",
              argv=_llama_run("llama-13b", "12GB", lambda w: w // 3), expect_s=180,
              limit_s=450, dry_expect_s=5, parse=_workload("llama-13b B=1 S=2048 at 12GB")),

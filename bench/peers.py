@@ -6,7 +6,9 @@ offload path (`device_map="auto"` with `max_memory={0: BUDGET, "cpu": ...}`, wha
 The model is transformers' `LlamaForCausalLM` with the preset's shapes (`--model`, default
 llama-7b) in f16, its weights those of `einpage run MODEL --random-weights --seed SEED`
 (`einpage.models.checkpoint.RandomWeights`, each reshaped to the Hugging Face layout:
-`schema.hf_tensor`, `schema.hf_shape`), so both sides compute the same function. The tokens are
+`schema.hf_tensor`, `schema.hf_shape`), so both sides compute the same function; with
+`--checkpoint DIR` they are read from the checkpoint `bench/random_checkpoint.py` wrote (the
+same values, and what the einpage rows of `bench/gpu_session.py` read too). The tokens are
 the same random ids `bench/gpu_session.py` gives einpage (`--tokens-file`, else made with the
 same seed).
 
@@ -35,27 +37,19 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).absolute().parent.parent))
+sys.path.insert(0, str(Path(__file__).absolute().parent))
 
 from einpage.models import config as presets  # noqa: E402
 from einpage.models import schema  # noqa: E402
-from einpage.models.checkpoint import RandomWeights  # noqa: E402
+from einpage.models.checkpoint import RandomWeights, load_config  # noqa: E402
 from einpage.units import parse_size  # noqa: E402
+from random_checkpoint import hf_config  # noqa: E402
 
 T0 = time.perf_counter()
 
 
 def elapsed() -> float:
     return time.perf_counter() - T0
-
-
-def hf_config(cfg):
-    from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden,
-                       intermediate_size=cfg.intermediate, num_hidden_layers=cfg.layers,
-                       num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                       head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps, rope_theta=cfg.rope_theta,
-                       max_position_embeddings=cfg.context or 4096,
-                       tie_word_embeddings=cfg.tied, hidden_act="silu", torch_dtype="float16")
 
 
 def random_state(cfg, seed: int) -> dict:
@@ -71,11 +65,22 @@ def random_state(cfg, seed: int) -> dict:
     return state
 
 
+def checkpoint_state(directory: str) -> dict:
+    """A checkpoint's tensors (bench/random_checkpoint.py's, or any Hugging Face one) as a
+    state dict of CPU tensors."""
+    from safetensors.torch import load_file
+    state = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    return state
+
+
 def model_of(cfg, state: dict):
     """transformers' model of `cfg` in f16 on the CPU, holding `state` (not copied)."""
     import torch
     from transformers import LlamaForCausalLM
-    config = hf_config(cfg)
+    from transformers import LlamaConfig
+    config = LlamaConfig(**hf_config(cfg))
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.float16)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -140,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--offload-reps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint", help="read the weights from this checkpoint directory "
+                    "(bench/random_checkpoint.py MODEL DIR: the same values, not made again)")
     ap.add_argument("--tokens-file", help="(1, seq) token ids (.npy), as given to einpage")
     ap.add_argument("--deadline", type=float, default=300.0)
     ap.add_argument("--json")
@@ -148,7 +155,8 @@ def main(argv=None) -> int:
     import transformers
     if not torch.cuda.is_available() and "accelerate" in args.which.split(","):
         raise SystemExit("peers.py: accelerate's offload path needs a CUDA GPU")
-    cfg = presets.preset(args.model)
+    cfg = (load_config(Path(args.checkpoint)) if args.checkpoint
+           else presets.preset(args.model))
     gpu = torch.cuda.is_available()  # without one (a smoke test on a CPU) eager and compile only
     dev = "cuda" if gpu else "cpu"
     if args.tokens_file:
@@ -165,9 +173,10 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(result, indent=1))
 
     t = time.perf_counter()
-    state = random_state(cfg, args.seed)
+    state = (checkpoint_state(args.checkpoint) if args.checkpoint
+             else random_state(cfg, args.seed))
     result["build_s"] = time.perf_counter() - t
-    print(f"built {args.model} in f16 with einpage's random weights in {result['build_s']:.1f} s",
+    print(f"built the model (einpage's random weights) in {result['build_s']:.1f} s",
           flush=True)
     ids_t = torch.from_numpy(np.ascontiguousarray(ids))
     for peer in args.which.split(","):

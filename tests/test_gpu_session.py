@@ -32,9 +32,9 @@ def gs():
 
 # one step of every kind; the measured row with decode steps parses both pass kinds
 DRY_STEPS = ("env,install,pytest-gpu,san-memcheck-disk,calibrate,mvp-tiny-llama-f32,"
-             "mvp-decode64-b1,agree,soak,profile")
+             "weights-7b,mvp-decode64-b1,agree,soak,profile")
 KINDS = {"env", "install", "pytest", "sanitizer", "calibrate", "measured", "agree", "soak",
-         "profile"}
+         "profile", "weights"}
 PEERS = "peers"  # bench/peers.py needs torch, transformers and accelerate: not in the dry run
 
 
@@ -276,3 +276,33 @@ def test_peers_step_runs_peers_py_on_the_llama_rows_tokens_and_reads_its_json(gs
     assert n["eager_prefill_s"] == 0.25 and n["eager_decode_step_s"] == 0.02
     assert n["accelerate_prefill_s"] == 3.5 and "accelerate_decode_step_s" not in n
     assert "compile_prefill_s" not in n and "eager_prefill_s 0.250 s" in record["note"]
+
+
+def test_random_checkpoint_holds_the_random_weights(tmp_path):
+    """bench/random_checkpoint.py writes a preset's --random-weights as a sharded Hugging Face
+    checkpoint that einpage reads back as the same model computing the same logits; a second
+    write of the same model and seed keeps it; a preset it cannot express is refused."""
+    spec = importlib.util.spec_from_file_location("random_checkpoint",
+                                                  REPO / "bench" / "random_checkpoint.py")
+    rc = importlib.util.module_from_spec(spec)
+    sys.modules["random_checkpoint"] = rc  # its shard workers pickle functions by module
+    spec.loader.exec_module(rc)
+    from einpage.models import resolve
+    from einpage.models.generation import prefill
+    from einpage.runtime import evaluate
+    path = tmp_path / "tiny-random"
+    assert rc.write("tiny", path, seed=3, workers=2) > 0
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    assert files == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    before = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+    rc.write("tiny", path, seed=3)
+    assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before
+    ids = np.array([[1, 2, 3, 4, 5]])
+    cfg, weights = resolve("tiny", random_weights=True, seed=3)
+    read, read_weights = resolve(str(path))
+    assert (read.layers, read.hidden, read.dtype) == (cfg.layers, cfg.hidden, cfg.dtype)
+    want = prefill(cfg, ids, lambda g, i: evaluate(g, i, weights))["logits"]
+    got = prefill(read, ids, lambda g, i: evaluate(g, i, read_weights))["logits"]
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(SystemExit, match="only plain LLaMA"):
+        rc.write("mixtral-8x7b", tmp_path / "x")
