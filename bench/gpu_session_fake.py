@@ -126,7 +126,7 @@ def _shrink_calibration() -> None:
     except ImportError:
         return
     for method, n in (("matmul_flops", 128), ("memory_bandwidth", 1 << 20),
-                      ("vector_flops", 1 << 16)):
+                      ("vector_flops", 256)):
         fn = getattr(CupyProbe, method, None)
         params = list(inspect.signature(fn).parameters.values()) if fn else []
         if params and params[-1].name == "n" and fn.__defaults__:

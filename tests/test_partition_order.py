@@ -121,8 +121,8 @@ def test_order_finishes_an_attention_row_before_starting_the_next():
     graph = llama.prefill_graph(preset("small")).bind(B=1, S=64)
     tg = partition(graph, PartitionOptions(12_000))
     chain = {_einsum(graph, spec).id: spec for spec in (
-        "bsnguj,btnuj->bngst", "bngst,st->bngst", "bngst->bngs", "bngst,bngs->bngst",
-        "bngst,btnrj->bsngrj")}
+        "bsnguj,btnuj->bngst", "bngst,st->bngs", "bngst,st,bngs->bngs",
+        "bngst,st,bngs,bngs->bngst", "bngst,btnrj->bsngrj")}
     rows = []
     for t in memory_aware_order(tg):
         task = tg.tasks[t]

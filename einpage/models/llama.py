@@ -97,14 +97,23 @@ class _Llama:
         w = self.weight(name)
         return self.g.einsum(f"{spec},{spec[2:]}->{spec}", x, w, join=lambda a, c: a + c)
 
-    def softmax(self, scores: Tensor) -> Tensor:
-        """Softmax of float32 scores[b, n, g, s, t] over the key position t (max-subtracted),
-        cast back to the model dtype."""
+    def masked_softmax(self, scores: Tensor, mask: Tensor) -> Tensor:
+        """Softmax of float32 `scores[b, n, g, s, t] + mask[s, t]` over the key position t
+        (max-subtracted), cast back to the model dtype, in three passes over the scores: the
+        row maxima of the masked scores, the row sums of their exponentials, then each
+        probability `exp(scores + mask - max) / sum`. Every pass reads the scores as the
+        product wrote them: the masked scores and the exponentials are never stored (written
+        as `scores + mask`, then `max`, `exp(x - max)`, `sum` and `e / sum` it is six passes,
+        three of them writing a float32 tensor of the scores' size). The values are those of
+        that chain, exponentials computed the same way twice. A block of the mask that is -inf
+        throughout drops out of all three at partition time (`compiler.constants.fold`), one
+        that is 0 is not read."""
         g = self.g
-        top = g.einsum("bngst->bngs", scores, join=lambda a: a, agg="max")
-        e = g.einsum("bngst,bngs->bngst", scores, top, join=lambda a, c: scalar.exp(a - c))
-        total = g.einsum("bngst->bngs", e, join=lambda a: a, agg="sum")
-        return g.einsum("bngst,bngs->bngst", e, total, join=lambda a, c: a / c, dtype=self.dt)
+        top = g.einsum("bngst,st->bngs", scores, mask, join=lambda a, m: a + m, agg="max")
+        total = g.einsum("bngst,st,bngs->bngs", scores, mask, top,
+                         join=lambda a, m, c: scalar.exp(a + m - c), agg="sum")
+        return g.einsum("bngst,st,bngs,bngs->bngst", scores, mask, top, total,
+                        join=lambda a, m, c, z: scalar.exp(a + m - c) / z, dtype=self.dt)
 
     def _inverse_frequency(self, j) -> sympy.Expr:
         """Rotary inverse frequency of pair `j`, with the config's scaling (transformers'
@@ -260,10 +269,7 @@ class _Llama:
         q, k, v = self.projections(x, layer, rot, "surj")
         scores = g.einsum("bsnguj,btnuj->bngst", q, k, join=lambda a, c: a * c * scale,
                           agg="sum", dtype=DType.f32)
-        scores = g.einsum("bngst,st->bngst", scores,
-                          self.causal_mask(seq, self.cfg.window(layer)),
-                          join=lambda a, c: a + c)
-        probs = self.softmax(scores)
+        probs = self.masked_softmax(scores, self.causal_mask(seq, self.cfg.window(layer)))
         out = g.einsum("bngst,btnrj->bsngrj", probs, v)
         return self.out_projection(out, layer), k, v
 
