@@ -67,13 +67,18 @@ class Compiled:
     simulation: Simulation
 
 
-#: A streaming pass whose activations peak below 1/FINER^2 of the budget (a decode step) is also
-#: partitioned for working sets FINER times below its largest task's, again while that gains
-#: makespan (up to FINER_STEPS times): the memory it keeps for blocks in flight shrinks with the
-#: blocks, and what that frees stays resident, so fewer bytes stream (llama-7b B=16 C=768 at
-#: 16 GB: 1.084x -> 1.020x the bytes no plan can avoid; the simulator weighs the launches).
-FINER = 4
-FINER_STEPS = 2
+#: A streaming pass whose activations peak below 1/LADDER_GATE of the budget (a decode step) is
+#: also partitioned for working sets 4, 8, 16, ... times below its largest task's (halvings from
+#: FIRST_RUNG, up to FINER_STEPS rungs), each searched while the rung before it gained makespan:
+#: the memory it keeps for blocks in flight shrinks with the blocks, and what that frees stays
+#: resident, so fewer bytes stream, while more, smaller tasks cost launches (the simulator weighs
+#: both). Quarters alone missed the best rung: llama-7b decode B=1 C=2304 at 14 GB runs 20.67 ms
+#: with its 250 MB tasks, 17.95 ms at 62 MB, 16.02 ms at 31 MB, 22 ms at 15 MB. (llama-7b B=16
+#: C=768 at 16 GB: 1.084x -> 1.020x the bytes no plan can avoid.)
+FINER = 2
+FIRST_RUNG = 2          # the first finer rung: FINER ** FIRST_RUNG below the largest task
+FINER_STEPS = 3
+LADDER_GATE = 16
 MIN_BLOCK = 1 << 20
 
 
@@ -96,9 +101,9 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     planned = _plan(graph, options, block)
     rungs = [planned.rung]  # the partitions of the ladder: the problem's bound is the least
     if (options.block_bytes is None and not planned.fits
-            and planned.needs.activation_peak * FINER ** 2 < options.device_bytes):
-        for _ in range(FINER_STEPS):
-            block = rungs[-1].max_working_set // FINER
+            and planned.needs.activation_peak * LADDER_GATE < options.device_bytes):
+        for step in range(FIRST_RUNG, FIRST_RUNG + FINER_STEPS):
+            block = rungs[0].max_working_set // FINER ** step
             if block < MIN_BLOCK:
                 break
             if planned.rung.block != rungs[-1].block:  # searched no further: bound only
