@@ -134,3 +134,16 @@ def test_the_ladder_halves_past_a_quarter_of_the_largest_task():
     # an eighth of the coarse rung's largest task (the 262 MB logits projection)
     assert 30 << 20 < compiled.report.compiled.block_bytes < 33 << 20
     assert compiled.simulation.makespan_s < 0.0165
+
+
+def test_a_link_bound_prefill_also_tries_its_blocks_halved():
+    """llama3.1-8b prefill at 12 GB streams its 1.05 GB logits projection whole at the default
+    1.5 GB working sets (0.120 s); with the blocks halved it streams less beside a little more
+    compute (0.114 s), and that plan is kept."""
+    from einpage.models import resolve
+    from einpage.models.llama import prefill_graph
+    cfg, _ = resolve("llama3.1-8b", random_weights=True)
+    compiled = compile_graph(prefill_graph(cfg).bind(B=1, S=2048),
+                             CompileOptions(device_bytes=12 * 10**9, validate=False))
+    assert compiled.report.compiled.block_bytes == 12 * 10**9 // 8 // 2
+    assert compiled.simulation.makespan_s < 0.116
