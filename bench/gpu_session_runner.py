@@ -444,10 +444,55 @@ def summary_markdown(results: dict) -> str:
                   "| step | device free (memGetInfo) | host RSS |", "| ---: | ---: | ---: |"]
         for m in n["marks"]:
             lines.append(f"| {m['step']} | {m.get('device_free')} | {m.get('rss')} |")
+    lines += _peers_table(steps)
     notes = results.get("notes") or []
     if notes:
         lines += ["", "## Notes", ""] + [f"- {t}" for t in notes]
     return "\n".join(lines) + "\n"
+
+
+#: (label, einpage's row and figure, the peer and its figure, the goal's factor, how compared):
+#: einpage faster by peer / einpage (>= goal), or within goal x of the peer (einpage / peer)
+PEER_ROWS = (
+    ("prefill 2048, 4 GB, vs accelerate", ("mvp-7b-4GB", "wall_measured_s"),
+     ("accelerate", "accelerate_prefill_s"), 2.0, "faster"),
+    ("decode step, 4 GB, vs accelerate", ("mvp-decode64-b1-4GB", "decode_step_mean_s"),
+     ("accelerate", "accelerate_decode_step_s"), 2.0, "faster"),
+    ("prefill 2048, fits, vs eager PyTorch", ("mvp-7b-fits", "wall_measured_s"),
+     ("eager", "eager_prefill_s"), 1.3, "within"),
+    ("prefill 2048, fits, vs torch.compile", ("mvp-7b-fits", "wall_measured_s"),
+     ("compile", "compile_prefill_s"), None, "within"),
+)
+
+
+def _peers_table(steps: list[dict]) -> list[str]:
+    """einpage's rows against the peers step's figures (issue 27's goals), where both ran."""
+    by_name = {r["name"]: r["numbers"] for r in steps}
+    peers = next((r["numbers"] for r in steps if r["kind"] == "peers"), None)
+    if not peers:
+        return []
+    rows = []
+    for label, (row, key), (peer, peer_key), goal, how in PEER_ROWS:
+        ours, theirs = by_name.get(row, {}).get(key), peers.get(peer_key)
+        if ours is None or theirs is None:
+            continue
+        if how == "faster":
+            ratio, verdict = theirs / ours, f"einpage {theirs / ours:.2f}x faster"
+            met = None if goal is None else ratio >= goal
+        else:
+            ratio, verdict = ours / theirs, f"einpage at {ours / theirs:.2f}x the peer's time"
+            met = None if goal is None else ratio <= goal
+        goal_text = "-" if goal is None else f"{'>=' if how == 'faster' else '<='} {goal}x: " + (
+            "met" if met else "not met")
+        rows.append(f"| {label} | {_s(ours)} ({row}) | {_s(theirs)} ({peer}) | {verdict} | "
+                    f"{goal_text} |")
+    if not rows:
+        return []
+    return ["", "## Against the peers (`bench/peers.py`)", "",
+            "einpage's steady-state figure (the median of passes 2-N, or the mean decode step) "
+            "against the peer's median on the same machine.", "",
+            "| workload | einpage | peer | comparison | goal |", "| --- | ---: | ---: | --- | --- |",
+            *rows]
 
 
 def short_table(results: dict) -> str:
