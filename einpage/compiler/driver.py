@@ -79,8 +79,8 @@ FINER = 2
 FIRST_RUNG = 2          # the first finer rung: FINER ** FIRST_RUNG below the largest task
 FINER_STEPS = 3
 LADDER_GATE = 16
-#: halvings of a link-bound prefill's blocks tried (`_halve_blocks`): on the planner grid every
-#: gain came at the first (10 of 61 rows faster, none slower); a second added 18% compile time
+#: halvings of a prefill's blocks tried (`_halve_blocks`): on the planner grid every gain came
+#: at the first (11 of 61 rows faster, none slower); a second added compile time for nothing
 HALVINGS = 1
 MIN_BLOCK = 1 << 20
 
@@ -250,37 +250,40 @@ class _Planned(NamedTuple):
     won: _Won             # which resident set won its search
 
 
-def _link_bound(planned: "_Planned") -> bool:
-    """The best plan's link is busier than its compute: the bytes it streams set its pass."""
-    sim = planned.trials.best().simulation
-    return sim.h2d_s > sim.compute_s
-
-
 def _halve_blocks(graph: Graph, options: CompileOptions, planned: "_Planned",
                   rungs: list[_Rung]) -> "_Planned":
-    """A link-bound pass whose activations are too large for the ladder (a prefill): its blocks
-    halved (HALVINGS times at most, while each gains makespan). Streaming a block needs room for it
-    in flight beside the resident weights, and the largest blocks set that room: llama3.1-8b
-    prefill at 12 GB cuts its 1.05 GB logits projection whole at the default 1.5 GB working
-    sets and streams 5.77 GB (0.120 s); at 750 MB it streams 5.64 GB beside compute that grows
-    by 2 ms (0.114 s). Finer still, the launches and the activations' blocks cost more than the
-    bytes save (0.119 s at 375 MB). Searched only where the link binds; every halving is a rung
-    of the problem's bound whatever the search did (the bound does not depend on the policy)."""
-    search_on = _link_bound(planned)
+    """A streaming pass whose activations are too large for the ladder (a prefill): its blocks
+    halved (HALVINGS times at most, while each gains makespan), the faster plan kept. Streaming
+    a block needs room for it in flight beside the resident weights, and the largest blocks set
+    that room: llama3.1-8b prefill at 12 GB cuts its 1.05 GB logits projection whole at the
+    default 1.5 GB working sets and streams 5.77 GB (0.120 s); at 750 MB it streams 5.64 GB
+    beside 2 ms more compute (0.114 s). And smaller query and key blocks leave more of a causal
+    mask's blocks out: mistral-7b prefill of 4096 tokens at 8 GB computes 0.338 s at 1 GB
+    working sets, 0.278 s at 500 MB. Finer still, launches and the activations' blocks cost
+    more than that saves (0.119 s and 0.289 s at a quarter). A halving is lowered where the link
+    binds the best plan, or where the halved partition's compute alone is below the best plan's
+    pass; it is a rung of the problem's bound either way (the bound does not depend on the
+    search)."""
+    searching = True
     for step in range(1, HALVINGS + 1):
         block = rungs[0].block // FINER ** step
         if block < MIN_BLOCK:
             break
-        if not search_on:
-            rungs.append(_rung(graph, options, block))
+        sim = planned.trials.best().simulation
+        rung = None
+        if searching and not sim.h2d_s > sim.compute_s:
+            rung = _rung(graph, options, block)
+            searching = rung.compute_s < sim.makespan_s * (1 - search.AUTO_TOLERANCE)
+        if not searching:  # cannot be faster, or the last halving gained nothing: a bound only
+            rungs.append(rung or _rung(graph, options, block))
             continue
         finer = _plan(graph, options, block, planned.won)
         rungs.append(finer.rung)
-        best = planned.trials.best().simulation.makespan_s
+        best = sim.makespan_s
         if finer.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
             planned = finer
         else:
-            search_on = False
+            searching = False
     return planned
 
 
