@@ -28,7 +28,8 @@ def parse_secs(text: str) -> float | None:
     return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
 
 
-_TITLE = re.compile(r"^(\S.*?) on (\S+)( \(one CUDA graph launch: wall only\))?: measured"
+_TITLE = re.compile(r"^(\S.*?) on (\S+)( \((?:one CUDA graph launch|captured as a CUDA graph, "
+                    r"then launched): wall only\))?: measured"
                     r"(?: \| predicted on (.+))?$")
 _ROW = re.compile(r"^\s+(wall|compute busy|compute stall|h2d busy|d2h busy|disk busy)\s+"
                   r"(-|[0-9.e+-]+ m?s)\s+\|\s+(-|[0-9.e+-]+ m?s)(?:\s+\(([0-9.e+-]+)x\))?\s*$")
@@ -45,7 +46,8 @@ def parse_timing(text: str) -> list[dict]:
         m = _TITLE.match(line)
         if m:
             passes.append({"title": m.group(1), "backend": m.group(2),
-                           "replayed": bool(m.group(3)), "device": m.group(4)})
+                           "replayed": "one CUDA graph launch" in (m.group(3) or ""),
+                           "captured": "captured" in (m.group(3) or ""), "device": m.group(4)})
             continue
         if not passes:
             continue
@@ -91,7 +93,9 @@ def parse_measured(ctx: Context, record: dict, text: str) -> None:
     n["first"] = first["title"]
     # `--passes N`: the first pass, then the median of the others, which the row reports
     steady = next((p for p in passes[1:] if p["title"].startswith(("median of passes",
-                                                                   "pass 2 of 2"))), None)
+                                                                   "pass 2 of 2",
+                                                                   "median of the",
+                                                                   "the replay"))), None)
     if steady is not None:
         cold = first.get("wall", {})
         n.update(first_measured_s=cold.get("measured"), first_ratio=cold.get("ratio"),
@@ -107,10 +111,13 @@ def parse_measured(ctx: Context, record: dict, text: str) -> None:
         got = sum(p.get("wall", {}).get("measured") or 0.0 for p in decode)
         want = [p.get("wall", {}).get("predicted") for p in decode]
         want_s = sum(want) if all(w is not None for w in want) else None
-        n.update(decode_steps=len(decode), decode_replayed=sum(p["replayed"] for p in decode),
+        replays = [p.get("wall", {}).get("measured") or 0.0 for p in decode if p["replayed"]]
+        n.update(decode_steps=len(decode), decode_replayed=len(replays),
                  decode_measured_s=got, decode_predicted_s=want_s,
                  decode_ratio=got / want_s if want_s else None,
-                 decode_step_mean_s=got / len(decode))
+                 decode_step_mean_s=got / len(decode),
+                 # the steady step: a replay (the first step is issued, the second captured)
+                 decode_replay_mean_s=sum(replays) / len(replays) if replays else None)
     summary = _json_line(text)
     if summary:
         for key in ("prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",

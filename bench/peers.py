@@ -69,9 +69,13 @@ def checkpoint_state(directory: str) -> dict:
     """A checkpoint's tensors (bench/random_checkpoint.py's, or any Hugging Face one) as a
     state dict of CPU tensors."""
     from safetensors.torch import load_file
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else sorted(p.name for p in directory.glob("*.safetensors")))
     state = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        state.update(load_file(str(path)))
+    for name in files:  # the files the index lists (a stale shard beside them is not read)
+        state.update(load_file(str(directory / name)))
     return state
 
 
@@ -163,7 +167,7 @@ def main(argv=None) -> int:
         ids = np.load(args.tokens_file)[:1, :args.seq]
     else:
         ids = np.random.default_rng(0).integers(1, cfg.vocab, (1, args.seq), dtype=np.int64)
-    result = {"model": args.model, "seq": args.seq, "prompt": args.prompt, "new": args.new,
+    result = {"model": args.checkpoint or args.model, "seq": args.seq, "prompt": args.prompt, "new": args.new,
               "budget": args.budget, "torch": torch.__version__,
               "transformers": transformers.__version__,
               "gpu": torch.cuda.get_device_name(0) if gpu else None, "peers": {}}

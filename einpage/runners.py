@@ -63,9 +63,10 @@ class PlanRunner:
     many passes (`PlanSession`): what a generation's decode steps run on."""
 
     def __init__(self, weights: WeightSource, options: CompileOptions, backend: str = "auto",
-                 timing: bool = False, arena: bool = False):
+                 timing: bool = False, arena: bool = False, graphs: bool = True):
         from einpage.runtime.backends import resolve
         self.weights, self.timing = weights, timing
+        self.graphs = graphs  # replay CUDA graphs (off: every pass issued and timed by node)
         self.backend = "numpy" if backend == "numpy" else resolve(backend)
         self.context_bytes = 0
         if self.backend == "cupy":
@@ -144,7 +145,8 @@ class PlanSession:
             made = (make_backend("cupy", workspace_bytes=workspace) if runner.backend == "cupy"
                     else make_backend(runner.backend))
             self._streams = StreamSession(compiled.memgraph, runner.weights, made,
-                                          timing=runner.timing or runner.backend == "threads")
+                                          timing=runner.timing or runner.backend == "threads",
+                                          graphs=runner.graphs)
 
     def __enter__(self) -> "PlanSession":
         return self
@@ -183,7 +185,7 @@ def run_plan(mg: MemGraph, inputs: Mapping[str, np.ndarray], weights: WeightSour
 
 def run_plan_passes(mg: MemGraph, inputs: Mapping[str, np.ndarray],
                     weights: WeightSource | None, backend: str, timing: bool = False,
-                    workspace: int | None = None, passes: int = 1
+                    workspace: int | None = None, passes: int = 1, graphs: bool = True
                     ) -> tuple[dict[str, np.ndarray], list[Measured]]:
     """`run_plan` `passes` times on the same inputs: on a stream backend in one session (the
     arena and the resident weights stay from one pass to the next); the last pass's outputs
@@ -201,7 +203,8 @@ def run_plan_passes(mg: MemGraph, inputs: Mapping[str, np.ndarray],
     made = (make_backend(name, workspace_bytes=workspace) if name == "cupy" and workspace
             else make_backend(name))
     measured = []
-    with StreamSession(mg, weights, made, timing=timing or name == "threads") as session:
+    with StreamSession(mg, weights, made, timing=timing or name == "threads",
+                       graphs=graphs) as session:
         for _ in range(passes):
             result = session.run(inputs)
             measured.append(result.measured)

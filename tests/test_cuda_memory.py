@@ -334,8 +334,11 @@ def test_timed_passes_after_the_first_replay_the_captured_graph(fake_cupy, capsy
                "--gpu-mem", "400MB", "--timing", "--passes", "4", "--device-file", path) == 0
     lines = capsys.readouterr().out.splitlines()
     first = next(k for k, x in enumerate(lines) if x.startswith("pass 1 of 4"))
-    later = next(k for k, x in enumerate(lines) if x.startswith("median of passes 2-4"))
+    capture = next(k for k, x in enumerate(lines) if x.startswith("pass 2 of 4"))
+    later = next(k for k, x in enumerate(lines)
+                 if x.startswith("median of the 2 replays (pass 2 captured the graph)"))
     assert "graph" not in lines[first]
+    assert "captured as a CUDA graph, then launched: wall only" in lines[capture]
     assert "one CUDA graph launch: wall only" in lines[later]
     assert "compute busy" in lines[first + 2]  # the first pass's spans
 
@@ -343,6 +346,7 @@ def test_timed_passes_after_the_first_replay_the_captured_graph(fake_cupy, capsy
         value, unit = lines[k + 1].split("|")[1].split()[:2]
         return float(value) * {"s": 1, "ms": 1e-3}[unit]
     assert predicted(first) > 100 * predicted(later)  # 1 ms per kernel issued, 1 us replayed
+    assert predicted(capture) == predicted(first)  # the captured pass also issued every node
 
 
 def test_calibrate_measures_the_graph_launch_gap_where_the_backend_captures(fake_cupy):
@@ -352,3 +356,17 @@ def test_calibrate_measures_the_graph_launch_gap_where_the_backend_captures(fake
     issued, replayed = node_overhead("cupy", nodes=20)
     assert issued > 0 and replayed is not None and replayed > 0
     assert node_overhead("threads", nodes=20)[1] is None
+
+
+def test_a_trace_issues_every_pass_node_by_node(fake_cupy, tmp_path):
+    """`--trace` wants every node of every pass: no CUDA graph replays then, so the trace holds
+    all the passes' spans."""
+    import json
+
+    from test_cli import cli
+    path = tmp_path / "t.json"
+    assert cli("run", "tiny", "--random-weights", "--tokens", "1,2,3", "--backend", "cupy",
+               "--gpu-mem", "400MB", "--passes", "3", "--trace", path) == 0
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    per_pass = {e["pid"] for e in events}
+    assert len(per_pass) == 3, per_pass

@@ -62,7 +62,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timing", action="store_true",
                    help="print each measured pass next to its prediction")
     p.add_argument("--trace", action=OutputPath,
-                   help="write the measured passes as a Chrome trace (Perfetto)")
+                   help="write the measured passes as a Chrome trace (Perfetto); every pass "
+                        "is then issued node by node (on cupy: no CUDA graph replays)")
     p.add_argument("--device", help="device profile for the prediction --timing prints (see "
                                     "einpage devices); with --device-file, the one of that name")
     p.add_argument("--device-file", help="device profile(s) as JSON (einpage calibrate -o, "
@@ -167,7 +168,8 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None):
                              device=_profile(args), host_bytes=host_bytes,
                              host_compute=args.host_compute == "auto")
     return runners.PlanRunner(weights, options, args.backend,
-                              timing=bool(args.timing or args.trace), arena=bool(args.arena))
+                              timing=bool(args.timing or args.trace), arena=bool(args.arena),
+                              graphs=not args.trace)  # a trace shows every node of every pass
 
 
 def _profile(args):
@@ -228,7 +230,10 @@ def _replay_priced(args, passes):
     where the profile knows that gap; each plan simulated once."""
     if not any(m.replayed and sim is not None for _, m, sim in passes):
         return passes
-    profile = _profile(args).replayed()
+    profile = _profile(args)
+    if profile.graph_launch_overhead is None:
+        return passes  # priced as issued: the same simulation
+    profile = profile.replayed()
     sims: dict[int, object] = {}
     out = []
     for mg, m, sim in passes:
@@ -593,7 +598,8 @@ def _run_plan_on_backend(args, mg, inputs, weights, passes: int = 1) -> dict:
     """A saved plan on --backend (the budget is the plan's), `passes` times in one session."""
     from einpage.runners import run_plan_passes
     outputs, measured = run_plan_passes(mg, inputs, weights, args.backend,
-                                        timing=bool(args.timing or args.trace), passes=passes)
+                                        timing=bool(args.timing or args.trace), passes=passes,
+                                        graphs=not args.trace)
     sim = None
     if args.device or args.device_file:
         from einpage.predict import simulate

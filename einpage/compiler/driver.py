@@ -88,8 +88,9 @@ MIN_BLOCK = 1 << 20
 def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     """Partition, order, choose resident weights and KV blocks, lower (searching look-ahead
     windows and resident sets by simulated makespan), validate and report `graph` for the budget.
-    Where the pass streams and its activations are small (`FINER`), a finer partition is
-    searched too and the faster plan kept."""
+    Where the pass streams, finer partitions are searched too and the faster plan kept: the
+    ladder where its activations are small (`LADDER_GATE`), its blocks halved where they are
+    not (`_halve_blocks`)."""
     if not isinstance(options.device_bytes, numbers.Integral):
         raise PlanError(f"device_bytes is {options.device_bytes!r}, expected an int")
     if options.device_bytes < ALIGNMENT:
@@ -226,9 +227,9 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
 
 
 class _Rung(NamedTuple):
-    """One partition of the ladder (`FINER`), for the problem's bound: what any plan of it must
-    copy host->device (`resident.min_stream_bytes`) and its compute time (every plan of a
-    taskgraph runs the same tasks)."""
+    """One partition tried (the coarse one, the ladder's, a halving), for the problem's bound:
+    what any plan of it must copy host->device (`resident.min_stream_bytes`) and its compute
+    time (every plan of a taskgraph runs the same tasks)."""
     block: int
     max_working_set: int
     min_stream_bytes: int

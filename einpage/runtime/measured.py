@@ -27,6 +27,7 @@ class Measured:
     spans: tuple[Span, ...]    # every node of the pass (empty when timing was off)
     compile_s: float = 0.0     # before the pass: the kernels compiled when the plan was opened
     replayed: bool = False     # the pass ran as one launch of a captured graph (no spans)
+    captured: bool = False     # the pass was issued under capture, then launched (no spans)
 
     def busy_s(self, queue: str) -> float:
         return sum(s.end - s.start for s in self.spans if s.queue == queue)
@@ -54,15 +55,18 @@ class Measured:
         return _overlap(sorted(copies), compute) / busy
 
     def to_json(self) -> dict:
-        out = {"backend": self.backend, "replayed": self.replayed, "wall_s": self.wall_s,
-               "load_s": self.load_s,
-               "load_bytes": self.load_bytes, "compute_stall_s": self.compute_stall_s}
+        """The pass's figures; those made from spans are None for a pass timed as a whole (a
+        captured or replayed one has none)."""
+        whole = self.replayed or self.captured
+        out = {"backend": self.backend, "replayed": self.replayed, "captured": self.captured,
+               "wall_s": self.wall_s, "load_s": self.load_s, "load_bytes": self.load_bytes,
+               "compute_stall_s": None if whole else self.compute_stall_s}
         for q in QUEUES:
-            out[f"{q}_busy_s"] = self.busy_s(q)
+            out[f"{q}_busy_s"] = None if whole else self.busy_s(q)
         for q in ("h2d", "d2h", "disk"):
-            out[f"{q}_bytes"] = self.bytes(q)
-            out[f"{q}_bytes_per_s"] = self.rate(q)
-        out["h2d_hidden_fraction"] = self.hidden_fraction("h2d")
+            out[f"{q}_bytes"] = None if whole else self.bytes(q)
+            out[f"{q}_bytes_per_s"] = None if whole else self.rate(q)
+        out["h2d_hidden_fraction"] = None if whole else self.hidden_fraction("h2d")
         return out
 
 

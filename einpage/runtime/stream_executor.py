@@ -78,9 +78,10 @@ class StreamSession:
     when it is collected. With `graphs` (the default) and a backend that can
     (`Backend.can_capture`: CUDA graphs on cupy), the second pass is captured and every pass
     from then on is one replay of it: one launch, no Python per node. `timing` times every node
-    of the passes the workers issue (the first, or all of them without graphs); a replayed
-    pass is timed as a whole (its wall; no spans), so `--timing` measures the passes a run
-    without it would run. The plan is validated first (`einpage.ir.validator.checked`), unless
+    of the passes the workers issue (the first, or all of them without graphs); the pass that is
+    captured (issued under capture, then launched: `Measured.captured`) and every replay
+    (`Measured.replayed`) are timed as a whole (their wall; no spans), so `--timing` measures
+    the passes a run without it would run. The plan is validated first (`einpage.ir.validator.checked`), unless
     `check` is off (see `NumpyExecutor.run`)."""
 
     def __init__(self, mg: MemGraph, weights: WeightSource | None = None,
@@ -191,6 +192,7 @@ class StreamSession:
         """One pass; `load_s` the preload's seconds when this is the session's first pass."""
         mg, backend = self.mg, self.backend
         replay = self._captured or (self.graphs and self.passes >= 1 and backend.can_capture())
+        capturing = replay and not self._captured  # issued under capture, then launched
         timed = self.timing and not replay
         origin = backend.stamp("compute") if timed else None
         t0 = time.perf_counter()
@@ -207,7 +209,8 @@ class StreamSession:
         outputs = self.io.results(backend.output)
         compile_s = getattr(backend, "compile_s", 0.0) if load_s is not None else 0.0
         return StreamRun(outputs, Measured(backend.name, wall, load_s or 0.0, load_bytes, spans,
-                                           compile_s, replayed=replay))
+                                           compile_s, replayed=replay and not capturing,
+                                           captured=capturing))
 
     def _replay(self) -> None:
         """The pass as one replay of the captured one (captured first, on the workers, where
