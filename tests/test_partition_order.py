@@ -134,3 +134,21 @@ def test_order_finishes_an_attention_row_before_starting_the_next():
     assert len({r[2] for r in rows}) > 1 and len({r[1] for r in rows}) > 1, "cuts expected"
     runs = [r for k, r in enumerate(rows) if k == 0 or rows[k - 1] != r]
     assert len(runs) == len(set(runs)), "an attention row was interrupted by another"
+
+
+def test_exits_reading_one_weight_block_run_together():
+    """A logits-like projection cut into query blocks and table blocks: the exits run grouped by
+    the table block they read (each streamed block used by every query block in turn, not
+    fetched again per query block)."""
+    g = GraphBuilder()
+    x = g.input("x", (1, 64, 32))
+    table = g.input("table", (256, 32), role="weight")
+    g.output("logits", g.einsum("bsm,vm->bsv", x, table))
+    graph = g.build()
+    tg = partition(graph, PartitionOptions(8_000))
+    node = next(n.id for n in graph.nodes if isinstance(n.op, Einsum))
+    reads = [next(b for b in tg.tasks[t].reads if tg.blocks[b].role == "weight")
+             for t in memory_aware_order(tg) if tg.tasks[t].node == node]
+    assert len(set(reads)) > 1 and len(reads) > len(set(reads)), "cuts expected"
+    runs = [b for k, b in enumerate(reads) if k == 0 or reads[k - 1] != b]
+    assert len(runs) == len(set(runs)), reads  # each table block's tasks in one run

@@ -3,7 +3,9 @@
 Stages (layers) run one after another, so each weight block is loaded once per pass. Inside a
 stage the order is the post-order of a depth-first walk from the stage's *exits* (tasks no task of
 the stage consumes: in LLaMA, the layer's output rows), exits in id order: each task is preceded
-exactly by what it needs that is not done yet. So one row block (a batch or sequence block, and
+exactly by what it needs that is not done yet; exits that read a weight block themselves run
+grouped by that block (the logits projection's blocks: each streamed table block once for every
+query block, not once per query block). So one row block (a batch or sequence block, and
 inside attention one head) goes through the layer as far as dependencies allow before the next
 starts; a reduction's row is finished (all its tiles, then the ops that read it again) before
 another row is begun; tasks with no producer (fills) run just before their first consumer; and an
@@ -26,7 +28,15 @@ def memory_aware_order(tg: TaskGraph) -> list[int]:
         for d in deps[t]:
             if stage[d] == stage[t]:
                 consumed_in_stage[d] = True
-    exits = sorted((t for t in range(n) if not consumed_in_stage[t]), key=lambda t: (stage[t], t))
+    blocks = tg.blocks
+
+    def weight_group(t: int) -> int:
+        """The first weight block an exit reads itself (-1: none): exits that read one weight
+        block run one after another, so a streamed block is loaded once for all of them."""
+        return next((b for b in tg.tasks[t].reads if blocks[b].role == "weight"), -1)
+
+    exits = sorted((t for t in range(n) if not consumed_in_stage[t]),
+                   key=lambda t: (stage[t], weight_group(t), t))
     onto = [-1] * n  # the writer an accumulating task adds onto
     for ws in writers:
         for prev, t in zip(ws, ws[1:]):
