@@ -3,10 +3,10 @@ PyTorch eager (the model fits), `torch.compile` (the model fits) and Hugging Fac
 offload path (`device_map="auto"` with `max_memory={0: BUDGET, "cpu": ...}`, what
 `from_pretrained(..., device_map="auto", max_memory=...)` builds).
 
-The model is transformers' `LlamaForCausalLM` with the preset's shapes (`--model`, default
-llama-7b) in f16, its weights those of `einpage run MODEL --random-weights --seed SEED`
-(`einpage.models.checkpoint.RandomWeights`, each reshaped to the Hugging Face layout:
-`schema.hf_tensor`, `schema.hf_shape`), so both sides compute the same function; with
+The model is transformers' `LlamaForCausalLM` with the preset's shapes and dtype (`--model`,
+default llama-7b, f16), its weights those of `einpage run MODEL --random-weights --seed SEED`
+(`random_checkpoint.hf_arrays`: `einpage.models.checkpoint.RandomWeights`, each reshaped to
+the Hugging Face layout: `schema.hf_tensor`, `schema.hf_shape`), so both sides compute the same function; with
 `--checkpoint DIR` they are read from the checkpoint `bench/random_checkpoint.py` wrote (the
 same values, and what the einpage rows of `bench/gpu_session.py` read too). The tokens are
 the same random ids `bench/gpu_session.py` gives einpage (`--tokens-file`, else made with the
@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).absolute().parent))
 
 from einpage.models import config as presets  # noqa: E402
 from einpage.models import schema  # noqa: E402
-from einpage.models.checkpoint import RandomWeights, load_config  # noqa: E402
+from einpage.models.checkpoint import load_config  # noqa: E402
 from einpage.units import parse_size  # noqa: E402
-from random_checkpoint import hf_config  # noqa: E402
+from random_checkpoint import hf_arrays, hf_config  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -53,16 +53,10 @@ def elapsed() -> float:
 
 
 def random_state(cfg, seed: int) -> dict:
-    """einpage's random weights of `cfg` as a Hugging Face state dict of f16 CPU tensors."""
+    """einpage's random weights of `cfg` as a Hugging Face state dict of CPU tensors."""
     import torch
-    if cfg.family != "llama" or cfg.experts or cfg.qkv_bias or cfg.qk_norm or cfg.rope_scaling:
-        raise SystemExit(f"peers.py builds plain LLaMA models; {cfg.name} is not one")
-    weights = RandomWeights(cfg, seed)
-    state = {}
-    for name in schema.weight_shapes(cfg):
-        values = np.asarray(weights(name)).astype(np.float16).reshape(schema.hf_shape(cfg, name))
-        state[schema.hf_tensor(name)] = torch.from_numpy(values)
-    return state
+    return {k: torch.from_numpy(v)
+            for k, v in hf_arrays(cfg, seed, schema.weight_shapes(cfg)).items()}
 
 
 def checkpoint_state(directory: str) -> dict:
@@ -80,10 +74,9 @@ def checkpoint_state(directory: str) -> dict:
 
 
 def model_of(cfg, state: dict):
-    """transformers' model of `cfg` in f16 on the CPU, holding `state` (not copied)."""
+    """transformers' model of `cfg` on the CPU holding `state` (not copied), in its dtype."""
     import torch
-    from transformers import LlamaForCausalLM
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(**hf_config(cfg))
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.float16)
@@ -161,6 +154,7 @@ def main(argv=None) -> int:
         raise SystemExit("peers.py: accelerate's offload path needs a CUDA GPU")
     cfg = (load_config(Path(args.checkpoint)) if args.checkpoint
            else presets.preset(args.model))
+    hf_config(cfg)  # a plain LLaMA, or one line and exit now (before making any weights)
     gpu = torch.cuda.is_available()  # without one (a smoke test on a CPU) eager and compile only
     dev = "cuda" if gpu else "cpu"
     if args.tokens_file:

@@ -40,7 +40,7 @@ def hf_config(cfg) -> dict:
     scaling, no sliding window, no per-head norms)."""
     if (cfg.family != "llama" or cfg.experts or cfg.qkv_bias or cfg.o_bias or cfg.qk_norm
             or cfg.rope_scaling or cfg.sliding_window or cfg.formats or cfg.kv_format):
-        raise SystemExit(f"{cfg.name}: only plain LLaMA presets are written")
+        raise SystemExit(f"{cfg.name}: only plain LLaMA presets are supported here")
     if cfg.dtype.value not in _DTYPES:
         raise SystemExit(f"{cfg.name}: dtype {cfg.dtype.value} is not written (f16, f32)")
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
@@ -64,16 +64,22 @@ def shards(cfg) -> dict[str, list[str]]:
     return out
 
 
+def hf_arrays(cfg, seed: int, names) -> dict[str, np.ndarray]:
+    """`RandomWeights(cfg, seed)` of the graph weights `names`, by Hugging Face tensor name, in
+    the preset's dtype and the Hugging Face layout: the values of `--random-weights`."""
+    hf_config(cfg)  # a preset this can write
+    weights = RandomWeights(cfg, seed)
+    dtype = _DTYPES[cfg.dtype.value][1]
+    return {schema.hf_tensor(n): np.asarray(weights(n)).astype(dtype)
+            .reshape(schema.hf_shape(cfg, n)) for n in names}
+
+
 def _write_shard(model: str, seed: int, directory: str, file: str, names: list[str]) -> int:
     from safetensors.numpy import save_file
 
     from einpage.models.checkpoint import RandomArray
     RandomArray._PARALLEL_CHUNKS = 1 << 62  # one process per core already: no threads in it
-    cfg = presets.preset(model)
-    weights = RandomWeights(cfg, seed)
-    dtype = _DTYPES[cfg.dtype.value][1]
-    arrays = {schema.hf_tensor(n): np.asarray(weights(n)).astype(dtype)
-              .reshape(schema.hf_shape(cfg, n)) for n in names}
+    arrays = hf_arrays(presets.preset(model), seed, names)
     save_file(arrays, str(Path(directory) / file))
     return sum(a.nbytes for a in arrays.values())
 

@@ -61,23 +61,24 @@ def print_repeated(passes) -> None:
     _, measured, sim = passes[0]
     print_measured(measured, sim, f"pass 1 of {n} (the first)")
     later = passes[1:]
-    # the pass that captured the CUDA graph also issued it: the median is of the replays
-    captured = [k + 2 for k, p in enumerate(later) if p[1].captured]
-    rest = sorted([p for p in later if not p[1].captured] or later, key=lambda p: p[1].wall_s)
-    _, median, sim = rest[(len(rest) - 1) // 2]
-    if len(rest) < len(later):
-        what = f"{len(rest)} replays" if len(rest) > 1 else "the replay"
-        title = (f"median of the {what} (pass {captured[0]} captured the graph)"
-                 if len(rest) > 1 else f"{what} (pass {captured[0]} captured the graph)")
-        _, capture, capture_sim = later[captured[0] - 2]
-        print_measured(capture, capture_sim, f"pass {captured[0]} of {n}")
+    # the pass that captured the CUDA graph also issued it: shown apart, the median of the rest
+    capture = next((k + 2 for k, p in enumerate(later) if p[1].captured), None)
+    rest = sorted((p for p in later if not p[1].captured), key=lambda p: p[1].wall_s)
+    if capture is not None:
+        print_measured(later[capture - 2][1], later[capture - 2][2], f"pass {capture} of {n}")
+        what = f"median of the {len(rest)} replays" if len(rest) > 1 else "the replay"
+        title = f"{what} (pass {capture} captured the graph)"
+        spread = "replays"
     else:
         title = "pass 2 of 2" if n == 2 else f"median of passes 2-{n}"
-    print_measured(median, sim, title)
+        spread = f"passes 2-{n}"
+    if rest:
+        _, median, sim = rest[(len(rest) - 1) // 2]
+        print_measured(median, sim, title)
     if len(rest) > 1:
         walls = [p[1].wall_s for p in rest]
-        print(f"  {'replays' if len(rest) < len(later) else f'passes 2-{n}'} wall: min "
-              f"{_secs(walls[0])}, median {_secs(median.wall_s)}, max {_secs(walls[-1])}")
+        print(f"  {spread} wall: min {_secs(walls[0])}, median {_secs(median.wall_s)}, "
+              f"max {_secs(walls[-1])}")
     if sim is None:
         print("  (no prediction: pass --device-file PROFILE, e.g. from "
               "`einpage calibrate -o cpu.json`, or --device NAME)")

@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import numpy as np
+
 from einpage.compiler.constants import (constant_expr, dtype_value, fill_constant, fold,
                                        identity)
 from einpage.compiler.cuts import AxisClasses, CutOp, choose_class_parts
@@ -136,7 +138,7 @@ class _Partitioner:
         g = node.guard
         src = self.g.nodes[g.tensor]
         bounds = self.primary.get(g.tensor) or tuple((0, s) for s in src.shape)
-        at = [int(v) for v in divmod_all(g.index, src.shape)]
+        at = [int(v) for v in np.unravel_index(g.index, src.shape)]
         for bid in self.layout(g.tensor, bounds).blocks.values():
             blk = self.blocks[bid]
             if all(o <= a < o + n for a, o, n in zip(at, blk.origin, blk.shape)):
@@ -536,15 +538,6 @@ class _Partitioner:
                         for n in self.g.outputs)
         tg = TaskGraph(tuple(self.blocks), tuple(self.tasks), tuple(outputs), inputs, results)
         return tg
-
-
-def divmod_all(index: int, shape) -> tuple[int, ...]:
-    """The multi-index of flat (C order) `index` in `shape`."""
-    out = []
-    for size in reversed(shape):
-        index, rest = divmod(index, size)
-        out.append(rest)
-    return tuple(reversed(out))
 
 
 def partition(graph: Graph, options: PartitionOptions) -> TaskGraph:

@@ -81,8 +81,8 @@ class StreamSession:
     of the passes the workers issue (the first, or all of them without graphs); the pass that is
     captured (issued under capture, then launched: `Measured.captured`) and every replay
     (`Measured.replayed`) are timed as a whole (their wall; no spans), so `--timing` measures
-    the passes a run without it would run. The plan is validated first (`einpage.ir.validator.checked`), unless
-    `check` is off (see `NumpyExecutor.run`)."""
+    the passes a run without it would run. The plan is validated first
+    (`einpage.ir.validator.checked`), unless `check` is off (see `NumpyExecutor.run`)."""
 
     def __init__(self, mg: MemGraph, weights: WeightSource | None = None,
                  backend: Backend | str = "threads", program: StreamProgram | None = None,

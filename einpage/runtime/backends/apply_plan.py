@@ -2,9 +2,10 @@
 that a CPU test checks it (DESIGN.md, "Stream program").
 
 - **Applies.** `plan_apply` turns each memgraph apply into a `MatmulApply` (a cuBLAS GEMM,
-  `gemm_plan`, for a product contraction summing more than `SHORT_SUM` terms per output), a `KernelApply` (one generated kernel, `cuda_source`, over strided views of the
-  instances) or a `CopyApply` (pieces copied with `copyto` or a conversion kernel), with the
-  workspace slots it takes, in order.
+  `gemm_plan`, for a product contraction summing more than `SHORT_SUM` terms per output), a
+  `KernelApply` (one generated kernel, `cuda_source`, over strided views of the instances) or a
+  `CopyApply` (pieces copied with `copyto` or a conversion kernel), with the workspace slots it
+  takes, in order.
 - **Packed reads.** An apply reading a packed (quantized) block (`einpage.ir.storage`) first
   dequantizes it (`Unpack`: a `cuda_source.dequant_kernel` of its format and logical dtype) into
   a workspace slot holding its logical block in C order, and the op reads that slot where it
