@@ -108,3 +108,23 @@ def test_equal_newest_stamps_go_to_the_lowest_offset():
     assert (got.offset, got.deps) == (0, (3, 5))
     got = alloc.allocate(256)      # the oldest stamp left is the slot freed by 2
     assert (got.offset, got.deps) == (512, (2,))
+
+
+def test_lowest_placement_packs_what_placement_by_stamp_would_split():
+    """Four free segments freed at different times: by stamp, a 512-byte block goes where the
+    newest free is oldest (the middle), leaving no room for two more; packed from below, all
+    three fit (the lowering's last resort before a budget error)."""
+    a = Allocator(0, 1536)
+    a.take(0, 1536)
+    for lo, hi, stamp in ((0, 256, 10), (256, 768, 16), (768, 1280, 14), (1280, 1536, 11)):
+        a.free(lo, hi - lo, stamp)
+    assert a.allocate(512).offset == 768  # the oldest newest stamp
+    assert a.allocate(512).offset == 0
+    assert a.allocate(512) is None
+    b = Allocator(0, 1536)
+    b.take(0, 1536)
+    for lo, hi, stamp in ((0, 256, 10), (256, 768, 16), (768, 1280, 14), (1280, 1536, 11)):
+        b.free(lo, hi - lo, stamp)
+    got = [b.allocate_lowest(512) for _ in range(3)]
+    assert [g.offset for g in got] == [0, 512, 1024]
+    assert got[1].deps == (14, 16) and b.free_bytes == 0

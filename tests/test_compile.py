@@ -273,3 +273,27 @@ def test_search_room_probes_the_room_grid_from_its_start():
 
     assert search_room(trial_at) == 0.2
     assert shares[0] == ROOM_START and 0.2 in shares and set(shares) <= set(ROOM_SHARES)
+
+
+def test_a_task_whose_room_the_placement_split_still_fits_at_the_largest_task():
+    """Found by test_the_smallest_budget_is_real: at a budget of exactly the largest task, a
+    task's three blocks fit in the emptied arena only packed from below (placed by stamp, the
+    first went to the middle)."""
+    g = GraphBuilder()
+    x = g.input("x", (6, 1), "f64")
+    a = g.einsum("ab,bc->ac", x, g.input("w0", (1, 1), "f64", role="weight"))
+    b = g.einsum("ac,cd->ad", a, g.input("w1", (1, 6), "f64", role="weight"))
+    f = g.fill((6, 6), lambda i, j: (i + 1 + 2 * j) / 7, dtype="f64")
+    g.output("out0", b)
+    g.output("out1", g.einsum("ad,ad->ad", b, f, join=lambda p, q: p - q))
+    graph = g.build()
+    least = compile_graph(graph, CompileOptions(1 << 30, block_bytes=1024, validate=False)
+                          ).report.compiled.largest_task_bytes
+    compiled = compile_graph(graph, CompileOptions(least, block_bytes=1024))
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((6, 1))}
+    weights = {"w0": rng.standard_normal((1, 1)), "w1": rng.standard_normal((1, 6))}
+    want = _reference(graph, inputs, weights)
+    got = run(compiled.memgraph, inputs, weights.__getitem__, order=3)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12)

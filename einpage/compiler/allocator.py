@@ -104,6 +104,16 @@ class Allocator:
             return None
         return self.take(best_at, size)
 
+    def allocate_lowest(self, size: int) -> Allocation | None:
+        """Place `size` bytes at the lowest offset where they fit (first fit, stamps ignored):
+        the packing that leaves the largest run free above it, for when `allocate`'s choice by
+        stamp would split the room a set of blocks needs together."""
+        size = aligned(max(size, 1))
+        for run_lo, run_hi in zip(self._run_lo, self._run_hi):
+            if run_hi - run_lo >= size:
+                return self.take(run_lo, size)
+        return None
+
     def take(self, at: int, size: int) -> Allocation:
         """Claim [at, at+size), which must be free."""
         size = aligned(max(size, 1))

@@ -288,6 +288,8 @@ class _Lowering:
             need = sorted({*need, *[b for b in own if blocks[b].offset is None]},
                           key=lambda b: (-blocks[b].size, b))
             got = self._try_all(need)
+            if got is None:  # placed by stamp they can split the room: pack them from below
+                got = self._try_all(need, self.alloc.allocate_lowest)
         if got is None:
             ws = sum(blocks[b].size for b in own)
             group = self.group_of_stage.get(t.stage)
@@ -317,10 +319,11 @@ class _Lowering:
                               f"({op_text(t.op)}) {why}", least, budget)
         return got
 
-    def _try_all(self, need: list[int]):
+    def _try_all(self, need: list[int], allocate=None):
+        allocate = allocate or self.alloc.allocate
         got = []
         for b in need:
-            a = self.alloc.allocate(self.blocks[b].size)
+            a = allocate(self.blocks[b].size)
             if a is None:
                 for _, done in reversed(got):
                     self.alloc.rollback(done)
