@@ -23,6 +23,13 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 #: set `--cpu-mem` get the same plans on every machine (tests/test_tiers.py sets it).
 os.environ["EINPAGE_CPU_MEM"] = "unlimited"
 
+#: The compiled kernels that read stored weights as they lie (einpage.runtime.storedmm) take
+#: operands of every size in tests, so the tiny models run them as a real model would; the NumPy
+#: path they replace is held to them in tests/test_storedmm.py.
+from einpage.ir import stored as _stored  # noqa: E402
+
+_stored.MIN_ELEMENTS = 0
+
 #: Tiny checkpoints written by Hugging Face transformers, with its logits and greedy tokens
 #: (tests/fixtures/README.md): part of the repository, so a fresh clone tests everything.
 FIXTURES = TESTS / "fixtures"

@@ -58,6 +58,8 @@ def _part(module: str) -> str:
 def _imports(module: str) -> set[str]:
     """Every einpage module `module` imports, at the top or inside a function."""
     spec = importlib.util.find_spec(module)
+    if not str(spec.origin).endswith(".py"):
+        return set()  # a compiled extension (einpage.runtime._cpu) imports nothing of einpage
     tree = ast.parse(Path(spec.origin).read_text())
     found = set()
     for node in ast.walk(tree):

@@ -13,8 +13,9 @@ from einpage.errors import PlanError
 from einpage.ir import scalar
 from einpage.ir.memgraph import Access, ApplyNode, TensorInfo
 from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text, unguarded
-from einpage.runtime import hostpool, kernels
 from einpage.ir.quant import dequantize
+from einpage.ir.stored import Layout, layout
+from einpage.runtime import hostpool, kernels, storedmm
 
 
 def apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],
@@ -22,11 +23,20 @@ def apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.n
     """Run an apply: store its value into `write`, releasing its consumed inputs (`frees`,
     whose bytes the write may take) with `release` first. A contraction computed in the write's
     own dtype goes straight into the write (no temporary) where it overlaps no input. Packed
-    (quantized) reads are dequantized first, into fresh arrays of their logical shape."""
+    (quantized) reads are dequantized first, into fresh arrays of their logical shape, unless the
+    compiled kernels read them as they lie (`einpage.runtime.storedmm`)."""
     n, reads = _guarded(n, reads, write, release)
     if n is None:
         return
     op = n.op
+    lay = stored_layout(n, tensors, reads)
+    if lay is not None:
+        part = storedmm.product(lay, reads)
+        result = _finish(n, tensors[n.write.tensor], part, op.dtype.compute, op.agg, reads, write)
+        for a in n.frees if release is not None else ():
+            release(a)
+        write[...] = result
+        return
     reads = unpacked(n, tensors, reads)
     if (not n.accumulate and isinstance(op, EinsumOp) and op.dtype.compute == write.dtype
             and kernels.einsum_into(op.spec, op.join, op.agg, reads, write)):
@@ -47,9 +57,23 @@ def host_apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence
     if n is None:
         return
     if (isinstance(n.op, EinsumOp) and all(tensors[a.tensor].storage is None for a in n.reads)
+            and stored_layout(n, tensors, reads) is None
             and hostpool.pooled_einsum(n.op, reads, write, n.accumulate)):
         return
     apply_into(n, tensors, reads, write)
+
+
+def stored_layout(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray]
+                  ) -> Layout | None:
+    """How the compiled kernels compute contraction `n` reading its stored operand as it lies
+    (`einpage.runtime.storedmm`), or None where NumPy's path does."""
+    if not isinstance(n.op, EinsumOp) or not storedmm.available():
+        return None
+    infos = [tensors[a.tensor] for a in n.reads]
+    return layout(n.op, tuple(tuple(t.shape) if t.storage is not None else r.shape
+                              for t, r in zip(infos, reads)),
+                  tuple(r.dtype for r in reads), tuple(t.storage for t in infos),
+                  tuple(t.dtype.numpy for t in infos))
 
 
 def _guarded(n: ApplyNode, reads: Sequence[np.ndarray], write: np.ndarray,
@@ -100,6 +124,12 @@ def apply_value(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.
     the caller may release consumed inputs (whose bytes the write may take) before storing it."""
     info = tensors[n.write.tensor]
     part, compute, agg = _compute(n.op, reads, [tensors[a.tensor] for a in n.reads], info)
+    return _finish(n, info, part, compute, agg, reads, write)
+
+
+def _finish(n: ApplyNode, info: TensorInfo, part: np.ndarray, compute: np.dtype,
+            agg: str | None, reads: Sequence[np.ndarray], write: np.ndarray) -> np.ndarray:
+    """`apply_value` from the op's block `part` (computed in `compute`)."""
     if part.shape != write.shape:
         raise PlanError(f"{op_text(n.op)} produced shape {part.shape}, but the write "
                         f"%t{info.id} is {info.dtype}{list(info.shape)}")
