@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from einpage.predict.hosts import HostProfile
+from einpage.runtime import storedmm
 from einpage.predict.devices import DeviceProfile
 
 SIZES = tuple(1 << k for k in range(16, 27, 2))   # 64 KB .. 64 MB
@@ -315,6 +316,8 @@ def calibrate_host(progress: Callable[[str], None] | None = None) -> HostProfile
     q4 = storage_for("q4_0", w.shape, 1)
     packed = quantize(w, q4)
     dequant = w.size / median_seconds(lambda: dequantize(packed, q4, w.shape, np.float32))
+    say("host kernels (one core)")
+    stored_rate, packed_rate = kernel_rates()
     spec = EinsumSpec.parse("ij,jk->ik")
     small = [np.ones((8, 8), np.float32)] * 2
     overhead = median_seconds(lambda: kernels.einsum(spec, arg(0) * arg(1), "sum", small,
@@ -323,8 +326,20 @@ def calibrate_host(progress: Callable[[str], None] | None = None) -> HostProfile
         name=f"{platform.node() or 'this-host'}-calibrated", matmul_flops=matmul,
         vector_flops=vector, memory_bandwidth=memory, core_bandwidth=core, cores=cores,
         convert_rate=convert, dequant_rate=dequant, apply_overhead=overhead + 10e-6,
+        kernels=stored_rate is not None, stored_rate=stored_rate or convert,
+        packed_rate=packed_rate or dequant,
         source=f"einpage calibrate --host-out on {platform.node() or 'this host'} "
-               f"({cores} cores, NumPy {np.__version__}), {date.today().isoformat()}")
+               f"({cores} cores, NumPy {np.__version__}, kernels: {storedmm.isa()}), "
+               f"{date.today().isoformat()}")
+
+
+def kernel_rates() -> tuple[float | None, float | None]:
+    """(f16, Q4_0) elements per second one core takes through the compiled kernels against one
+    row, the operand in cache (its memory bandwidth is the profile's other bound); (None,
+    None) where the kernels are not built."""
+    if not storedmm.available():
+        return None, None
+    return storedmm.core_rate("f16"), storedmm.core_rate("q4_0")
 
 
 def _probe(backend: str):

@@ -209,8 +209,10 @@ def test_generate_prints_measured_rates(hf_fixture, capsys):
 
 def test_compile_decode_reports_kv(capsys):
     import json
+    # device-only: with the KV store's attention on the host (the default, --host-compute
+    # auto, places it there at this batch) the device streams no KV at all
     main(["compile", "llama-7b", "--gpu-mem", "16GB", "--phase", "decode", "--batch", "16",
-          "--past", "2047", "--json", "--quiet"])
+          "--past", "2047", "--json", "--quiet", "--host-compute", "off"])
     r = json.loads(capsys.readouterr().out)
     assert r["capacity"] == 2048 and r["kv_bytes"] == 16 * 2048 * 32 * 2 * 4096 * 2
     assert 0 < r["kv_resident_bytes"] < r["kv_bytes"]
@@ -219,7 +221,7 @@ def test_compile_decode_reports_kv(capsys):
     assert r["min_stream_bytes"] >= r["weight_bytes"] + r["kv_bytes"] - 16_000_000_000
     assert r["min_stream_bytes"] <= r["h2d_bytes"] <= 1.05 * r["min_stream_bytes"]  # the goal
     main(["compile", "llama-7b", "--gpu-mem", "16GB", "--phase", "decode", "--batch", "16",
-          "--past", "2047", "--quiet"])
+          "--past", "2047", "--quiet", "--host-compute", "off"])
     text = capsys.readouterr().out
     assert "KV store 17.18 GB: resident" in text
     assert "14.66 GB that no plan can keep on the device" in text

@@ -132,7 +132,7 @@ def test_products_equal_numpys_path(fmt, rows, path):
     ("bsm,fm->bsf", (2, 7, 40), (30, 40), False, 1.0),  # many rows (tiles), K of 8s
     # decode attention over a KV block: batch (b, n), rows t of W nuj apart, and its values
     ("bsnguj,btnuj->bngst", (2, 1, 3, 2, 2, 8), (2, 20, 3, 2, 8), False, 0.25),
-    ("bngst,btnrj->bsngrj", (2, 3, 2, 1, 20), (2, 20, 3, 2, 8), False, 1.0),  # not W-last: None
+    ("bngst,btnrj->bsngrj", (2, 3, 2, 1, 20), (2, 20, 3, 2, 8), False, 1.0),  # W[k, n] (rj)
     ("bsnguj,btnuj->bngst", (3, 2, 4, 1, 2, 8), (3, 20, 4, 2, 8), False, 1.0),  # several rows
 ])
 def test_layouts_of_the_models_contractions(spec, x_shape, w_shape, w_first, factor, path):
@@ -141,10 +141,7 @@ def test_layouts_of_the_models_contractions(spec, x_shape, w_shape, w_first, fac
     x = rng.standard_normal(x_shape).astype(np.float16)
     w = rng.standard_normal(w_shape).astype(np.float16)
     lay = _layout(op, x, w, w_first=w_first)
-    if spec.startswith("bngst"):  # the values' contracted index t is not last in the block
-        assert lay is None
-        return
-    assert lay is not None
+    assert lay is not None and lay.transposed == spec.startswith("bngst")
     reads = [w, x] if w_first else [x, w]
     got = storedmm.product(lay, reads)
     want = _numpy_product(op, reads)
@@ -166,7 +163,7 @@ def test_a_whole_row_of_groups_is_needed_for_packed_weights():
     ("bsm,btm->bst", (np.float32, np.float16), None),  # a batch, and many rows of x
     ("bsm,fm->bsf", (np.float32, np.float32), None),  # nothing stored narrow
     ("bsm,fm->bsf", (np.float16, np.float16), "max"),  # not a sum of products
-    ("bsm,mf->bsf", (np.float32, np.float16), None),  # W's summed index not last
+    ("bsm,fmb->bsf", (np.float32, np.float16), None),  # W's summed index between free ones
     ("bsm,m->bs", (np.float32, np.float16), None),  # a norm weight: too small
 ])
 def test_what_the_kernels_leave_to_numpy(spec, dtypes, agg):
@@ -195,13 +192,19 @@ def test_a_packed_kv_block_is_read_per_head(fmt, path):
     k32 = rng.standard_normal(shape).astype(np.float32)
     packed = quantize(k32, storage)
     q = rng.standard_normal((2, 1, 3, 2, 2, 32)).astype(np.float16)
+    dense = dequantize(packed, storage, shape, np.float32, rounded=np.float16)
     op = _op("bsnguj,btnuj->bngst", 0.125)
     lay = _layout(op, q, packed, storage, shape=shape)
-    assert lay is not None and lay.batch == (2, 3)
+    assert lay is not None and lay.batch == (2, 3) and not lay.transposed
     got = storedmm.product(lay, [q, packed])
-    dense = dequantize(packed, storage, shape, np.float32, rounded=np.float16)
-    want = _numpy_product(op, [q, dense])
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-5)
+    np.testing.assert_allclose(got, _numpy_product(op, [q, dense]), rtol=2e-6, atol=1e-5)
+    # the values: rows t of the block, each a run of whole groups (r, j)
+    p = rng.standard_normal((2, 3, 2, 1, 24)).astype(np.float16)
+    op = _op("bngst,btnrj->bsngrj")
+    lay = _layout(op, p, packed, storage, shape=shape)
+    assert lay is not None and lay.transposed and lay.group == 32
+    got = storedmm.product(lay, [p, packed])
+    np.testing.assert_allclose(got, _numpy_product(op, [p, dense]), rtol=2e-6, atol=1e-5)
 
 
 def test_the_other_side_packed_is_left_to_numpy():

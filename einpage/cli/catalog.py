@@ -81,10 +81,11 @@ def cmd_devices(args) -> None:
     from einpage.predict.hosts import DEFAULT_HOST, HOSTS
     print(f"\nhosts (--host; default {DEFAULT_HOST}):")
     print(f"{'name':<10} {'cores':>5} {'f32 TFLOP/s':>11} {'memory GB/s':>11} "
-          f"{'f16->f32 G/s/core':>17}  source")
+          f"{'kernels f16|packed G/s/core':>27}  source")
     for h in HOSTS.values():
         print(f"{h.name:<10} {h.cores:>5} {h.matmul_flops / 1e12:>11.2f} "
-              f"{h.memory_bandwidth / 1e9:>11.0f} {h.convert_rate / 1e9:>17.2f}  {h.source}")
+              f"{h.memory_bandwidth / 1e9:>11.0f} "
+              f"{f'{h.stored_rate / 1e9:.2f} | {h.packed_rate / 1e9:.2f}':>27}  {h.source}")
 
 
 def cmd_calibrate(args) -> None:
@@ -126,7 +127,9 @@ def _host_out(args) -> None:
     print(f"wrote {args.host_out}: {host.cores} cores, matmul f32 "
           f"{host.matmul_flops / 1e9:.1f} GFLOP/s, memory {host.memory_bandwidth / 1e9:.1f} "
           f"GB/s ({host.core_bandwidth / 1e9:.1f} on one core), f16->f32 "
-          f"{host.convert_rate / 1e9:.2f} G/s per core")
+          f"{host.convert_rate / 1e9:.2f} G/s per core"
+          + (f", kernels f16 {host.stored_rate / 1e9:.2f} and q4_0 {host.packed_rate / 1e9:.2f} "
+             "G/s per core" if host.kernels else ", kernels not built"))
 
 
 HANDLERS = {"models": cmd_models, "devices": cmd_devices, "calibrate": cmd_calibrate}

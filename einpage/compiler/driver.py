@@ -175,11 +175,18 @@ def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
                           live_peak=mg.live_peak())
 
 
+#: Rounds of `_place`'s refinement (a placement, plus what its own plan streams of the rest),
+#: and how many of a kind's best placements it refines
+REFINE_ROUNDS = 2
+REFINED = 2
+
+
 def _place(planned: "_Planned", options: CompileOptions) -> None:
     """Host placement (`einpage.compiler.placement`) weighed beside the device-only plans: for
     each candidate set of blocks kept in host memory (the KV store, the experts' weights: all of
     them, or only those the best device-only plan streams, so what it keeps resident is still
-    computed on the device), the tasks that read them run on the host, and paced resident sets
+    computed on the device, or shares of those that balance the host against the link), the
+    tasks that read them run on the host, and paced resident sets
     over the other persistent blocks are searched as the device-only ones were (unless the host
     tasks alone would outlast the device-only pass: no lowering then). Every trial
     joins the partition's; a placement wins only by more than AUTO_TOLERANCE, so a tie keeps
@@ -189,27 +196,24 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
     device = trials.best()
     budget = options.device_bytes
     tried: set[frozenset] = set()
-    candidates = []
-    for kind in placement.KINDS:
-        kept = placement.host_blocks(tg, kind)
-        # all of them, or only those the device-only plan streams (what it keeps resident
-        # stays there and is computed on the device)
-        candidates += [kept, kept - device.resident]
-    for kept in candidates:
+
+    def attempt(kept: frozenset) -> search.Trial | None:
+        """Lower and search the placement keeping `kept` in host memory; its best trial (adopted
+        by `trials`), or None where it is not tried (nothing to save, tried before, hopeless)."""
         if not kept - device.resident:
-            continue  # they stay on the device already: nothing to save
+            return None  # they stay on the device already: nothing to save
         on_host = placement.place_on_host(tg, order, kept)
         if not on_host or on_host in tried:
-            continue
+            return None
         tried.add(on_host)
         seconds = tuple(task_seconds(profile, tg, on_host))
         if sum(seconds[t] for t in on_host) >= device.simulation.makespan_s:
-            continue  # the host alone would take longer than the device-only pass
+            return None  # the host alone would take longer than the device-only pass
         placed = search.Trials(tg, order, replace(trials.base, on_host=on_host,
                                                   task_seconds=seconds), profile,
                                options.progress)
 
-        def paced(at: float, placed=placed, seconds=seconds, kept=kept) -> search.Trial:
+        def paced(at: float) -> search.Trial:
             room = int(budget - planned.needs.activation_peak - at * budget)
             return placed.run(paced_resident(tg, order, room, seconds,
                                              max(1, int(at * budget / 2)), exclude=kept),
@@ -218,8 +222,37 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
         try:
             search.search_room(paced)
         except BudgetError:
-            continue
+            return None
         trials.adopt(placed)
+        return placed.best()
+
+    seen: set[frozenset] = set()
+    for kind in placement.KINDS:
+        every = placement.host_blocks(tg, kind)
+        if every in seen:
+            continue  # "kv+experts" of a model without experts is "kv"
+        seen.add(every)
+        # all of them, or only those the device-only plan streams (what it keeps resident
+        # stays there and is computed on the device; in whole groups: `placement.groups`), or
+        # a share of them, so that the host and the link work at once
+        candidates = [every, *placement.streamed_groups(tg, every, device.resident)]
+        candidates += [placement.share_of(tg, every, f) for f in placement.balanced_shares(
+            tg, order, every, profile, task_seconds)]
+        tried_kind = [(kept, attempt(kept)) for kept in candidates]
+        tried_kind = [(kept, t) for kept, t in tried_kind if t is not None]
+        if not tried_kind:
+            continue
+        # then the best REFINED of them, each with what its own plan still streams of the rest
+        # moved to the host too (its resident set differs from the device-only plan's), while
+        # that gains
+        tried_kind.sort(key=lambda kt: kt[1].simulation.makespan_s)
+        for kept, best in tried_kind[:REFINED]:
+            for _ in range(REFINE_ROUNDS):
+                more = placement.streamed_groups(tg, every - kept, best.resident)[1]
+                better = attempt(kept | more) if more else None
+                if better is None or better.simulation.makespan_s >= best.simulation.makespan_s:
+                    break
+                kept, best = kept | more, better
     best = trials.best()
     if best.on_host and not (best.simulation.makespan_s < device.simulation.makespan_s
                              * (1 - search.AUTO_TOLERANCE)):

@@ -69,4 +69,77 @@ def place_on_host(tg: TaskGraph, order: list[int], kept: frozenset[int]) -> froz
     return frozenset(host)
 
 
-__all__ = ["KINDS", "host_blocks", "place_on_host"]
+#: Shares tried around the balanced one (`balanced_shares`)
+SHARE_STEPS = (1.0,)
+
+
+def balanced_shares(tg: TaskGraph, order: list[int], kept: frozenset[int], profile,
+                    task_seconds) -> list[float]:
+    """Shares of `kept` (blocks the device must otherwise stream) to keep in host memory so
+    that the host computes while the link copies the rest: where the host takes H seconds for
+    the tasks of all of them and the link L to copy them, a share f keeps the host busy f H and
+    the link (1 - f) L, equal at f = L / (H + L). That share and its neighbours (`SHARE_STEPS`),
+    each below 1 (all of them is a candidate of its own); none where nothing is kept or there is
+    no host to balance."""
+    if not kept or profile.host is None:
+        return []
+    on_host = place_on_host(tg, order, kept)
+    seconds = task_seconds(profile, tg, on_host)
+    host = sum(seconds[t] for t in on_host)
+    link = sum(tg.blocks[b].bytes for b in kept) / profile.h2d_bandwidth
+    if host <= 0 or link <= 0:
+        return []
+    f = link / (host + link)
+    return sorted({round(f * k, 3) for k in SHARE_STEPS if 0 < f * k < 1})
+
+
+def share_of(tg: TaskGraph, blocks: frozenset[int], share: float) -> frozenset[int]:
+    """About `share` of `blocks` in whole groups (`groups`: blocks whose tasks add into the
+    same block go together, or the writers of that block would disagree and all go to the
+    device), the groups spread evenly in id order (layer by layer, and over each layer's), so
+    that every layer has work for both the host and the link."""
+    out = set()
+    for i, group in enumerate(groups(tg, blocks)):
+        if int((i + 1) * share) > int(i * share):
+            out |= group
+    return frozenset(out)
+
+
+def streamed_groups(tg: TaskGraph, kept: frozenset[int], resident: frozenset[int]
+                    ) -> list[frozenset[int]]:
+    """The blocks of `kept` a device-only plan with `resident` streams, in whole groups: the
+    groups it streams entirely (what it keeps resident stays on the device with the rest of
+    its group), and the groups it streams any of (moved whole: their resident part too)."""
+    parts = [g for g in groups(tg, kept) if g - resident]
+    return [frozenset().union(*[g for g in parts if not g & resident]),
+            frozenset().union(*parts)]
+
+
+def groups(tg: TaskGraph, blocks: frozenset[int]) -> list[frozenset[int]]:
+    """`blocks` in groups that must stay in one place: two blocks are together where one task
+    reads both or two tasks that read them write the same block (a sum split over them). In
+    order of their least block id."""
+    parent = {b: b for b in blocks}
+
+    def root(b: int) -> int:
+        while parent[b] != b:
+            parent[b] = parent[parent[b]]
+            b = parent[b]
+        return b
+
+    first: dict[int, int] = {}  # written block -> a kept block one of its writers reads
+    for t in tg.tasks:
+        mine = [b for b in t.reads if b in parent]
+        if not mine:
+            continue
+        for b in mine[1:] + ([first[t.write]] if t.write in first else []):
+            parent[root(b)] = root(mine[0])
+        first.setdefault(t.write, mine[0])
+    out: dict[int, set[int]] = {}
+    for b in sorted(blocks):
+        out.setdefault(root(b), set()).add(b)
+    return sorted((frozenset(g) for g in out.values()), key=min)
+
+
+__all__ = ["KINDS", "SHARE_STEPS", "balanced_shares", "groups", "host_blocks",
+           "place_on_host", "share_of", "streamed_groups"]

@@ -34,7 +34,8 @@ _ROUND = {"float16": 1, "bfloat16": 2}
 @dataclass(frozen=True, slots=True)
 class Layout:
     """How one contraction maps onto `out[b, m, n] = sum_k x[b, m, k] * W_b[n, k]`: row n of
-    W_b starts `offsets[b] + n * row_stride` bytes into the stored operand's bytes."""
+    W_b starts `offsets[b] + n * row_stride` bytes into the stored operand's bytes (transposed:
+    W_b[k, n], row k at `offsets[b] + k * row_stride`)."""
     w: int                     # which operand is stored (0 or 1)
     x_axes: tuple[int, ...]    # x's axes in (batch, free, contracted) order
     batch: tuple[int, ...]     # sizes of the batch indices (in W's order)
@@ -47,6 +48,8 @@ class Layout:
     fmt: int                   # `_cpu` format code
     round: int                 # 0, or the logical dtype packed values round to (1 f16, 2 bf16)
     factor: float
+    transposed: bool = False   # W_b held as K rows of N elements (its free indices last)
+    group: int = 1             # elements per group of W's format (columns are cut at them)
 
     @property
     def rows(self) -> int:
@@ -62,9 +65,11 @@ def layout(op: EinsumOp, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[np.d
     kernels do not take it. Pure (the cost model asks it too, kernels built or not) and cached:
     a plan runs the same few shapes over and over.
 
-    W's contracted indices come last; its free indices run together (a batch index may stand
-    before or after them: a KV block `btnuj` read per (b, n) has rows t, `nuj` elements
-    apart). With a batch, x has at most `GEMV_ROWS` rows (a decode step's attention)."""
+    W's contracted indices come last and its free indices run together (a batch index may
+    stand before or after them: a KV block `btnuj` read per (b, n) has rows t, `nuj` elements
+    apart), or W's free indices come last and its contracted ones run together (transposed: a
+    value block `btnrj` read per (b, n) has rows t of `rj` columns). With a batch or
+    transposed, x has at most `GEMV_ROWS` rows (a decode step's attention)."""
     if len(shapes) != 2 or op.agg not in (None, "sum"):
         return None
     if np.dtype(op.dtype.compute) != np.float32:
@@ -89,20 +94,22 @@ def layout(op: EinsumOp, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[np.d
     batch = [c for c in tw if c in tx and c in to]
     free_w = [c for c in tw if c not in tx]
     free_x = [c for c in tx if c not in tw]
-    prefix = tw[:len(tw) - len(inner)]
-    if not inner or tuple(tw[len(tw) - len(inner):]) != tuple(inner):
-        return None  # nothing contracted, or W's contracted indices not last
-    if free_w and prefix[prefix.index(free_w[0]):][:len(free_w)] != "".join(free_w):
-        return None  # W's free indices apart: its rows are not one stride apart
+    if not inner:
+        return None
+    if _run(tw, inner) and tw.endswith("".join(inner)) and (not free_w or _run(tw, free_w)):
+        transposed, rows, row = False, free_w, inner  # W[n, k]: its contracted indices last
+    elif free_w and tw.endswith("".join(free_w)) and _run(tw, inner):
+        transposed, rows, row = True, inner, free_w  # W[k, n]: its free indices last
+    else:
+        return None  # rows of W not one stride apart, or a row not one run of bytes
     sizes = {c: int(v) for c, v in op.spec.sizes(shapes).items()}
-    k = math.prod(sizes[c] for c in inner)
+    k, n = math.prod(sizes[c] for c in inner), math.prod(sizes[c] for c in free_w)
+    m = math.prod(sizes[c] for c in free_x)
     storage = storages[w]
-    if storage is not None and k % _group(storage):
-        return None
-    if k * math.prod(sizes[c] for c in free_w) < MIN_ELEMENTS:
-        return None
-    if batch and math.prod(sizes[c] for c in free_x) > GEMV_ROWS:
-        return None
+    if storage is not None and math.prod(sizes[c] for c in row) % _group(storage):
+        return None  # a row of W is not whole groups
+    if k * n < MIN_ELEMENTS or ((batch or transposed) and m > GEMV_ROWS):
+        return None  # too small to pay; the BLAS's tiles take neither a batch nor columns
     strides = {c: math.prod(sizes[d] for d in tw[i + 1:]) for i, c in enumerate(tw)}
 
     def nbytes(elements: int) -> int:
@@ -115,11 +122,18 @@ def layout(op: EinsumOp, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[np.d
         offsets = (offsets[:, None] + np.arange(sizes[c]) * nbytes(strides[c])).reshape(-1)
     order = batch + free_x + free_w
     rnd = _ROUND.get(np.dtype(logical[w]).name, 0) if storage is not None else 0
-    return Layout(w, tuple(tx.index(c) for c in batch + free_x + inner),
+    contracted = [c for c in tw if c in inner]  # x's contracted indices in W's order
+    return Layout(w, tuple(tx.index(c) for c in batch + free_x + contracted),
                   tuple(sizes[c] for c in batch), tuple(sizes[c] for c in free_x),
                   tuple(sizes[c] for c in free_w), k,
-                  nbytes(strides[free_w[-1]]) if free_w else nbytes(k), offsets.tobytes(),
-                  tuple(order.index(c) for c in to), codes[w], rnd, float(factor))
+                  nbytes(strides[rows[-1]]) if rows else nbytes(k), offsets.tobytes(),
+                  tuple(order.index(c) for c in to), codes[w], rnd, float(factor), transposed,
+                  _group(storage) if storage is not None else 1)
+
+
+def _run(term: str, indices: list[str]) -> bool:
+    """Whether `indices` stand together in `term`, in that order."""
+    return not indices or "".join(indices) in term
 
 
 def _group(storage) -> int:

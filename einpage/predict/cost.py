@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from einpage.ir import scalar
+import numpy as np
+
+from einpage.ir import scalar, stored
 from einpage.ir.ops import BlockOp, CopyOp, EinsumOp, FillOp, GatherOp, unguarded
 from einpage.predict.devices import DeviceProfile
 from einpage.predict.hosts import HostProfile
@@ -76,16 +78,20 @@ def apply_seconds(profile: DeviceProfile, op: BlockOp, reads: Sequence, write,
 
 def host_apply_seconds(host: HostProfile, op: BlockOp, reads: Sequence, write,
                        accumulate: bool) -> float:
-    """Seconds of an apply placed on the host (`einpage.predict.hosts`), as einpage's NumPy
-    runs it: a contraction over unpacked operands cut into a chunk per core (the BLAS rate, the
-    memory bandwidth of every core, and each core converting its share of the f16/bf16 operands
-    to float32), anything else on one core (NumPy's ufuncs; packed operands dequantized first);
-    plus the apply's dispatch. A guarded op: its op at its expected share, a dispatch where
-    skipped."""
+    """Seconds of an apply placed on the host (`einpage.predict.hosts`), as einpage runs it: a
+    contraction the compiled kernels take (`kernels_seconds`) through them; any other
+    contraction over unpacked operands cut into a chunk per core (the BLAS rate, the memory
+    bandwidth of every core, and each core converting its share of the f16/bf16 operands to
+    float32 with NumPy), anything else on one core (NumPy's ufuncs; packed operands dequantized
+    first); plus the apply's dispatch. A guarded op: its op at its expected share, a dispatch
+    where skipped."""
     op, guard = unguarded(op)
     if guard is not None:
         return (guard.share * host_apply_seconds(host, op, reads[:-1], write, accumulate)
                 + (1 - guard.share) * host.apply_overhead)
+    through = kernels_seconds(host, op, reads) if host.kernels else None
+    if through is not None:
+        return through + host.apply_overhead
     narrow = [r for r in reads if r.storage is None and r.dtype.itemsize < 4]
     packed = [r for r in reads if r.storage is not None]
     converted = sum(math.prod(r.shape) for r in narrow)
@@ -101,6 +107,31 @@ def host_apply_seconds(host: HostProfile, op: BlockOp, reads: Sequence, write,
         busy = (max(flops / host.vector_flops, moved / host.core_bandwidth)
                 + converted / host.convert_rate + unpack / host.dequant_rate)
     return busy + host.apply_overhead
+
+
+def kernels_seconds(host: HostProfile, op: BlockOp, reads: Sequence) -> float | None:
+    """Seconds of a contraction through the compiled kernels (`einpage.runtime.storedmm`), or
+    None where they do not take it (`einpage.ir.stored.layout`). With few rows on the other side
+    (`GEMV_ROWS`), every core decodes its share of the stored operand's elements at
+    `stored_rate` / `packed_rate`, each further row costing an eighth more (measured: four rows
+    run at 0.6-0.8 of one row's rate per element), unless the memory bandwidth is slower at the
+    bytes read; with more rows one core decodes the operand in tiles while the BLAS multiplies
+    them (one after the other)."""
+    if not isinstance(op, EinsumOp):
+        return None
+    dtypes = tuple(np.dtype(np.uint8) if r.storage is not None else r.dtype.numpy for r in reads)
+    lay = stored.layout(op, tuple(tuple(r.shape) for r in reads), dtypes,
+                        tuple(r.storage for r in reads), tuple(r.dtype.numpy for r in reads))
+    if lay is None:
+        return None
+    w = reads[lay.w]
+    elements = math.prod(w.shape)
+    rate = host.packed_rate if w.storage is not None else host.stored_rate
+    if lay.rows <= stored.GEMV_ROWS:
+        decode = elements / rate * (1 + (lay.rows - 1) / 8) / host.cores
+        return max(decode, sum(r.bytes for r in reads) / host.memory_bandwidth)
+    flops = 2.0 * elements * lay.rows
+    return elements / rate + flops / host.matmul_flops
 
 
 def logical_bytes(record) -> int:

@@ -8,9 +8,13 @@ or bf16 converted to float32 first, a contraction cut into a chunk per core
 cores), `vector_flops` (elementwise work on one core, one FLOP per operand per element as the
 device model counts it), `memory_bandwidth` (all cores streaming, as the BLAS reads a weight) and
 `core_bandwidth` (one core), `convert_rate` (f16 or bf16 elements converted to float32 per
-second on one core: NumPy's cast, ~1.2 ns each, is what bounds a host attention over an f16 KV
-store), `dequant_rate` (packed weights dequantized per second on one core), `cores`, and
-`apply_overhead` (the Python and NumPy dispatch of one apply). Presets are registered by name, each with its source; `einpage calibrate
+second on one core: NumPy's cast, ~1.2 ns each), `dequant_rate` (packed weights dequantized per
+second on one core by NumPy), `cores`, and `apply_overhead` (the Python and NumPy dispatch of
+one apply). With einpage's compiled kernels (`kernels`: `einpage.runtime.storedmm`), a
+contraction that reads a stored operand as it lies (`einpage.ir.stored.layout`: a weight, an
+f16 KV block) costs instead its elements at `stored_rate` (f16/bf16) or `packed_rate` (block
+formats) per core, decoded and multiplied with one row of the other side, on every core, or its
+bytes over the memory bandwidth, whichever is longer. Presets are registered by name, each with its source; `einpage calibrate
 --host-out FILE` measures the machine at hand, and `--host NAME | --host-file FILE` picks one.
 """
 from __future__ import annotations
@@ -33,17 +37,29 @@ class HostProfile:
     memory_bandwidth: float    # bytes/s, all cores
     core_bandwidth: float      # bytes/s, one core
     cores: int
-    convert_rate: float = 0.8e9    # f16/bf16 -> f32 elements per second, one core
-    dequant_rate: float = 0.28e9   # packed (quantized) weights -> f32 per second, one core
+    convert_rate: float = 0.8e9    # f16/bf16 -> f32 elements per second, one core (NumPy)
+    dequant_rate: float = 0.28e9   # packed (quantized) weights -> f32 per second, one core (NumPy)
     apply_overhead: float = 30e-6  # seconds per host apply (dispatch)
     source: str = ""
+    kernels: bool = True           # einpage's compiled kernels built (`runtime.storedmm`)
+    stored_rate: float = 6.5e9     # f16/bf16 elements through the kernels per second, one core
+    packed_rate: float = 4.0e9     # packed elements through the kernels per second, one core
 
     def to_json(self) -> dict:
         return {"name": self.name, "matmul_flops": self.matmul_flops,
                 "vector_flops": self.vector_flops, "memory_bandwidth": self.memory_bandwidth,
                 "core_bandwidth": self.core_bandwidth, "cores": self.cores,
                 "convert_rate": self.convert_rate, "dequant_rate": self.dequant_rate,
-                "apply_overhead": self.apply_overhead, "source": self.source}
+                "apply_overhead": self.apply_overhead, "kernels": self.kernels,
+                "stored_rate": self.stored_rate, "packed_rate": self.packed_rate,
+                "source": self.source}
+
+
+#: Elements per cycle per core through the compiled kernels' AVX2 path, one row of the other
+#: side, operand in cache: measured on the development machine's Xeon at 2.6 GHz (`python
+#: bench/kernel_bench.py`; f16 6.83 G/s, q4_0 4.34 G/s, q8_0 4.96 G/s, q4_1 3.94 G/s).
+AVX2_STORED_PER_CYCLE = 2.6
+AVX2_PACKED_PER_CYCLE = 1.6
 
 
 def _host(name: str, cores: int, ghz: float, flops_per_cycle: int, memory: float,
@@ -51,9 +67,12 @@ def _host(name: str, cores: int, ghz: float, flops_per_cycle: int, memory: float
     """A preset from its cores, clock and float32 FLOPs per core per cycle (AVX2 with two FMA
     units: 32; AVX-512 with two: 64), at the shares a tuned BLAS and NumPy reach in practice:
     GEMM 75% of peak; one core's ufuncs about 1 FLOP per cycle per operand (they are bound by
-    memory and by their loops, not by SIMD width), one core streaming about 12 GB/s."""
+    memory and by their loops, not by SIMD width), one core streaming about 12 GB/s; the
+    compiled kernels at the AVX2 rates measured here, per cycle."""
     return HostProfile(name, 0.75 * cores * ghz * G * flops_per_cycle, 1.0 * ghz * G, memory,
-                       min(memory, 12 * G), cores, source=source)
+                       min(memory, 12 * G), cores, source=source,
+                       stored_rate=AVX2_STORED_PER_CYCLE * ghz * G,
+                       packed_rate=AVX2_PACKED_PER_CYCLE * ghz * G)
 
 
 HOSTS: dict[str, HostProfile] = {h.name: h for h in (
@@ -102,7 +121,10 @@ def load_host_file(path: str | Path) -> HostProfile:
     if unknown:
         raise InputError(f"{path}: unknown host profile key {sorted(unknown)[0]!r}")
     values = {}
-    for key in (*_KEYS, "convert_rate", "dequant_rate", "apply_overhead"):
+    if "kernels" in data and not isinstance(data["kernels"], bool):
+        raise InputError(f"{path}: kernels must be true or false, got {data['kernels']!r}")
+    for key in (*_KEYS, "convert_rate", "dequant_rate", "apply_overhead", "stored_rate",
+                "packed_rate"):
         if key not in data:
             continue
         v = data[key]
@@ -115,4 +137,7 @@ def load_host_file(path: str | Path) -> HostProfile:
                        values["core_bandwidth"], int(values["cores"]),
                        values.get("convert_rate", 0.8e9), values.get("dequant_rate", 0.28e9),
                        values.get("apply_overhead", 30e-6),
-                       str(data.get("source", f"host file {path}")))
+                       str(data.get("source", f"host file {path}")),
+                       # a profile written before the kernels: NumPy's paths
+                       bool(data.get("kernels", "stored_rate" in data)),
+                       values.get("stored_rate", 6.5e9), values.get("packed_rate", 4.0e9))

@@ -499,6 +499,47 @@ static void dot_rows(const float *x, int64_t ldx, int64_t M, int64_t K, const fl
     dot_portable(x, ldx, M, K, w, out, ldo);
 }
 
+/* out[i] += a * w[i], i < n (a product, then a sum: the portable path's order) */
+static void axpy_portable(float a, const float *w, float *out, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) out[i] += a * w[i];
+}
+
+#if EP_X86
+AVX2 static void axpy_avx2(float a, const float *w, float *out, int64_t n)
+{
+    __m256 av = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(w + i),
+                                                  _mm256_loadu_ps(out + i)));
+    for (; i < n; i++) out[i] += a * w[i];
+}
+
+AVX512 static void axpy_avx512(float a, const float *w, float *out, int64_t n)
+{
+    __m512 av = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(w + i),
+                                                  _mm512_loadu_ps(out + i)));
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(out + i, m, _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, w + i),
+                                                          _mm512_maskz_loadu_ps(m, out + i)));
+    }
+}
+#endif
+
+static void axpy(float a, const float *w, float *out, int64_t n)
+{
+#if EP_X86
+    if (isa == ISA_AVX512) { axpy_avx512(a, w, out, n); return; }
+    if (isa == ISA_AVX2) { axpy_avx2(a, w, out, n); return; }
+#endif
+    axpy_portable(a, w, out, n);
+}
+
 /* ------------------------------------------------------------------ Python */
 
 static int64_t row_bytes(int fmt, int64_t K) { return K / GROUP[fmt] * GROUP_BYTES[fmt]; }
@@ -565,27 +606,50 @@ static void gemv_rows(int fmt, int round, const float *x, int64_t M, int64_t K,
     }
 }
 
+/* out[m, n] = sum_k x[m, k] * W[k, n] for columns n0 <= n < n1, W's rows (N elements each, in
+ * format fmt) ldw bytes apart: each row's columns decoded a chunk at a time and added, scaled
+ * by x[m, k], into the rows of out (k in order) */
+static void gemv_t_rows(int fmt, int round, const float *x, int64_t M, int64_t K,
+                        const uint8_t *w, int64_t ldw, int64_t n0, int64_t n1, float *out,
+                        int64_t N, float *buf)
+{
+    const int64_t G = GROUP[fmt], GB = GROUP_BYTES[fmt];
+    for (int64_t m = 0; m < M; m++)
+        memset(out + m * N + n0, 0, (size_t)(n1 - n0) * 4);
+    for (int64_t c = n0; c < n1; c += CHUNK) {
+        int64_t len = n1 - c < CHUNK ? n1 - c : CHUNK;
+        for (int64_t k = 0; k < K; k++) {
+            decode_row(fmt, w + k * ldw + c / G * GB, len, round, buf);
+            for (int64_t m = 0; m < M; m++)
+                axpy(x[m * K + k], buf, out + m * N + c, len);
+        }
+    }
+}
+
 static PyObject *py_gemv(PyObject *self, PyObject *args)
 {
     Py_buffer x, w, out, offsets;
-    int fmt, round;
+    int fmt, round, transposed = 0;
     Py_ssize_t M, N, K, ldw, b0, b1, n0, n1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*w*iinnny*nnnnn", &x, &w, &out, &fmt, &round, &M, &N, &K,
-                          &offsets, &ldw, &b0, &b1, &n0, &n1))
+    if (!PyArg_ParseTuple(args, "y*y*w*iinnny*nnnnn|p", &x, &w, &out, &fmt, &round, &M, &N, &K,
+                          &offsets, &ldw, &b0, &b1, &n0, &n1, &transposed))
         return NULL;
     PyObject *result = NULL;
     const int64_t *off = (const int64_t *)offsets.buf;
     const int64_t count = offsets.len / 8;
-    if (!check(fmt, round, K, 0, 0, &w)) goto done;
+    /* rows of W: N of K elements, or (transposed) K of N elements, whole groups each */
+    const int64_t wrows = transposed ? K : n1, wlen = transposed ? N : K;
+    if (!check(fmt, round, wlen, 0, 0, &w)) goto done;
     if (M <= 0 || n0 < 0 || n1 <= n0 || n1 > N || b0 < 0 || b1 <= b0 || b1 > count
-            || ldw < row_bytes(fmt, K) || x.len < (Py_ssize_t)(b1 * M * K * 4)
+            || wlen % GROUP[fmt] || (transposed && (n0 % GROUP[fmt] || n1 % GROUP[fmt]))
+            || ldw < row_bytes(fmt, wlen) || x.len < (Py_ssize_t)(b1 * M * K * 4)
             || out.len < (Py_ssize_t)(b1 * M * N * 4)) {
         PyErr_SetString(PyExc_ValueError, "gemv: x, out or the batch range do not fit M, N, K");
         goto done;
     }
     for (int64_t b = b0; b < b1; b++)
-        if (off[b] < 0 || off[b] + (n1 - 1) * ldw + row_bytes(fmt, K) > (int64_t)w.len) {
+        if (off[b] < 0 || off[b] + (wrows - 1) * ldw + row_bytes(fmt, wlen) > (int64_t)w.len) {
             PyErr_SetString(PyExc_ValueError, "gemv: rows out of the weight's bytes");
             goto done;
         }
@@ -593,9 +657,9 @@ static PyObject *py_gemv(PyObject *self, PyObject *args)
     if (!buf) { PyErr_NoMemory(); goto done; }
     Py_BEGIN_ALLOW_THREADS
     for (int64_t b = b0; b < b1; b++)
-        gemv_rows(fmt, round, (const float *)x.buf + b * M * K, M, K,
-                  (const uint8_t *)w.buf + off[b], ldw, n0, n1, (float *)out.buf + b * M * N,
-                  N, buf);
+        (transposed ? gemv_t_rows : gemv_rows)(
+            fmt, round, (const float *)x.buf + b * M * K, M, K, (const uint8_t *)w.buf + off[b],
+            ldw, n0, n1, (float *)out.buf + b * M * N, N, buf);
     Py_END_ALLOW_THREADS
     free(buf);
     result = Py_NewRef(Py_None);
@@ -673,7 +737,9 @@ static PyMethodDef methods[] = {
      "gemv(x, w, out, fmt, round, M, N, K, offsets, ldw, b0, b1, n0, n1): for each batch "
      "b0 <= b < b1 and row n0 <= n < n1, out[b, m, n] = x[b, m, :] . W_b[n, :], where row n of "
      "W_b (K elements in format fmt) starts at byte offsets[b] + n * ldw of w (x, out float32 "
-     "C-contiguous [B, M, K], [B, M, N]; offsets int64)"},
+     "C-contiguous [B, M, K], [B, M, N]; offsets int64). With transposed=True, W_b is held "
+     "as K rows of N elements (W_b[k, n] at byte offsets[b] + k * ldw): columns n0..n1 "
+     "(whole groups) are computed"},
     {"dequant", py_dequant, METH_VARARGS,
      "dequant(w, out, fmt, round, K, n0, n1): rows n0 <= n < n1 of W into out, float32 "
      "[n1 - n0, K]"},

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
+import time
 from typing import Sequence
 
 import numpy as np
@@ -75,7 +77,8 @@ def product(lay: Layout, reads: Sequence[np.ndarray]) -> np.ndarray:
     x = x.reshape(nb, m, k)
     if m <= GEMV_ROWS:
         out = np.empty((nb, m, n), np.float32)
-        _cut(nb, n, k, functools.partial(_gemv, lay, x, raw, out, m, n))
+        _cut(nb, n, k, lay.group if lay.transposed else 1,
+             functools.partial(_gemv, lay, x, raw, out, m, n))
     else:  # (no batch here: `layout`)
         out_t = np.empty((n, m), np.float32)  # rows of W are rows here: contiguous tiles
         _tiles(lay, x[0], raw, out_t, 0, n)
@@ -85,9 +88,10 @@ def product(lay: Layout, reads: Sequence[np.ndarray]) -> np.ndarray:
     return out.reshape(lay.batch + lay.free_x + lay.free_w).transpose(lay.perm)
 
 
-def _cut(nb: int, n: int, k: int, work) -> None:
-    """Run `work(b0, b1, n0, n1)` over the batches and rows of W, a share per core where that
-    pays: whole batches where there are enough of them, else ranges of rows."""
+def _cut(nb: int, n: int, k: int, step: int, work) -> None:
+    """Run `work(b0, b1, n0, n1)` over the batches and outputs of W, a share per core where that
+    pays: whole batches where there are enough of them, else ranges of outputs cut at
+    multiples of `step` (W's groups, where they run along the outputs)."""
     count = min(hostpool.workers(), max(1, nb * n * k // POOL_ELEMENTS))
     if count < 2:
         work(0, nb, 0, n)
@@ -96,8 +100,8 @@ def _cut(nb: int, n: int, k: int, work) -> None:
         cuts = [nb * i // count for i in range(count + 1)]
         jobs = [functools.partial(work, b0, b1, 0, n) for b0, b1 in zip(cuts, cuts[1:])]
     else:
-        count = min(count, n)
-        cuts = [n * i // count for i in range(count + 1)]
+        count = min(count, n // step)
+        cuts = [n // step * i // count * step for i in range(count + 1)]
         jobs = [functools.partial(work, b, b + 1, n0, n1) for b in range(nb)
                 for n0, n1 in zip(cuts, cuts[1:])]
     hostpool.run_all(jobs)
@@ -106,7 +110,7 @@ def _cut(nb: int, n: int, k: int, work) -> None:
 def _gemv(lay: Layout, x, raw, out, m: int, n: int, b0: int, b1: int, n0: int, n1: int
           ) -> None:
     _cpu.gemv(x, raw, out, lay.fmt, lay.round, m, n, lay.k, lay.offsets, lay.row_stride, b0, b1,
-              n0, n1)
+              n0, n1, lay.transposed)
 
 
 def _tiles(lay: Layout, x, raw, out_t, lo: int, hi: int) -> None:
@@ -120,6 +124,32 @@ def _tiles(lay: Layout, x, raw, out_t, lo: int, hi: int) -> None:
         np.matmul(part, x.T, out=out_t[start:stop])
 
 
+def core_rate(fmt: str, rows: int = 1, repeats: int = 20) -> float:
+    """Elements of a stored operand in format `fmt` ('f16', 'bf16' or a block format) one core
+    takes through `gemv` per second against `rows` rows, the operand (64 x 4096) in cache: the
+    kernels' compute rate, apart from the memory's (the median of 15 timings)."""
+    from einpage.ir.quant import quantize
+    from einpage.ir.storage import Storage
+    rng = np.random.default_rng(0)
+    n, k = 64, 4096
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if fmt in ("f16", "bf16"):
+        raw = w.astype(np.float16 if fmt == "f16" else "bfloat16").view(np.uint8).reshape(-1)
+        code = FORMAT_CODES["float16" if fmt == "f16" else "bfloat16"]
+    else:
+        raw, code = quantize(w, Storage(fmt, 1)).reshape(-1), FORMAT_CODES[fmt]
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    out = np.empty((rows, n), np.float32)
+    offsets = np.zeros(1, np.int64).tobytes()
+    times = []
+    for _ in range(15):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            _cpu.gemv(x, raw, out, code, 1, rows, n, k, offsets, raw.size // n, 0, 1, 0, n)
+        times.append((time.perf_counter() - start) / repeats)
+    return n * k / statistics.median(times)
+
+
 def isas() -> tuple[str, ...]:
     """The kernels' code paths this CPU can take, best last (none without the kernels)."""
     return _cpu.isas() if _cpu is not None else ()
@@ -130,5 +160,5 @@ def use_isa(name: str) -> str:
     return _cpu.use_isa(name)
 
 
-__all__ = ["POOL_ELEMENTS", "TILE_ELEMENTS", "available",
+__all__ = ["POOL_ELEMENTS", "TILE_ELEMENTS", "available", "core_rate",
            "isa", "isas", "product", "use_isa"]
