@@ -275,3 +275,31 @@ def test_paged_plans_through_the_kernels_compute_the_model(fmt, dtype, monkeypat
     assert calls, "no apply went through the kernels"
     assert error(got["logits"]) <= bound
     assert error(run(mg, {"tokens": _tokens()}, weights, order=7)["logits"]) <= bound
+
+
+@pytest.mark.parametrize("fmt", ["f16", "q4_0"])
+def test_a_block_cut_by_columns_is_read_where_it_lies(fmt, monkeypatch):
+    """A host apply reads a weight block in its checkpoint's array: a view whose rows are one
+    stride apart. The kernels read it there (no copy), with the copy's answer."""
+    rng = np.random.default_rng(5)
+    full32 = rng.standard_normal((48, 512)).astype(np.float32)
+    if fmt == "f16":
+        full, block, shape, storage = full32.astype(np.float16), None, (48, 256), None
+        block = full[:, 256:]
+    else:
+        storage = Storage(fmt, 1)
+        full = quantize(full32, storage)  # rows of 16 groups of 18 bytes
+        block, shape = full[:, 8 * 18:], (48, 256)
+    assert not block.flags.c_contiguous
+    x = rng.standard_normal((1, 2, 256)).astype(np.float16)
+    op = _op("bsm,fm->bsf")
+    lay = _layout(op, x, block, storage, shape=shape)
+    copies = []
+    real = np.ascontiguousarray
+    monkeypatch.setattr(storedmm.np, "ascontiguousarray",
+                        lambda a, *args, **kw: copies.append(a.shape) or real(a, *args, **kw))
+    got = storedmm.product(lay, [x, block])
+    assert (48, block.shape[1]) not in copies  # the block itself was not copied
+    monkeypatch.undo()
+    want = storedmm.product(lay, [x, np.ascontiguousarray(block)])
+    assert np.array_equal(got, want)

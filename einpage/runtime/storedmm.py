@@ -30,6 +30,7 @@ module (no C compiler at install) everything goes NumPy's way.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
@@ -69,10 +70,15 @@ def isa() -> str:
 def product(lay: Layout, reads: Sequence[np.ndarray]) -> np.ndarray:
     """The contraction's value (float32, the output's shape) from its two operands."""
     stored = reads[lay.w]
-    if not stored.flags.c_contiguous:
-        stored = np.ascontiguousarray(stored)
-    raw = stored.view(np.uint8).reshape(-1)
     nb, m, n, k = math.prod(lay.batch), lay.rows, math.prod(lay.free_w), lay.k
+    view = None
+    if not stored.flags.c_contiguous and m <= GEMV_ROWS and not (lay.batch or lay.transposed):
+        view = _rows_as_they_lie(stored, len(lay.free_w))
+    if view is not None:  # a block of a larger array (a weight cut by columns, in its file)
+        raw, stride = view
+        lay = dataclasses.replace(lay, row_stride=stride)
+    else:
+        raw = np.ascontiguousarray(stored).view(np.uint8).reshape(-1)
     x = np.ascontiguousarray(reads[1 - lay.w].transpose(lay.x_axes), dtype=np.float32)
     x = x.reshape(nb, m, k)
     if m <= GEMV_ROWS:
@@ -86,6 +92,30 @@ def product(lay: Layout, reads: Sequence[np.ndarray]) -> np.ndarray:
     if lay.factor != 1.0:
         out *= np.float32(lay.factor)
     return out.reshape(lay.batch + lay.free_x + lay.free_w).transpose(lay.perm)
+
+
+def _rows_as_they_lie(stored: np.ndarray, rows_axes: int) -> tuple[np.ndarray, int] | None:
+    """(the bytes from W's first row to the end of its last, as one flat array; the byte
+    stride of its rows) where `stored` is a view whose leading `rows_axes` axes step through
+    rows at one stride and whose other axes are each row's one contiguous run, as a weight
+    block cut by columns lies in its checkpoint (a host apply reads it there); None otherwise
+    (it is copied then)."""
+    shape, strides, item = stored.shape, stored.strides, stored.itemsize
+    if rows_axes < 1 or stored.ndim <= rows_axes or any(s < 0 for s in strides):
+        return None
+    run = item
+    for i in range(stored.ndim - 1, rows_axes - 1, -1):
+        if shape[i] != 1 and strides[i] != run:
+            return None
+        run *= shape[i]
+    stride = strides[rows_axes - 1]
+    for i in range(rows_axes - 1):
+        if shape[i] != 1 and strides[i] != strides[i + 1] * shape[i + 1]:
+            return None
+    rows = math.prod(shape[:rows_axes])
+    span = (rows - 1) * stride + run
+    flat = np.lib.stride_tricks.as_strided(stored, shape=(span // item,), strides=(item,))
+    return flat.view(np.uint8), stride
 
 
 def _cut(nb: int, n: int, k: int, step: int, work) -> None:
