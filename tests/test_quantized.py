@@ -395,7 +395,8 @@ def test_kv_q8_0_halves_the_decode_bytes_at_8192(capsys):
     rows = {}
     for kv in ((), ("--kv-dtype", "q8_0")):
         assert cli("compile", "llama-7b", "--phase", "decode", "--past", "8191", "--gpu-mem",
-                   "16GB", "--cpu-mem", "unlimited", "--quiet", "--json", *kv) == 0
+                   "16GB", "--cpu-mem", "unlimited", "--quiet", "--json", "--host-compute", "off",
+                   *kv) == 0
         rows[kv] = json.loads(capsys.readouterr().out)
     q8, f16 = rows[("--kv-dtype", "q8_0")], rows[()]
     assert q8["capacity"] == f16["capacity"] == 8192

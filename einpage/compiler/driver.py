@@ -179,6 +179,8 @@ def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
 #: and how many of a kind's best placements it refines
 REFINE_ROUNDS = 2
 REFINED = 2
+#: ... of those within this share of the kind's best pass
+REFINE_WITHIN = 0.10
 
 
 def _place(planned: "_Planned", options: CompileOptions) -> None:
@@ -207,8 +209,8 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
             return None
         tried.add(on_host)
         seconds = tuple(task_seconds(profile, tg, on_host))
-        if sum(seconds[t] for t in on_host) >= device.simulation.makespan_s:
-            return None  # the host alone would take longer than the device-only pass
+        if sum(seconds[t] for t in on_host) >= trials.best().simulation.makespan_s:
+            return None  # the host alone (one queue) would outlast the best pass so far
         placed = search.Trials(tg, order, replace(trials.base, on_host=on_host,
                                                   task_seconds=seconds), profile,
                                options.progress)
@@ -242,11 +244,14 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
         tried_kind = [(kept, t) for kept, t in tried_kind if t is not None]
         if not tried_kind:
             continue
-        # then the best REFINED of them, each with what its own plan still streams of the rest
-        # moved to the host too (its resident set differs from the device-only plan's), while
-        # that gains
+        # then the best REFINED of them (within REFINE_WITHIN of the best), each with what its
+        # own plan still streams of the rest moved to the host too (its resident set differs
+        # from the device-only plan's), while that gains
         tried_kind.sort(key=lambda kt: kt[1].simulation.makespan_s)
+        near = tried_kind[0][1].simulation.makespan_s * (1 + REFINE_WITHIN)
         for kept, best in tried_kind[:REFINED]:
+            if best.simulation.makespan_s > near:
+                break
             for _ in range(REFINE_ROUNDS):
                 more = placement.streamed_groups(tg, every - kept, best.resident)[1]
                 better = attempt(kept | more) if more else None

@@ -57,7 +57,7 @@ class HostProfile:
 
 #: Elements per cycle per core through the compiled kernels' AVX2 path, one row of the other
 #: side, operand in cache: measured on the development machine's Xeon at 2.6 GHz (`python
-#: bench/kernel_bench.py`; f16 6.83 G/s, q4_0 4.34 G/s, q8_0 4.96 G/s, q4_1 3.94 G/s).
+#: bench/kernel_bench.py`: f16 6.8-8.2 G/s, q4_0 4.3, q8_0 5.0, q4_1 3.9; the low end).
 AVX2_STORED_PER_CYCLE = 2.6
 AVX2_PACKED_PER_CYCLE = 1.6
 
