@@ -10,6 +10,7 @@ from __future__ import annotations
 import _thread
 import dataclasses
 import gc
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -166,6 +167,8 @@ class Interrupting(Wrapped):
     def run(self, n):
         if self.passes == self.at_pass and n.id > 40 and not self.sent:
             self.sent = True
+            handler = signal.getsignal(signal.SIGINT)
+            assert handler is signal.default_int_handler, f"SIGINT is handled by {handler!r}"
             _thread.interrupt_main()  # what Ctrl-C does to the calling thread
             assert self.aborted.wait(10), "the executor never aborted"
         super().run(n)
