@@ -303,3 +303,50 @@ def test_a_block_cut_by_columns_is_read_where_it_lies(fmt, monkeypatch):
     monkeypatch.undo()
     want = storedmm.product(lay, [x, np.ascontiguousarray(block)])
     assert np.array_equal(got, want)
+
+
+def test_views_whose_rows_are_not_one_stride_apart_are_copied():
+    """A size-1 row axis says nothing of the stride between the others; a broadcast weight's
+    rows overlap: both are copied, with the right answer (found in review: the first gave wrong
+    numbers, the second an error)."""
+    rng = np.random.default_rng(9)
+    parent = rng.standard_normal((2, 4, 3, 64)).astype(np.float16)
+    w = parent[:, ::4]  # (2, 1, 3, 64): rows (2 x 3) are not one stride apart
+    x = rng.standard_normal((2, 64)).astype(np.float16)
+    op = _op("mk,fghk->mfgh")
+    lay = stored.layout(op, (x.shape, w.shape), (x.dtype, w.dtype), (None, None),
+                        (np.dtype(np.float16),) * 2)
+    np.testing.assert_allclose(storedmm.product(lay, [x, w]), _numpy_product(op, [x, w]),
+                               rtol=2e-6, atol=1e-5)
+    row = rng.standard_normal(64).astype(np.float16)
+    w = np.broadcast_to(row, (8, 64))
+    op = _op("mk,nk->mn")
+    lay = stored.layout(op, ((2, 64), w.shape), (x.dtype, w.dtype), (None, None),
+                        (np.dtype(np.float16),) * 2)
+    np.testing.assert_allclose(storedmm.product(lay, [x, w]), _numpy_product(op, [x, w]),
+                               rtol=2e-6, atol=1e-5)
+
+
+def test_nothing_to_compute_is_left_to_numpy():
+    op = _op("mk,nk->mn")
+    f16 = np.dtype(np.float16)
+    assert stored.layout(op, ((0, 64), (8, 64)), (f16, f16), (None, None), (f16, f16)) is None
+    op = _op("bsk,bnk->bsn")
+    assert stored.layout(op, ((0, 1, 64), (0, 8, 64)), (f16, f16), (None, None),
+                         (f16, f16)) is None
+
+
+@pytest.mark.parametrize("call", [
+    lambda c, z: c.gemv(z(16, "f4"), z(64, "u1"), z(4, "f4"), 1, 0, 1, 1, 2 ** 62,
+                        z(1, "i8").tobytes(), 1, 0, 1, 0, 1, False),
+    lambda c, z: c.dequant(z(64, "u1"), z(4, "f4"), 1, 0, 2 ** 61, 1, 2),
+    lambda c, z: c.gemv(z(16, "f4"), z(64, "u1"), z(4, "f4"), 1, 0, 1, 1, 8,
+                        np.full(1, 2 ** 62, np.int64).tobytes(), 16, 0, 1, 0, 1, False),
+    lambda c, z: c.gemv(z(16, "f4"), z(64, "u1"), z(4, "f4"), 1, 0, 1, 1, 8,
+                        z(1, "i8").tobytes(), 2 ** 62, 0, 1, 0, 1, True),
+], ids=["huge-K", "huge-K-dequant", "huge-offset", "huge-stride"])
+def test_arguments_past_the_buffers_are_refused_not_read(call):
+    """Sizes whose products overflow 64 bits once passed the checks and read out of bounds
+    (found in review); every one is a ValueError now."""
+    with pytest.raises(ValueError):
+        call(storedmm._cpu, lambda n, t: np.zeros(n, np.dtype(t)))

@@ -108,6 +108,8 @@ def layout(op: EinsumOp, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[np.d
     storage = storages[w]
     if storage is not None and math.prod(sizes[c] for c in row) % _group(storage):
         return None  # a row of W is not whole groups
+    if not (k and n and m and all(sizes[c] for c in batch)):
+        return None  # nothing to compute
     if k * n < MIN_ELEMENTS or ((batch or transposed) and m > GEMV_ROWS):
         return None  # too small to pay; the BLAS's tiles take neither a batch nor columns
     strides = {c: math.prod(sizes[d] for d in tw[i + 1:]) for i, c in enumerate(tw)}

@@ -556,14 +556,23 @@ static inline void prefetch(const uint8_t *p, int64_t len, const uint8_t *end)
 }
 
 /* check the arguments every call shares; 0 with an exception set where they do not hold */
+/* a * b * c <= limit, for a, b, c >= 0, computed without overflow */
+static int le3(int64_t a, int64_t b, int64_t c, int64_t limit)
+{
+    if (a < 0 || b < 0 || c < 0 || limit < 0) return 0;
+    if (a == 0 || b == 0 || c == 0) return 1;
+    if (a > limit / b) return 0;
+    return a * b <= limit / c;
+}
+
 static int check(int fmt, int round, int64_t K, int64_t n0, int64_t n1, const Py_buffer *w)
 {
     if (fmt < 0 || fmt >= F_COUNT || round < R_NONE || round > R_BF16) {
         PyErr_SetString(PyExc_ValueError, "unknown format or rounding");
         return 0;
     }
-    if (K <= 0 || K % GROUP[fmt] || n0 < 0 || n1 < n0
-            || (int64_t)w->len < n1 * row_bytes(fmt, K)) {
+    if (K <= 0 || K % GROUP[fmt] || n0 < 0 || n1 < n0 || !le3(K, 4, 1, (int64_t)w->len * 32)
+            || !le3(n1, row_bytes(fmt, K), 1, (int64_t)w->len)) {
         PyErr_SetString(PyExc_ValueError, "rows out of the weight's bytes (or K not whole groups)");
         return 0;
     }
@@ -641,15 +650,16 @@ static PyObject *py_gemv(PyObject *self, PyObject *args)
     /* rows of W: N of K elements, or (transposed) K of N elements, whole groups each */
     const int64_t wrows = transposed ? K : n1, wlen = transposed ? N : K;
     if (!check(fmt, round, wlen, 0, 0, &w)) goto done;
-    if (M <= 0 || n0 < 0 || n1 <= n0 || n1 > N || b0 < 0 || b1 <= b0 || b1 > count
+    if (M <= 0 || K <= 0 || n0 < 0 || n1 <= n0 || n1 > N || b0 < 0 || b1 <= b0 || b1 > count
             || wlen % GROUP[fmt] || (transposed && (n0 % GROUP[fmt] || n1 % GROUP[fmt]))
-            || ldw < row_bytes(fmt, wlen) || x.len < (Py_ssize_t)(b1 * M * K * 4)
-            || out.len < (Py_ssize_t)(b1 * M * N * 4)) {
+            || ldw < row_bytes(fmt, wlen) || ldw > (int64_t)w.len
+            || !le3(b1, M, K, (int64_t)x.len / 4) || !le3(b1, M, N, (int64_t)out.len / 4)) {
         PyErr_SetString(PyExc_ValueError, "gemv: x, out or the batch range do not fit M, N, K");
         goto done;
     }
     for (int64_t b = b0; b < b1; b++)
-        if (off[b] < 0 || off[b] + (wrows - 1) * ldw + row_bytes(fmt, wlen) > (int64_t)w.len) {
+        if (off[b] < 0 || off[b] > (int64_t)w.len - row_bytes(fmt, wlen)
+                || !le3(wrows - 1, ldw, 1, (int64_t)w.len - row_bytes(fmt, wlen) - off[b])) {
             PyErr_SetString(PyExc_ValueError, "gemv: rows out of the weight's bytes");
             goto done;
         }
@@ -681,7 +691,7 @@ static PyObject *py_dequant(PyObject *self, PyObject *args)
         return NULL;
     PyObject *result = NULL;
     if (!check(fmt, round, K, n0, n1, &w)) goto done;
-    if (out.len < (Py_ssize_t)((n1 - n0) * K * 4)) {
+    if (!le3(n1 - n0, K, 4, (int64_t)out.len)) {
         PyErr_SetString(PyExc_ValueError, "out too small for the rows");
         goto done;
     }

@@ -108,10 +108,13 @@ def _rows_as_they_lie(stored: np.ndarray, rows_axes: int) -> tuple[np.ndarray, i
         if shape[i] != 1 and strides[i] != run:
             return None
         run *= shape[i]
-    stride = strides[rows_axes - 1]
-    for i in range(rows_axes - 1):
-        if shape[i] != 1 and strides[i] != strides[i + 1] * shape[i + 1]:
-            return None
+    # the row axes, those of one row dropped (their stride says nothing), one stride apart
+    steps = [(n, st) for n, st in zip(shape[:rows_axes], strides[:rows_axes]) if n != 1]
+    stride = steps[-1][1] if steps else run
+    if any(st != nxt_st * nxt_n for (_, st), (nxt_n, nxt_st) in zip(steps, steps[1:])):
+        return None
+    if stride < run:
+        return None  # rows overlap (a broadcast weight): copied
     rows = math.prod(shape[:rows_axes])
     span = (rows - 1) * stride + run
     flat = np.lib.stride_tricks.as_strided(stored, shape=(span // item,), strides=(item,))
