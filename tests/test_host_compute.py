@@ -413,14 +413,13 @@ def test_the_balanced_share_evens_the_host_against_the_link(llama_placed):
     from einpage.compiler import placement
     from einpage.predict.cost import task_seconds
     graph, weights, inputs, tg, kept, on_host, mg, want = llama_placed
-    order = list(range(len(tg.tasks)))
     profile = _profile(get_host("server-16c"))
-    (f,) = placement.balanced_shares(tg, order, kept, profile, task_seconds)
     seconds = task_seconds(profile, tg, on_host)
+    (f,) = placement.balanced_shares(tg, kept, on_host, seconds, profile)
     host = sum(seconds[t] for t in on_host)
     link = sum(tg.blocks[b].bytes for b in kept) / profile.h2d_bandwidth
     assert f == pytest.approx(link / (host + link), abs=1e-3)
-    assert placement.balanced_shares(tg, order, frozenset(), profile, task_seconds) == []
+    assert placement.balanced_shares(tg, frozenset(), frozenset(), (), profile) == []
 
 
 def test_placement_refines_a_candidate_with_what_its_own_plan_streams(hf_fixture, monkeypatch):

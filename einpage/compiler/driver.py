@@ -198,17 +198,24 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
     device = trials.best()
     budget = options.device_bytes
     tried: set[frozenset] = set()
+    memo: dict[frozenset, tuple[frozenset, tuple[float, ...]]] = {}
+
+    def hosted(kept: frozenset) -> tuple[frozenset, tuple[float, ...]]:
+        """(the tasks that run on the host with `kept` there, every task's seconds then)."""
+        if kept not in memo:
+            on_host = placement.place_on_host(tg, order, kept)
+            memo[kept] = on_host, tuple(task_seconds(profile, tg, on_host)) if on_host else ()
+        return memo[kept]
 
     def attempt(kept: frozenset) -> search.Trial | None:
         """Lower and search the placement keeping `kept` in host memory; its best trial (adopted
         by `trials`), or None where it is not tried (nothing to save, tried before, hopeless)."""
         if not kept - device.resident:
             return None  # they stay on the device already: nothing to save
-        on_host = placement.place_on_host(tg, order, kept)
+        on_host, seconds = hosted(kept)
         if not on_host or on_host in tried:
             return None
         tried.add(on_host)
-        seconds = tuple(task_seconds(profile, tg, on_host))
         if sum(seconds[t] for t in on_host) >= trials.best().simulation.makespan_s:
             return None  # the host alone (one queue) would outlast the best pass so far
         placed = search.Trials(tg, order, replace(trials.base, on_host=on_host,
@@ -239,7 +246,7 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
         # a share of them, so that the host and the link work at once
         candidates = [every, *placement.streamed_groups(tg, every, device.resident)]
         candidates += [placement.share_of(tg, every, f) for f in placement.balanced_shares(
-            tg, order, every, profile, task_seconds)]
+            tg, every, *hosted(every), profile)]
         tried_kind = [(kept, attempt(kept)) for kept in candidates]
         tried_kind = [(kept, t) for kept, t in tried_kind if t is not None]
         if not tried_kind:

@@ -15,6 +15,8 @@ device-only plan and keeps the fastest (`einpage.compiler.driver`).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from einpage.ir.taskgraph import TaskGraph
 
 #: the candidate sets of blocks kept in host memory, by name (`host_blocks`)
@@ -73,18 +75,16 @@ def place_on_host(tg: TaskGraph, order: list[int], kept: frozenset[int]) -> froz
 SHARE_STEPS = (1.0,)
 
 
-def balanced_shares(tg: TaskGraph, order: list[int], kept: frozenset[int], profile,
-                    task_seconds) -> list[float]:
+def balanced_shares(tg: TaskGraph, kept: frozenset[int], on_host: frozenset[int],
+                    seconds: Sequence[float], profile) -> list[float]:
     """Shares of `kept` (blocks the device must otherwise stream) to keep in host memory so
     that the host computes while the link copies the rest: where the host takes H seconds for
-    the tasks of all of them and the link L to copy them, a share f keeps the host busy f H and
-    the link (1 - f) L, equal at f = L / (H + L). That share and its neighbours (`SHARE_STEPS`),
-    each below 1 (all of them is a candidate of its own); none where nothing is kept or there is
-    no host to balance."""
+    the tasks of all of them (`on_host`, `place_on_host` of them, priced `seconds`) and the
+    link L to copy them, a share f keeps the host busy f H and the link (1 - f) L, equal at
+    f = L / (H + L). That share and its neighbours (`SHARE_STEPS`), each below 1 (all of them
+    is a candidate of its own); none where nothing is kept or there is no host to balance."""
     if not kept or profile.host is None:
         return []
-    on_host = place_on_host(tg, order, kept)
-    seconds = task_seconds(profile, tg, on_host)
     host = sum(seconds[t] for t in on_host)
     link = sum(tg.blocks[b].bytes for b in kept) / profile.h2d_bandwidth
     if host <= 0 or link <= 0:

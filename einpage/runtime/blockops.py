@@ -26,41 +26,48 @@ def apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.n
     (quantized) reads are dequantized first, into fresh arrays of their logical shape, unless the
     compiled kernels read them as they lie (`einpage.runtime.storedmm`)."""
     n, reads = _guarded(n, reads, write, release)
-    if n is None:
-        return
-    op = n.op
-    lay = stored_layout(n, tensors, reads)
-    if lay is not None:
-        part = storedmm.product(lay, reads)
-        result = _finish(n, tensors[n.write.tensor], part, op.dtype.compute, op.agg, reads, write)
-        for a in n.frees if release is not None else ():
-            release(a)
-        write[...] = result
-        return
-    reads = unpacked(n, tensors, reads)
-    if (not n.accumulate and isinstance(op, EinsumOp) and op.dtype.compute == write.dtype
-            and kernels.einsum_into(op.spec, op.join, op.agg, reads, write)):
-        for a in n.frees if release is not None else ():
-            release(a)
-        return
-    result = apply_value(n, tensors, reads, write)
-    for a in n.frees if release is not None else ():
-        release(a)
-    write[...] = result
+    if n is not None:
+        _apply(n, tensors, reads, write, release, stored_layout(n, tensors, reads))
 
 
 def host_apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],
                     write: np.ndarray) -> None:
-    """An apply placed on the host: a contraction over unpacked operands on the host pool, a
-    chunk per core (`einpage.runtime.hostpool`); anything else as `apply_into` does."""
+    """An apply placed on the host: through the compiled kernels where they take it, else a
+    contraction over unpacked operands on the host pool, a chunk per core
+    (`einpage.runtime.hostpool`); anything else as `apply_into` does."""
     n, reads = _guarded(n, reads, write, None)
     if n is None:
         return
-    if (isinstance(n.op, EinsumOp) and all(tensors[a.tensor].storage is None for a in n.reads)
-            and stored_layout(n, tensors, reads) is None
+    lay = stored_layout(n, tensors, reads)
+    if (lay is None and isinstance(n.op, EinsumOp)
+            and all(tensors[a.tensor].storage is None for a in n.reads)
             and hostpool.pooled_einsum(n.op, reads, write, n.accumulate)):
         return
-    apply_into(n, tensors, reads, write)
+    _apply(n, tensors, reads, write, None, lay)
+
+
+def _apply(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],
+           write: np.ndarray, release: Callable[[Access], None] | None,
+           lay: Layout | None) -> None:
+    """`apply_into` of an unguarded apply, through the kernels where `lay` says how."""
+    op = n.op
+    if lay is not None:
+        result = _finish(n, tensors[n.write.tensor], storedmm.product(lay, reads),
+                         op.dtype.compute, op.agg, reads, write)
+    else:
+        reads = unpacked(n, tensors, reads)
+        if (not n.accumulate and isinstance(op, EinsumOp) and op.dtype.compute == write.dtype
+                and kernels.einsum_into(op.spec, op.join, op.agg, reads, write)):
+            _release(n, release)
+            return
+        result = apply_value(n, tensors, reads, write)
+    _release(n, release)
+    write[...] = result
+
+
+def _release(n: ApplyNode, release: Callable[[Access], None] | None) -> None:
+    for a in n.frees if release is not None else ():
+        release(a)
 
 
 def stored_layout(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray]
@@ -86,8 +93,7 @@ def _guarded(n: ApplyNode, reads: Sequence[np.ndarray], write: np.ndarray,
         return n, reads
     if reads[-1].flat[guard.index]:
         return n.unguarded(), reads[:-1]
-    for a in n.frees if release is not None else ():
-        release(a)
+    _release(n, release)
     if not n.accumulate:
         write[...] = 0
     return None, None

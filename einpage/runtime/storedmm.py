@@ -87,7 +87,7 @@ def product(lay: Layout, reads: Sequence[np.ndarray]) -> np.ndarray:
              functools.partial(_gemv, lay, x, raw, out, m, n))
     else:  # (no batch here: `layout`)
         out_t = np.empty((n, m), np.float32)  # rows of W are rows here: contiguous tiles
-        _tiles(lay, x[0], raw, out_t, 0, n)
+        _tiles(lay, x[0], raw, out_t)
         out = out_t.T
     if lay.factor != 1.0:
         out *= np.float32(lay.factor)
@@ -146,12 +146,13 @@ def _gemv(lay: Layout, x, raw, out, m: int, n: int, b0: int, b1: int, n0: int, n
               n0, n1, lay.transposed)
 
 
-def _tiles(lay: Layout, x, raw, out_t, lo: int, hi: int) -> None:
-    k = lay.k
+def _tiles(lay: Layout, x, raw, out_t) -> None:
+    """`out_t` (W's rows by x's) a tile of W's rows at a time: decoded, then the BLAS."""
+    k, n = lay.k, out_t.shape[0]
     rows = max(1, TILE_ELEMENTS // k)
-    tile = np.empty((min(rows, hi - lo), k), np.float32)
-    for start in range(lo, hi, rows):
-        stop = min(hi, start + rows)
+    tile = np.empty((min(rows, n), k), np.float32)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
         part = tile[:stop - start]
         _cpu.dequant(raw, part, lay.fmt, lay.round, k, start, stop)
         np.matmul(part, x.T, out=out_t[start:stop])
