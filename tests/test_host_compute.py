@@ -361,7 +361,9 @@ def test_the_planner_also_tries_hosting_only_what_the_device_streams(hf_fixture,
     monkeypatch.setattr(driver.placement, "place_on_host", spy)
     host = HostProfile("fast", 1e15, 1e15, 1e15, 1e15, 64, convert_rate=1e15,
                        dequant_rate=1e15, apply_overhead=5e-6)
-    compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3,
+    # at half the weights the device-only plan keeps some experts resident (at a third it
+    # streams them all: an expert copied only when chosen costs a quarter of its bytes)
+    compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 2,
                                                    device=_profile(host), host_compute=True))
     every = [k for k, n in tried if k == n]
     some = [k for k, n in tried if 0 < k < n]
@@ -415,11 +417,26 @@ def test_the_balanced_share_evens_the_host_against_the_link(llama_placed):
     graph, weights, inputs, tg, kept, on_host, mg, want = llama_placed
     profile = _profile(get_host("server-16c"))
     seconds = task_seconds(profile, tg, on_host)
-    (f,) = placement.balanced_shares(tg, kept, on_host, seconds, profile)
     host = sum(seconds[t] for t in on_host)
-    link = sum(tg.blocks[b].bytes for b in kept) / profile.h2d_bandwidth
-    assert f == pytest.approx(link / (host + link), abs=1e-3)
+    nbytes = sum(tg.blocks[b].bytes for b in kept)
+    # a link that copies them all in a third of the host's time: f = L / (H + L) = 1/4
+    profile = dataclasses.replace(profile, h2d_bandwidth=3 * nbytes / host)
+    link = nbytes / profile.h2d_bandwidth
+    (f,) = placement.balanced_shares(tg, kept, on_host, seconds, profile)
+    assert f == pytest.approx(link / (host + link), abs=1e-3) and f == pytest.approx(0.25,
+                                                                                    abs=1e-3)
     assert placement.balanced_shares(tg, frozenset(), frozenset(), (), profile) == []
+    # a host far slower than the link: no share worth a trial (none rounds to 0)
+    slow = dataclasses.replace(profile, h2d_bandwidth=1e6 * nbytes / host)
+    assert placement.balanced_shares(tg, kept, on_host, seconds, slow) == []
+    # what the device-only plan keeps resident of them it may keep beside a placement too: the
+    # balance then lies lower, between (L - Lr) / (H + L) and L / (H + L); both ends and the
+    # middle are tried
+    resident = frozenset(sorted(kept)[:len(kept) // 3])
+    kept_link = sum(tg.blocks[b].bytes for b in resident) / profile.h2d_bandwidth
+    low, mid, high = placement.balanced_shares(tg, kept, on_host, seconds, profile, resident)
+    assert low == pytest.approx((link - kept_link) / (host + link), abs=1e-3) and low < high
+    assert mid == pytest.approx((low + high) / 2, abs=2e-3) and high == f
 
 
 def test_placement_refines_a_candidate_with_what_its_own_plan_streams(hf_fixture, monkeypatch):

@@ -20,7 +20,7 @@ from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.errors import GraphError, PlanError
 from einpage.ir import GraphBuilder, MemGraph, validate
 from einpage.ir.dtypes import DType
-from einpage.ir.memgraph import ApplyNode
+from einpage.ir.memgraph import ApplyNode, OffloadNode
 from einpage.ir.ops import EinsumOp, GuardedOp, op_from_json
 from einpage.ir.spec import EinsumSpec
 from einpage.models import llama, resolve
@@ -263,3 +263,182 @@ def test_the_report_says_the_prediction_is_an_expectation(mixtral_decode):
     c = compile_graph(plain.build(), CompileOptions(1 << 20))
     assert c.report.routing is None and c.report.to_json()["guarded_applies"] == 0
     assert not any("routing:" in x for x in report_lines(c.report))
+
+
+# ------------------------------------------------------------------ guarded reloads
+
+@pytest.fixture(scope="module")
+def streamed_experts(request):
+    """Mixtral decode at B=1 with every block on the device side at a quarter of the weights:
+    the experts stream, each reloaded only where the router chose it."""
+    hf = request.getfixturevalue("hf_fixture")
+    cfg, weights, graph, inputs = _decode(MIXTRAL, hf, batch=1)
+    tg, _, _, mg = _placed(cfg, graph, "kv", share=4)
+    inputs = _inputs_for(mg, inputs)
+    return cfg, weights, graph, inputs, tg, mg, reference.evaluate(graph, inputs, weights)
+
+
+def _guarded_reloads(mg):
+    return [n for n in mg.nodes if n.kind == "reload" and n.guard is not None]
+
+
+def test_an_expert_streams_only_where_its_router_chose_it(streamed_experts):
+    """Each expert weight block's reload carries its readers' guard and waits for the router
+    that writes it; the other reloads stay plain."""
+    cfg, weights, graph, inputs, tg, mg, want = streamed_experts
+    guarded = _guarded_reloads(mg)
+    assert guarded and len(guarded) < mg.count("reload")
+    writer = {}
+    for n in mg.nodes:
+        if n.kind == "apply":
+            writer[(n.write.tensor, n.write.offset)] = n.id
+        if n.kind == "reload" and n.guard is not None:
+            g = n.guard
+            assert ".experts." in mg.tensors[n.tensor].name
+            assert writer[(g.access.tensor, g.access.offset)] in n.deps  # the router ran first
+            assert g.share == pytest.approx(cfg.experts_per_token / cfg.experts)
+            readers = [a for a in mg.nodes if a.kind == "apply"
+                       and any(r.tensor == n.tensor for r in a.reads)]
+            assert readers and all(a.guard is not None and a.guard.index == g.index
+                                   and a.reads[-1].tensor == g.access.tensor for a in readers)
+    assert validate(mg)
+    text = "\n".join(mg.around(guarded[0].id).splitlines())
+    assert f" if %t{guarded[0].guard.access.tensor}@" in text
+
+
+def test_skipped_reloads_give_the_reference_in_any_order(streamed_experts):
+    """The NumPy executor poisons what a skipped reload leaves (NaN in every float dtype):
+    the answers hold only because no apply reads it."""
+    *_, inputs, tg, mg, want = streamed_experts
+    weights = streamed_experts[1]
+    for order in ("sequential", 3, 11):
+        _close(run(mg, inputs, weights, order=order, poison_freed=True), want)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_threads_backend_moves_only_the_chosen_experts(streamed_experts, seed):
+    cfg, weights, graph, inputs, tg, mg, want = streamed_experts
+    got = run_streams(mg, inputs, weights, Delayed(ThreadsBackend(poison=True), seed, 2e-3))
+    _close(got.outputs, want)
+    spans = {s.node: s.nbytes for s in got.measured.spans if s.queue == "h2d"}
+    guarded = _guarded_reloads(mg)
+    moved = [n for n in guarded if spans[n.id]]
+    skipped = [n for n in guarded if not spans[n.id]]
+    # one token: each layer's router picks experts_per_token of its experts
+    assert moved and skipped
+    assert len({n.guard.index for n in moved if n.guard.access.tensor
+                == moved[0].guard.access.tensor}) == cfg.experts_per_token
+    plain = sum(mg.tensors[n.tensor].bytes for n in mg.nodes
+                if n.kind == "reload" and n.guard is None)
+    assert got.measured.bytes("h2d") == plain + sum(mg.tensors[n.tensor].bytes for n in moved)
+
+
+def test_cupy_backend_reads_the_guard_on_its_copy_stream(fake_cupy, streamed_experts,
+                                                         monkeypatch):
+    cfg, weights, graph, inputs, tg, mg, want = streamed_experts
+    asked = []
+    inner = CupyBackend.guard_on
+
+    def recording(self, n):
+        on = inner(self, n)
+        asked.append((n.id, on))
+        return on
+    monkeypatch.setattr(CupyBackend, "guard_on", recording)
+    backend = CupyBackend()
+    _close(run_streams(mg, inputs, weights, backend).outputs, want)
+    assert sorted(k for k, _ in asked) == sorted(n.id for n in _guarded_reloads(mg))
+    assert any(on for _, on in asked) and not all(on for _, on in asked)
+
+
+def test_a_guarded_reload_is_priced_at_its_share(streamed_experts):
+    from einpage.predict.simulator import min_h2d_bytes, node_seconds
+    *_, mg, _ = streamed_experts
+    profile = get_device("h100-pcie")
+    seconds = node_seconds(mg, profile)
+    plain_mg = dataclasses.replace(mg, nodes=tuple(
+        dataclasses.replace(n, guard=None) if n.kind == "reload" else n for n in mg.nodes))
+    full = node_seconds(plain_mg, profile)
+    for n in _guarded_reloads(mg):
+        nbytes = mg.tensors[n.tensor].bytes
+        assert full[n.id] == pytest.approx(nbytes / profile.h2d_bandwidth + profile.copy_latency)
+        assert seconds[n.id] == pytest.approx(
+            n.guard.share * nbytes / profile.h2d_bandwidth + profile.copy_latency)
+    expected = sum(mg.tensors[n.tensor].bytes * (n.guard.share if n.guard else 1)
+                   for n in mg.nodes if n.kind == "reload")
+    assert min_h2d_bytes(mg) <= round(expected) < min_h2d_bytes(plain_mg)
+
+
+def _with_node(mg, k, node):
+    nodes = list(mg.nodes)
+    nodes[k] = node
+    return dataclasses.replace(mg, nodes=tuple(nodes))
+
+
+def test_the_validator_refuses_broken_guarded_reloads(streamed_experts):
+    """Rule 11: each mutation below computes a wrong answer in some order, and is refused."""
+    *_, tg, mg, _ = streamed_experts
+    r = _guarded_reloads(mg)[0]
+    g = r.guard
+    cases = {
+        # another element than its readers' guard: a chosen expert's weights left garbage
+        "reloaded only where element": dataclasses.replace(r, guard=dataclasses.replace(
+            g, index=(g.index + 1) % 4)),
+        "share": dataclasses.replace(r, guard=dataclasses.replace(g, share=g.share / 2)),
+        # the router's output not yet written when the guard is read
+        "writer .* is not an ancestor": dataclasses.replace(
+            r, deps=tuple(d for d in r.deps if not (
+                mg.nodes[d].kind == "apply" and mg.nodes[d].write.tensor == g.access.tensor))),
+        "not live|its live instance is at": dataclasses.replace(r, guard=dataclasses.replace(
+            g, access=dataclasses.replace(g.access, offset=g.access.offset + 256))),
+        "element 1000000": dataclasses.replace(r, guard=dataclasses.replace(g, index=10 ** 6)),
+    }
+    for message, node in cases.items():
+        with pytest.raises(PlanError, match=message):
+            validate(_with_node(mg, r.id, node))
+    # an offload of what a guarded reload made would copy garbage to the host
+    reader = next(n for n in mg.nodes if n.kind == "apply" and n.id > r.id
+                  and any(a.tensor == r.tensor for a in n.reads))
+    nodes = list(mg.nodes)
+    spill = OffloadNode(reader.id, r.tensor, r.offset, (r.id,))
+    nodes.insert(reader.id, spill)
+    renumbered = [dataclasses.replace(n, id=k, deps=tuple(d + (d >= reader.id) for d in n.deps))
+                  if k > reader.id else n for k, n in enumerate(nodes)]
+    with pytest.raises(PlanError, match="reloaded under a guard"):
+        validate(dataclasses.replace(mg, nodes=tuple(renumbered)))
+    # a reader that drops its guard would read garbage where the copy was skipped
+    k = reader.id
+    with pytest.raises(PlanError):
+        validate(_with_node(mg, k, reader.unguarded()))
+
+
+def test_guarded_reloads_round_trip_and_need_version_2(streamed_experts):
+    *_, mg, _ = streamed_experts
+    data = json.loads(json.dumps(mg.to_json()))
+    node = next(d for d in data["nodes"] if "guard" in d)
+    assert set(node["guard"]) == {"tensor", "offset", "index", "share"}
+    again = MemGraph.from_json(data)
+    assert _guarded_reloads(again) == _guarded_reloads(mg)
+    validate(again)
+    bad = json.loads(json.dumps(data))
+    next(d for d in bad["nodes"] if "guard" in d)["guard"]["share"] = 1.5
+    with pytest.raises((PlanError, ValueError)):
+        MemGraph.from_json(bad)
+    with pytest.raises(PlanError, match="version 2"):
+        dataclasses.replace(mg, graph=None).to_json()
+
+
+def test_no_reload_is_guarded_where_most_experts_run(hf_fixture):
+    """Prefill (every token picks its experts: each expert runs in nearly every pass) keeps
+    its prefetches: a guarded reload could not start before its layer's router."""
+    cfg, weights = resolve(str(hf_fixture(MIXTRAL)))
+    graph = llama.prefill_graph(cfg).bind(B=1, S=16)
+    tg = partition(graph, PartitionOptions(cfg.weight_bytes() // 32))
+    from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions, lower
+    from einpage.compiler.order import memory_aware_order
+    from einpage.compiler.policies import get_policy
+    from einpage.ir.taskgraph import reload_guards
+    shares = {key[2] for key in reload_guards(tg).values()}
+    assert shares and min(shares) > GUARDED_RELOAD_SHARE
+    mg = lower(tg, memory_aware_order(tg), LowerOptions(cfg.weight_bytes() // 4,
+                                                        get_policy("reuse-distance")))
+    assert mg.count("reload") and not _guarded_reloads(mg)

@@ -16,7 +16,7 @@ from typing import Callable, Mapping, NamedTuple
 
 from einpage.compiler import placement, search
 from einpage.compiler.allocator import aligned
-from einpage.compiler.lowering import LowerOptions
+from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.policies import Policy, Residency, get_policy
@@ -56,6 +56,8 @@ class CompileOptions:
     host_bytes: int | None = None       # host budget (--cpu-mem); None: unlimited, no disk tier
     host_compute: bool = False          # weigh applies placed on the host (the CLI's
                                         # --host-compute auto, its default, sets it)
+    guarded_reload_share: float = GUARDED_RELOAD_SHARE  # reload an expert only when chosen
+                                        # where it runs in at most this share of passes (0: never)
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,8 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
         # a share of them, so that the host and the link work at once
         candidates = [every, *placement.streamed_groups(tg, every, device.resident)]
         candidates += [placement.share_of(tg, every, f) for f in placement.balanced_shares(
-            tg, every, *hosted(every), profile)]
+            tg, every, *hosted(every), profile, device.resident,
+            options.guarded_reload_share)]
         tried_kind = [(kept, attempt(kept)) for kept in candidates]
         tried_kind = [(kept, t) for kept, t in tried_kind if t is not None]
         if not tried_kind:
@@ -386,7 +389,8 @@ def _lower_options(options: CompileOptions, policy: Policy, fits: bool,
     memory for resident weights."""
     return LowerOptions(options.device_bytes, policy, inputs_at_device=fits and policy.evicts,
                         outputs_to_host=not fits and policy.evicts,
-                        lookahead_bytes=options.lookahead_bytes, task_seconds=seconds)
+                        lookahead_bytes=options.lookahead_bytes, task_seconds=seconds,
+                        guarded_reload_share=options.guarded_reload_share)
 
 
 def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,

@@ -20,6 +20,14 @@ last); the allocator places the bytes.
 Resident blocks (weights and KV-store blocks that stay on the device for every pass) are placed at fixed offsets at
 the bottom of the arena as `input at device` and never freed or evicted.
 
+A weight block read only by tasks guarded by one element of one guard block (a mixture of
+experts' expert, run only where the router chose it) whose guard is expected on in at most
+`guarded_reload_share` of the passes is reloaded *guarded*: only where that element is nonzero,
+so an expert nobody chose crosses no link. Such a reload waits for the guard's writers (it
+depends on the router's apply and reads its block), so the allocation horizon does not reserve
+it before the execution horizon has passed them: a guarded expert is fetched when chosen, never
+ahead of its layer. Where the guard's block has no device instance then, the reload is plain.
+
 Tasks placed on the host (`LowerOptions.on_host`) take no device memory: at the execution horizon
 each becomes an apply on host copies, after an offload of every block it reads that has no
 current host copy; the block it writes then has a host copy only, which a device task reloads
@@ -36,11 +44,17 @@ from einpage.compiler.allocator import Allocation, Allocator, aligned
 from einpage.compiler.policies import Candidate, Group, Policy
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.memgraph import (ALIGNMENT, Access, ApplyNode, FreeNode, InputNode, MemGraph,
-                                 OffloadNode, OutputRef, ReloadNode, TensorInfo)
+                                 OffloadNode, OutputRef, ReloadGuard, ReloadNode, TensorInfo)
 from einpage.ir.ops import op_text
-from einpage.ir.taskgraph import TaskGraph
+from einpage.ir.taskgraph import TaskGraph, reload_guards
 from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.units import format_size
+
+
+#: A reload is guarded where its readers' guard is on in at most this share of the passes: it
+#: waits for the router, so it is never prefetched ahead of its layer; where most experts run
+#: anyway, the prefetch is worth more than the bytes a guard might save.
+GUARDED_RELOAD_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,7 @@ class LowerOptions:
     lookahead_seconds: float | None = None       # cap on predicted compute ahead of execution
     task_seconds: tuple[float, ...] = ()         # predicted seconds of each task, by task id
     on_host: frozenset[int] = frozenset()        # tasks that run on the host (placement)
+    guarded_reload_share: float = GUARDED_RELOAD_SHARE  # guard reloads whose guard's share is at most
     progress: object = None                      # callable(done_tasks, total_tasks) or None
 
 
@@ -87,6 +102,12 @@ class _Lowering:
         outputs = {o.block for o in tg.outputs}
         self.blocks = [BlockState(aligned(blk.bytes), uses[blk.id], blk.id in outputs)
                        for blk in tg.blocks]
+        self.e = 0  # the execution horizon (`run`)
+        self.guard_of = reload_guards(tg, opt.guarded_reload_share)
+        # guard block -> the position of its last writer (a guarded reload comes after it)
+        position = {tid: p for p, tid in enumerate(order)}
+        self.guard_ready = {g: max(position[w] for w in tg.writers[g])
+                            for g, _, _ in self.guard_of.values()}
         self.pending: dict[int, Allocation] = {}
         self.live: set[int] = set()  # blocks with a device instance (or reservation), not resident
         groups = opt.policy.groups(tg, order)
@@ -181,6 +202,9 @@ class _Lowering:
         host = t.id in self.opt.on_host
         if not host and any(self.host_pending.get(b) for b in t.reads):
             return None  # its host writers have not run (a == e never gets here: they came first)
+        if not host and any(b in self.guard_of and blocks[b].offset is None
+                            and self.guard_ready[self.guard_of[b][0]] >= self.e for b in t.reads):
+            return None  # a guarded reload waits for its guard's writers (a == e: they ran)
         for b in (*t.reads, t.write):
             blocks[b].pins += 1
         need = self._needs(p, own=not host)
@@ -209,10 +233,30 @@ class _Lowering:
                 deps = {st.host_node, *a.deps}
                 if st.last_free is not None:  # its previous instance ends first
                     deps.add(st.last_free)
-                nid = self.emit(ReloadNode(self._next_id(), b, a.offset, tuple(sorted(deps))))
+                guard = self._reload_guard(b)
+                if guard is not None:
+                    deps.add(blocks[guard.access.tensor].last_writer)
+                nid = self.emit(ReloadNode(self._next_id(), b, a.offset, tuple(sorted(deps)),
+                                           guard=guard))
+                if guard is not None:  # it reads the guard's instance
+                    gs = blocks[guard.access.tensor]
+                    gs.accesses.append(nid)
+                    gs.since_write.append(nid)
                 self._created(b, a.offset, nid)
             st.last_touch = p
         return sum(a.size for _, a in got)
+
+    def _reload_guard(self, b: int) -> ReloadGuard | None:
+        """The guard of block `b`'s reload now: its readers' guard where that guard's writers
+        have all run and its block has a current device instance; None: a plain reload."""
+        if b not in self.guard_of:
+            return None
+        g, index, share = self.guard_of[b]
+        gs = self.blocks[g]
+        if (self.guard_ready[g] >= self.e or gs.offset is None or g in self.pending
+                or g in self.host_pending):
+            return None
+        return ReloadGuard(Access(g, gs.offset), index, share)
 
     def _candidates(self) -> list[tuple[int, int, int | None]]:
         """Arena items by offset: (start, end, block or None for free bytes)."""
@@ -445,6 +489,7 @@ class _Lowering:
                     continue
             self.execute(e)
             e += 1
+            self.e = e
             if opt.progress is not None and e % step == 0:
                 opt.progress(e, self.n)
         return self.finish()

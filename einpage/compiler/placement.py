@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from einpage.ir.taskgraph import TaskGraph
+from einpage.compiler.lowering import GUARDED_RELOAD_SHARE
+from einpage.ir.taskgraph import TaskGraph, reload_guards
 
 #: the candidate sets of blocks kept in host memory, by name (`host_blocks`)
 KINDS = ("kv", "experts", "kv+experts")
@@ -76,21 +77,35 @@ SHARE_STEPS = (1.0,)
 
 
 def balanced_shares(tg: TaskGraph, kept: frozenset[int], on_host: frozenset[int],
-                    seconds: Sequence[float], profile) -> list[float]:
+                    seconds: Sequence[float], profile,
+                    resident: frozenset[int] = frozenset(),
+                    guarded: float = GUARDED_RELOAD_SHARE) -> list[float]:
     """Shares of `kept` (blocks the device must otherwise stream) to keep in host memory so
-    that the host computes while the link copies the rest: where the host takes H seconds for
-    the tasks of all of them (`on_host`, `place_on_host` of them, priced `seconds`) and the
-    link L to copy them, a share f keeps the host busy f H and the link (1 - f) L, equal at
-    f = L / (H + L). That share and its neighbours (`SHARE_STEPS`), each below 1 (all of them
-    is a candidate of its own); none where nothing is kept or there is no host to balance."""
+    that the host computes while the link copies the rest. Where the host takes H seconds for
+    the tasks of all of them (`on_host`, `place_on_host` of them, priced `seconds`), the link L
+    to copy them all and Lr to copy those the device-only plan keeps resident (`resident`), a
+    share f keeps the host busy f H and the link (1 - f) L - Lr, equal at f = (L - Lr) /
+    (H + L); the device-only plan's resident set overstates what a placed plan keeps of `kept`
+    (it searches its own), so the balance lies between that share and L / (H + L): both ends
+    and the middle are tried, each with its neighbours (`SHARE_STEPS`), each below 1 (all of
+    them is a candidate of its own). The link counts a block the lowering reloads under a
+    guard (an expert copied only when chosen: on in at most `guarded` of the passes) at its
+    expected share, as H counts a guarded task. None where nothing is kept or there is no host
+    to balance."""
     if not kept or profile.host is None:
         return []
     host = sum(seconds[t] for t in on_host)
-    link = sum(tg.blocks[b].bytes for b in kept) / profile.h2d_bandwidth
-    if host <= 0 or link <= 0:
+    shares = {b: key[2] for b, key in reload_guards(tg, guarded).items()}
+
+    def link(blocks) -> float:
+        return sum(tg.blocks[b].bytes * shares.get(b, 1.0) for b in blocks) / profile.h2d_bandwidth
+
+    every = link(kept)
+    if host <= 0 or every <= 0:
         return []
-    f = link / (host + link)
-    return sorted({round(f * k, 3) for k in SHARE_STEPS if 0 < f * k < 1})
+    low, high = max(0.0, every - link(kept & resident)) / (host + every), every / (host + every)
+    return sorted(r for r in {round(f * k, 3) for f in {low, (low + high) / 2, high}
+                              for k in SHARE_STEPS} if 0 < r < 1)
 
 
 def share_of(tg: TaskGraph, blocks: frozenset[int], share: float) -> frozenset[int]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from einpage.compiler.allocator import aligned
-from einpage.ir.taskgraph import TaskGraph
+from einpage.ir.taskgraph import TaskGraph, reload_guards
 from einpage.ir.tensors import PERSISTENT_ROLES
 
 
@@ -93,9 +93,26 @@ def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int) -> int:
     that is not resident streams at least once per pass; a block of A(p) that is not on the device
     at p must come back before its last use. The device holds at most `device_bytes` at p, so the
     resident bytes are at most `device_bytes - (A(p) - spilled)`, and the bytes copied in are at
-    least `(P - resident) + spilled >= P + A(p) - device_bytes`, at the p where A peaks."""
-    produced = produced_peak(tg, order, outputs_stay=False, size=int)
-    return max(0, streamed_bytes(tg) + produced - device_bytes)
+    least `(P - resident) + spilled >= P + A(p) - device_bytes`, at the p where A peaks.
+
+    A block whose reloads may be guarded (`taskgraph.reload_guards`: an expert's weights, copied
+    only where the router chose it) crosses at its share s <= 1 in expectation, so a byte kept
+    resident saves at most s, and a byte spilled to make room at most 1: the expected bytes are
+    at least the shares' sum less the room `device_bytes - A(p)` filled with the highest shares
+    first (a fractional knapsack; with every share 1 the bound above)."""
+    room = max(0, device_bytes - produced_peak(tg, order, outputs_stay=False, size=int))
+    shares = {b: key[2] for b, key in reload_guards(tg).items()}
+    read = {b for t in tg.tasks for b in t.reads}
+    blocks = sorted(((shares.get(b.id, 1.0), b.bytes) for b in tg.input_blocks
+                     if b.role in PERSISTENT_ROLES and b.id in read), reverse=True)
+    total = sum(s * n for s, n in blocks)
+    saved = 0.0
+    for s, n in blocks:
+        take = min(n, room)
+        saved, room = saved + s * take, room - take
+        if room <= 0:
+            break
+    return max(0, round(total - saved))
 
 
 def streamed_bytes(tg: TaskGraph, resident: frozenset[int] = frozenset()) -> int:

@@ -6,7 +6,8 @@ its block, each apply its task, and a version 2 file records that graph with its
 
 Node kinds: `input` (at host, at disk, or at device with an offset), `read` (disk -> a staging
 buffer at `host_offset` of the host arena), `reload` (host -> device; from the staging buffer at
-`host_offset` when it has one), `offload` (device -> host; the device copy stays live), `free`
+`host_offset` when it has one; a *guarded* reload, version 2, only where an element of a guard
+block on the device is nonzero), `offload` (device -> host; the device copy stays live), `free`
 (ends a device instance), `apply` (a block op: reads, one write, optionally accumulating; on the
 device, or `on: "host"`: it reads and writes host copies, named by tensor, with no offsets).
 `nodes` is one valid sequential order; the edges alone must make every topological order correct
@@ -77,12 +78,26 @@ class InputNode:
 
 
 @dataclass(frozen=True, slots=True)
+class ReloadGuard:
+    """A reload done only where element `index` (flat, C order) of the guard block's instance
+    `access` is nonzero: a mixture-of-experts weight block loaded only when the router chose its
+    expert (the guard of every apply that reads the instance, whose guard reads the same version
+    of that block; the validator's rule 11). Skipped, it moves no byte and the instance holds
+    garbage no apply reads. `share`: the expected fraction of passes it is on (its readers'),
+    which prediction prices the copy at."""
+    access: Access
+    index: int
+    share: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class ReloadNode:
     id: int
     tensor: int
     offset: int
     deps: tuple[int, ...]
     host_offset: int | None = None  # from the staging buffer a `read` filled; None: host copy
+    guard: ReloadGuard | None = None
     kind = "reload"
 
 
@@ -172,6 +187,8 @@ def _check_place(mg: "MemGraph", n: ApplyNode) -> None:
 def _tensor_ids(n: MemNode) -> list:
     if isinstance(n, ApplyNode):
         return [a.tensor for a in (*n.reads, n.write, *n.frees)]
+    if isinstance(n, ReloadNode) and n.guard is not None:
+        return [n.tensor, n.guard.access.tensor]
     return [n.tensor]
 
 
@@ -404,7 +421,8 @@ class MemGraph:
         if not proven and any(t.storage is not None for t in self.tensors):
             raise PlanError("a plan with storage formats is written as version 2, which "
                             "carries the plan's graph; this plan has none")
-        if not proven and any(isinstance(n, ApplyNode) and n.guard for n in self.nodes):
+        if not proven and any(isinstance(n, (ApplyNode, ReloadNode)) and n.guard
+                              for n in self.nodes):
             raise PlanError("a plan with guarded applies is written as version 2, which "
                             "carries the plan's graph; this plan has none")
         return {
@@ -597,7 +615,7 @@ def _refuse_unbuilt(data: dict) -> None:
         what = "several ranks (rank, world)"
     else:
         for n in nodes:
-            if isinstance(n, dict) and "guard" in n:
+            if isinstance(n, dict) and "guard" in n and n.get("kind") != "reload":
                 raise PlanError(f"node {n.get('id')!r}: an apply names no guard of its own; a "
                                 "guarded apply's op is a guarded op (its task's)")
             if isinstance(n, dict) and n.get("kind") in ("send", "recv"):
@@ -675,6 +693,10 @@ def _node_json(n: MemNode, proven: bool) -> dict:
         out.update(tensor=n.tensor, offset=n.offset)
         if isinstance(n, ReloadNode) and n.host_offset is not None:
             out["host_offset"] = n.host_offset
+        if isinstance(n, ReloadNode) and n.guard is not None:
+            g = n.guard
+            out["guard"] = {"tensor": g.access.tensor, "offset": g.access.offset,
+                            "index": g.index, "share": g.share}
     out["deps"] = list(n.deps)
     return out
 
@@ -709,8 +731,18 @@ def _node_from(d: dict, graph: TaskGraph | None) -> MemNode:
     if kind == "read":
         return ReadNode(nid, int(d["tensor"]), int(d["host_offset"]), deps)
     if kind == "reload":
+        guard = d.get("guard")
+        if guard is not None:
+            if graph is None:
+                raise PlanError("a version 1 plan cannot guard a reload (guards came with "
+                                "version 2)")
+            share = float(guard["share"])
+            if not 0 < share <= 1:
+                raise ValueError(f"a reload's guard has share {share}, expected one in (0, 1]")
+            guard = ReloadGuard(Access(int(guard["tensor"]), int(guard["offset"])),
+                                json_int(guard["index"]), share)
         return ReloadNode(nid, int(d["tensor"]), int(d["offset"]), deps,
-                          _opt_int(d.get("host_offset")))
+                          _opt_int(d.get("host_offset")), guard)
     cls = {"offload": OffloadNode, "free": FreeNode}.get(kind)
     if cls is None:
         raise ValueError(f"unknown node kind {kind!r}")
@@ -725,9 +757,12 @@ def format_node(mg: MemGraph, n: MemNode) -> str:
         return f"%{n.id} = input %t{n.tensor} at {n.at}{where}{deps}"
     if isinstance(n, ReadNode):
         return f"%{n.id} = read %t{n.tensor} -> host @0x{n.host_offset:08x}{deps}"
-    if isinstance(n, ReloadNode) and n.host_offset is not None:
-        return (f"%{n.id} = reload %t{n.tensor} host @0x{n.host_offset:08x} -> "
-                f"@0x{n.offset:08x}{deps}")
+    if isinstance(n, ReloadNode) and (n.host_offset is not None or n.guard is not None):
+        src = f" host @0x{n.host_offset:08x} ->" if n.host_offset is not None else ""
+        g = n.guard
+        when = (f" if %t{g.access.tensor}@0x{g.access.offset:08x}[{g.index}]"
+                if g is not None else "")
+        return f"%{n.id} = reload %t{n.tensor}{src} @0x{n.offset:08x}{when}{deps}"
     if isinstance(n, ApplyNode):
         def at(a: Access) -> str:
             return f"%t{a.tensor}@0x{a.offset:08x}" if a.offset is not None else f"%t{a.tensor}"

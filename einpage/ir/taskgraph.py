@@ -12,7 +12,7 @@ from functools import cached_property
 
 from einpage.errors import GraphError
 from einpage.ir.dtypes import DType
-from einpage.ir.ops import BlockOp, op_text
+from einpage.ir.ops import BlockOp, GuardedOp, op_text
 from einpage.ir.storage import Storage, tensor_bytes
 from einpage.ir.tensors import LogicalTensor, Source
 
@@ -135,6 +135,25 @@ class TaskGraph:
             lines.append(f"task {t.id}: {op_text(t.op)}({args}) ->{acc} %b{w.id} "
                          f"{w.dtype}[{','.join(map(str, w.shape))}] {w.name}")
         return "\n".join(lines)
+
+
+def reload_guards(tg: TaskGraph, most: float = 1.0
+                  ) -> dict[int, tuple[int, int, float]]:
+    """{weight block: (guard block, index, share)} for the blocks whose reloads may be guarded:
+    an input block no task writes, every task that reads it guarded by the same element of the
+    same block (one written in the pass), expected on in at most `most` of the passes."""
+    guard_of: dict[int, tuple[int, int, float] | None] = {}
+    for t in tg.tasks:
+        mine = {b for b in t.reads if tg.blocks[b].role == "weight" and not tg.writers[b]}
+        if not mine:
+            continue
+        op = t.op
+        key = ((t.reads[-1], op.index, op.share) if isinstance(op, GuardedOp)
+               and op.share <= most and t.reads[-1] not in mine and tg.writers[t.reads[-1]]
+               else None)
+        for b in mine:
+            guard_of[b] = key if guard_of.get(b, key) == key else None
+    return {b: key for b, key in guard_of.items() if key is not None}
 
 
 def prune_dead(tg: TaskGraph) -> TaskGraph:

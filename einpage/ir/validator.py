@@ -59,6 +59,15 @@ Invariants:
     node that replaces a host copy with a newer version (an offload, a host write): every
     reader of the copy it replaces (a reload, a host apply) is its ancestor.
 
+11. Guarded reloads (version 2): a `reload` with a `guard` copies only where element `index` of
+    the guard's instance is nonzero, so the instance it creates holds garbage where the guard is
+    off. The guard names a live instance at exactly its offset, whose writers are ancestors
+    (rule 3: it is read like an apply read, so its free and later writes wait for the reload);
+    `index` lies inside that tensor and `share` in (0, 1]. Every apply that reads the guarded
+    instance, or accumulates into it, is guarded by the same element of the same version of the
+    guard tensor, at the same share (it is skipped exactly when the copy was); no `offload`
+    reads it, and it is no output at the end.
+
 With 10, every write of a tensor, every reload and every offload of it are totally ordered by
 the edges (by 3, 4, 6 and 8 on the device side), so its versions, and the host copy each reload
 or host apply reads, are the same in every topological order.
@@ -158,7 +167,7 @@ def vouch(mg: MemGraph, report: ValidationReport) -> None:
 class _Instance:
     """One device copy of a tensor while the checker replays the node order."""
     __slots__ = ("serial", "tensor", "offset", "nbytes", "creator", "last_writer", "readers",
-                 "ender")
+                 "ender", "guard")
 
     def __init__(self, serial: int, tensor: int, offset: int, nbytes: int, creator: int):
         self.serial = serial
@@ -169,6 +178,8 @@ class _Instance:
         self.last_writer = creator
         self.readers: list[int] = []  # reads and offloads since the last writer
         self.ender: int | None = None
+        #: made by a guarded reload: (guard tensor, its version then, index, share) (rule 11)
+        self.guard: tuple[int, int, int, float] | None = None
 
 
 class _Ancestry:
@@ -540,7 +551,8 @@ class _Checker:
 
     def _reload(self, node: ReloadNode) -> None:
         t = self._tensor(node, node.tensor)
-        self._create(node, t, node.offset)
+        guard = self._reload_guard(node) if node.guard is not None else None
+        self._create(node, t, node.offset).guard = guard
         if node.host_offset is not None:
             self._reload_staged(node, t)
             return
@@ -548,6 +560,40 @@ class _Checker:
         self.host_readers.setdefault(t, []).append(node.id)
         self.traffic["reload"][0] += 1
         self.traffic["reload"][1] += self.tensors[t].bytes
+
+    def _reload_guard(self, node: ReloadNode) -> tuple[int, int, int, float]:
+        """Rule 11 at a guarded reload: its guard is read like an apply read."""
+        g = node.guard
+        a = g.access
+        gt = self._tensor(node, a.tensor)
+        inst = self._live(node, gt, a.offset, "guards its reload by")
+        self._check_written(node, inst, "guards its reload by")
+        size = 1
+        for s in self.tensors[gt].shape:
+            size *= s
+        if not isinstance(g.index, int) or not 0 <= g.index < size:
+            self._fail(node, f"guards its reload by element {g.index!r} of {self._name(gt)}, "
+                             f"which has {size} elements")
+        if not (isinstance(g.share, float) and 0 < g.share <= 1):
+            self._fail(node, f"guard share {g.share!r} is not in (0, 1]")
+        inst.readers.append(node.id)
+        return gt, self.version.get(gt, 0), g.index, g.share
+
+    def _check_guarded(self, node: ApplyNode, inst: _Instance, verb: str) -> None:
+        """Rule 11 at an apply: an instance a guarded reload made is touched only under the
+        same guard (the same element of the same version of the guard tensor)."""
+        gt, version, index, share = inst.guard
+        g = node.guard
+        same = (g is not None and node.reads[-1].tensor == gt and g.index == index
+                and g.share == share and self.version.get(gt, 0) == version)
+        if not same:
+            why = ("is not guarded" if g is None else
+                   f"is guarded by element {g.index} of {self._name(node.reads[-1].tensor)}"
+                   f" (version {self.version.get(node.reads[-1].tensor, 0)}, share {g.share})")
+            self._fail(node, f"{verb} {self._name(inst.tensor)} {_at(inst.offset)}, which "
+                             f"{self._kind(inst.creator)} reloaded only where element {index} "
+                             f"of {self._name(gt)} (version {version}) is nonzero (share "
+                             f"{share}), but it {why}")
 
     def _reload_staged(self, node: ReloadNode, t: int) -> None:
         """Rule 9 for a reload from a staging buffer: it consumes the buffer."""
@@ -570,6 +616,10 @@ class _Checker:
         t = self._tensor(node, node.tensor)
         inst = self._live(node, t, node.offset, "offloads")
         self._check_written(node, inst, "offloads")
+        if inst.guard is not None:
+            self._fail(node, f"offloads {self._name(t)} {_at(inst.offset)}, which "
+                             f"{self._kind(inst.creator)} reloaded under a guard (its bytes "
+                             "are garbage where the guard is off)")
         inst.readers.append(node.id)
         self._host_copy(node, t)
         self.traffic["offload"][0] += 1
@@ -589,6 +639,8 @@ class _Checker:
         for a in node.reads:
             inst = self._live(node, self._tensor(node, a.tensor), a.offset, "reads")
             self._check_written(node, inst, "reads")
+            if inst.guard is not None:
+                self._check_guarded(node, inst, "reads")
             read.append(inst)
         w = self._tensor(node, node.write.tensor)
         self._offset(node, w, node.write.offset)
@@ -596,6 +648,8 @@ class _Checker:
         if node.accumulate:
             target = self._live(node, w, node.write.offset, "accumulates into")
             self._check_after_uses(node, target, "accumulates into")
+            if target.guard is not None:
+                self._check_guarded(node, target, "accumulates into")
         for a in node.frees:
             inst = self._live(node, self._tensor(node, a.tensor), a.offset, "frees")
             if inst is target:
@@ -664,6 +718,10 @@ class _Checker:
                     raise PlanError(f"{where}: expected at {o.offset!r}, but its instance at the "
                                     f"end is at {_at(inst.offset)} (created by "
                                     f"{self._kind(inst.creator)})")
+                if inst.guard is not None:
+                    raise PlanError(f"{where}: its instance at the end was reloaded under a "
+                                    f"guard by {self._kind(inst.creator)} (garbage where the "
+                                    "guard is off)")
             elif o.at == "host":
                 host = self.host_nodes.get(t)
                 if host is None:

@@ -5,12 +5,14 @@ runs `reload` nodes, the device->host copy engine runs `offload` nodes, the disk
 `read` nodes (disk -> host staging) and the host's CPU runs the applies placed on the host
 (priced on the profile's host, `einpage.predict.hosts`), each in the order of the node list (CUDA streams are FIFO and the runtime enqueues nodes in that order). A node starts when
 every dependency has finished and its engine is free; `input` and `free` nodes take no time (they
-finish when their dependencies do). Durations come from `einpage.predict.cost`.
+finish when their dependencies do). Durations come from `einpage.predict.cost`; a guarded reload (`ReloadGuard`)
+takes its expected share of its bytes' time, as a guarded apply its share of its op's.
 
 The lower bound for the same graph is `max(compute, host compute, min h2d bytes / h2d bandwidth,
 d2h bytes / d2h bandwidth, min disk bytes / disk bandwidth)`, where the minimum host->device bytes count each
 tensor that starts on the host (or the disk) and is needed on the device once (a weight block
-that does not stay resident, the token ids), and the minimum disk bytes each tensor at disk that
+that does not stay resident, the token ids; a block whose every reload is guarded at its
+expected share), and the minimum disk bytes each tensor at disk that
 is read, once.
 Efficiency is lower bound / makespan.
 """
@@ -79,7 +81,7 @@ def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
                                apply_seconds(profile, n.op, reads, w, n.accumulate))
             out.append(priced[key])
         elif n.kind == "reload":
-            out.append(h2d_seconds(profile, tensors[n.tensor].bytes))
+            out.append(h2d_seconds(profile, moved_bytes(mg, n)))
         elif n.kind == "offload":
             out.append(d2h_seconds(profile, tensors[n.tensor].bytes))
         elif n.kind == "read":
@@ -89,12 +91,23 @@ def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
     return out
 
 
+def moved_bytes(mg: MemGraph, n) -> float:
+    """The bytes transfer node `n` is expected to move: a guarded reload its share of them."""
+    nbytes = mg.tensors[n.tensor].bytes
+    guard = getattr(n, "guard", None)
+    return nbytes * guard.share if guard is not None and n.kind == "reload" else nbytes
+
+
 def min_h2d_bytes(mg: MemGraph) -> int:
     """Bytes that must cross host->device once per pass: every tensor that starts on the host
-    and is reloaded at least once, counted once."""
+    and is reloaded at least once, counted once; one whose every reload is guarded at its
+    expected share (a pass copies it only where its guard is on)."""
     at_host = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at in ("host", "disk")}
-    reloaded = {n.tensor for n in mg.nodes if n.kind == "reload"}
-    return sum(mg.tensors[t].bytes for t in at_host & reloaded)
+    least: dict[int, float] = {}
+    for n in mg.nodes:
+        if n.kind == "reload" and n.tensor in at_host:
+            least[n.tensor] = max(least.get(n.tensor, 0.0), moved_bytes(mg, n))
+    return round(sum(least.values()))
 
 
 def min_disk_bytes(mg: MemGraph) -> int:
@@ -137,7 +150,7 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
                     stall_h2d += wait
                     late.add(last)
         elif eng == "h2d":
-            h2d_bytes += mg.tensors[n.tensor].bytes
+            h2d_bytes += moved_bytes(mg, n)
         elif eng == "d2h":
             d2h_bytes += mg.tensors[n.tensor].bytes
         elif eng == "disk":
@@ -152,5 +165,5 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
                 d2h_bytes / profile.d2h_bandwidth, disk_min / profile.disk_bandwidth)
     return Simulation(profile.name, tuple(start), tuple(end), tuple(engine), makespan,
                       busy["compute"], busy["h2d"], busy["d2h"], stall, stall_h2d, len(late),
-                      h2d_bytes, h2d_min,
+                      round(h2d_bytes), h2d_min,
                       d2h_bytes, lower, busy["disk"], disk_bytes, disk_min, busy["host"])

@@ -11,7 +11,7 @@ import numpy as np
 
 from einpage.errors import PlanError
 from einpage.ir import scalar
-from einpage.ir.memgraph import Access, ApplyNode, TensorInfo
+from einpage.ir.memgraph import Access, ApplyNode, ReloadNode, TensorInfo
 from einpage.ir.ops import BlockOp, Box, CopyOp, EinsumOp, FillOp, GatherOp, op_text, unguarded
 from einpage.ir.quant import dequantize
 from einpage.ir.stored import Layout, layout
@@ -81,6 +81,13 @@ def stored_layout(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[n
                               for t, r in zip(infos, reads)),
                   tuple(r.dtype for r in reads), tuple(t.storage for t in infos),
                   tuple(t.dtype.numpy for t in infos))
+
+
+def guard_on(view: Callable[[int, int], np.ndarray], n: ReloadNode) -> bool:
+    """Whether guarded reload `n` copies: its guard element, read from the instance `view`
+    (tensor, offset) returns."""
+    g = n.guard
+    return bool(view(g.access.tensor, g.access.offset).flat[g.index])
 
 
 def _guarded(n: ApplyNode, reads: Sequence[np.ndarray], write: np.ndarray,

@@ -22,7 +22,7 @@ from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGrap
                                  OutputRef, ReadNode, ReloadNode)
 from einpage.ir.tensors import WeightSource
 from einpage.ir.validator import checked
-from einpage.runtime.blockops import apply_into, host_apply_into
+from einpage.runtime.blockops import apply_into, guard_on, host_apply_into
 from einpage.runtime.planio import PlanIO, arena_view, stored, typed_view
 
 #: The byte freed (and not yet written) arena bytes hold with `poison_freed`: NaN in f16, bf16,
@@ -141,6 +141,14 @@ class NumpyExecutor:
         self._staged(n.tensor, n.host_offset)[...] = self.io.source_block(n.tensor)
 
     def _reload(self, n: ReloadNode) -> None:
+        if n.guard is not None and not guard_on(self._view, n):
+            # skipped: it moves no byte (its staging buffer is consumed all the same); poisoned,
+            # the instance shows any reader the validator should have refused
+            if self.poison_freed:
+                self._view(n.tensor, n.offset).view(np.uint8)[...] = POISON
+                if n.host_offset is not None:
+                    self._staged(n.tensor, n.host_offset).view(np.uint8)[...] = POISON
+            return
         if n.host_offset is not None:  # from its staging buffer, which it consumes
             self._view(n.tensor, n.offset)[...] = self._staged(n.tensor, n.host_offset)
             if self.poison_freed:

@@ -38,7 +38,7 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 
 from einpage.errors import EinpageError, ExecutionError, Interrupted
-from einpage.ir.memgraph import InputNode, MemGraph, MemNode
+from einpage.ir.memgraph import InputNode, MemGraph, MemNode, ReloadNode
 from einpage.ir.tensors import WeightSource
 from einpage.ir.validator import checked
 from einpage.runtime.backends.base import Backend
@@ -203,7 +203,7 @@ class StreamSession:
             stamps = self._crew.run(timed)
         self._finish()
         wall = time.perf_counter() - t0
-        spans = _spans(mg, backend, origin, stamps) if timed else ()
+        spans = _spans(mg, backend, origin, stamps, self._crew.skipped) if timed else ()
         load_bytes = (sum(mg.tensors[mg.nodes[i].tensor].bytes for i in self.program.preloaded)
                       if load_s is not None else 0)
         outputs = self.io.results(backend.output)
@@ -251,14 +251,17 @@ def _store_blocks(mg: MemGraph) -> dict[str, list[tuple[int, tuple, tuple, int |
 
 
 def _spans(mg: MemGraph, backend: Backend, origin: Any,
-           stamps: dict[str, list[tuple[int, Any, Any]]]) -> tuple[Span, ...]:
-    """Every timed node of a pass, from its queue's stamps, in order of start. Time zero is the
-    origin stamped on the compute queue, or the earliest start before it: the queues are not
-    ordered after the origin, so a copy queue may begin a hair earlier."""
+           stamps: dict[str, list[tuple[int, Any, Any]]],
+           skipped: set[int] = frozenset()) -> tuple[Span, ...]:
+    """Every timed node of a pass, from its queue's stamps, in order of start (a guarded reload
+    `skipped` moved no byte). Time zero is the origin stamped on the compute queue, or the
+    earliest start before it: the queues are not ordered after the origin, so a copy queue may
+    begin a hair earlier."""
     spans = []
     for q, marks in stamps.items():
         for nid, a, b in marks:
-            nbytes = mg.tensors[mg.nodes[nid].tensor].bytes if q in _COPIES else 0
+            nbytes = (mg.tensors[mg.nodes[nid].tensor].bytes
+                      if q in _COPIES and nid not in skipped else 0)
             spans.append(Span(nid, q, backend.seconds(origin, a), backend.seconds(origin, b),
                               nbytes))
     early = min((s.start for s in spans), default=0.0)
@@ -342,7 +345,16 @@ class _Crew:
         self.queues = tuple(q for q in QUEUES if any(s.queue == q for s in program.steps)
                             or (q == "h2d" and program.preloaded))
         self.steps = _queue_steps(mg, program, self.queues)
-        issue = {"compute": backend.run, "h2d": backend.copy_h2d, "d2h": backend.copy_d2h,
+        #: the guarded reloads skipped this pass (their guard was off: no byte moved)
+        self.skipped: set[int] = set()
+        copy_h2d = backend.copy_h2d
+        if any(isinstance(n, ReloadNode) and n.guard is not None for n in mg.nodes):
+            def copy_h2d(n, copy=backend.copy_h2d, on=backend.guard_on, skipped=self.skipped):
+                if isinstance(n, ReloadNode) and n.guard is not None and not on(n):
+                    skipped.add(n.id)
+                else:
+                    copy(n)
+        issue = {"compute": backend.run, "h2d": copy_h2d, "d2h": backend.copy_d2h,
                  "disk": backend.read_disk, "host": backend.run_host}
         self.issue = tuple(issue[q] for q in self.queues)
         self.preloaded = tuple(_Step(mg.nodes[n], (), False) for n in program.preloaded)
@@ -372,6 +384,7 @@ class _Crew:
     def run(self, timing: bool) -> dict[str, list[tuple[int, Any, Any]]]:
         """One pass; with `timing`, each queue's (node, stamp before, stamp after)."""
         self.board.reset()
+        self.skipped.clear()
         stamps = {q: [] for q in self.queues}
         busy = [k for k, steps in enumerate(self.steps) if steps]  # h2d may only preload
         for k in busy:

@@ -52,6 +52,12 @@ class Backend(ABC):
         staging buffer (a reload with a `host_offset`, filled by a `read`) or its source (a
         weight block from the checkpoint, an activation input)."""
 
+    def guard_on(self, n: ReloadNode) -> bool:
+        """Whether guarded reload `n` copies: element `n.guard.index` of its guard block's
+        instance is nonzero. Called on the h2d queue, after `wait` on the guard's writers; a
+        reload it turns off is not issued (it moves no byte)."""
+        raise NotImplementedError(f"the {self.name} backend runs no guarded reload")
+
     @abstractmethod
     def copy_d2h(self, n: OffloadNode) -> None:
         """Issue a copy of an instance into the tensor's host buffer."""

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from einpage.errors import PlanError
-from einpage.ir.memgraph import ApplyNode
+from einpage.ir.memgraph import Access, ApplyNode, ReloadNode
 from einpage.runtime.backends import cublas_lib
 from einpage.runtime.backends.apply_plan import CopyApply, KernelApply, MatmulApply
 from einpage.runtime.backends.cuda_source import (DEVICE_DTYPE, NVRTC_OPTIONS, ElementwiseSource,
@@ -98,16 +98,25 @@ class DeviceApplies:
         """Whether a guarded apply's guard element is nonzero: its guard block, copied to the
         host once per pass (a guard block is written once per pass and read only when
         complete), which waits for the compute stream's work before it."""
-        read = n.reads[-1]
-        values = self._guards.get(read.tensor)
+        return bool(self._guard_values(n.reads[-1], "compute").flat[n.guard.index])
+
+    def guard_on(self, n: ReloadNode) -> bool:
+        """Whether guarded reload `n` copies: its guard block copied to the host on the h2d
+        stream, which has waited for the guard's writers (the same values a guarded apply
+        reads: the validator's rule 11 gives both the same version of the block)."""
+        return bool(self._guard_values(n.guard.access, "h2d").flat[n.guard.index])
+
+    def _guard_values(self, access: Access, queue: str) -> np.ndarray:
+        """Guard block `access` on the host, copied once per pass on `queue`'s stream."""
+        values = self._guards.get(access.tensor)
         if values is None:
-            src, nbytes = self._instance(read.tensor, read.offset)
-            t = self.mg.tensors[read.tensor]
+            src, nbytes = self._instance(access.tensor, access.offset)
+            t = self.mg.tensors[access.tensor]
             values = np.empty(tuple(t.shape), DEVICE_DTYPE[t.dtype.value])
             # into pageable memory: returns once the copy is complete
-            src.copy_to_host_async(values.ctypes.data, nbytes, self._streams["compute"])
-            self._guards[read.tensor] = values
-        return bool(values.flat[n.guard.index])
+            src.copy_to_host_async(values.ctypes.data, nbytes, self._streams[queue])
+            self._guards[access.tensor] = values
+        return values
 
     def _unpack(self, plan, n: ApplyNode) -> dict[int, Any]:
         """Dequantize the plan's packed reads, each into the next workspace slot: their

@@ -34,6 +34,9 @@ class Wrapped(Backend):
         self._before("h2d")
         self.inner.copy_h2d(n)
 
+    def guard_on(self, n) -> bool:
+        return self.inner.guard_on(n)
+
     def copy_d2h(self, n) -> None:
         self._before("d2h")
         self.inner.copy_d2h(n)

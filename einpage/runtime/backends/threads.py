@@ -18,7 +18,7 @@ from einpage.ir.memgraph import (ApplyNode, InputNode, MemGraph, OffloadNode, Ou
                                  ReloadNode)
 from einpage.runtime.backends.base import (Backend, HostLayout, aligned_empty, host_apply,
                                            host_layout, host_view, staging_view)
-from einpage.runtime.blockops import apply_into
+from einpage.runtime.blockops import apply_into, guard_on
 from einpage.runtime.diskread import DiskReader
 from einpage.runtime.planio import PlanIO, arena_view
 
@@ -63,6 +63,9 @@ class ThreadsBackend(Backend):
             np.copyto(out, host_view(self.host, self.mg, self.layout, n.tensor))
         else:
             self.io.read_into(n.tensor, out)
+
+    def guard_on(self, n: ReloadNode) -> bool:
+        return guard_on(self._view, n)
 
     def copy_d2h(self, n: OffloadNode) -> None:
         np.copyto(host_view(self.host, self.mg, self.layout, n.tensor),
