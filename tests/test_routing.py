@@ -442,3 +442,21 @@ def test_no_reload_is_guarded_where_most_experts_run(hf_fixture):
     mg = lower(tg, memory_aware_order(tg), LowerOptions(cfg.weight_bytes() // 4,
                                                         get_policy("reuse-distance")))
     assert mg.count("reload") and not _guarded_reloads(mg)
+
+
+def test_the_report_counts_the_guarded_reloads(streamed_experts):
+    from einpage.cli.report import report_lines
+    from einpage.compiler.report import PlanReport
+    from einpage.predict import simulate
+    *_, mg, _ = streamed_experts
+    report = PlanReport.of_plan(mg, validate(mg), simulate(mg, get_device("h100-pcie")))
+    guarded = _guarded_reloads(mg)
+    raw = sum(mg.tensors[n.tensor].bytes for n in guarded)
+    r = report.routing
+    assert (r.reloads, r.reload_bytes) == (len(guarded), raw)
+    assert r.expected_reload_bytes == round(sum(mg.tensors[n.tensor].bytes * n.guard.share
+                                                for n in guarded)) < raw
+    line = next(x for x in report_lines(report) if "routing:" in x)
+    assert f"{len(guarded)} reloads" in line and "only when it is picked" in line
+    data = report.to_json()
+    assert data["guarded_reloads"] == len(guarded) and data["guarded_reload_bytes"] == raw

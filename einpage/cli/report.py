@@ -65,8 +65,10 @@ def routing_sentence(g) -> str:
     share = (f"{g.share_min:.3f}" if g.share_min == g.share_max
              else f"{g.share_min:.3f} to {g.share_max:.3f}")
     where = f", {g.on_host} of them on the host" if g.on_host else ""
+    copies = (f"; {g.reloads} reloads ({_gb(g.reload_bytes)}) copy an expert only when it is "
+              f"picked: {_gb(g.expected_reload_bytes)} expected" if g.reloads else "")
     return (f"routing: {g.applies} guarded applies{where} (experts, each run only where the "
-            f"router picks it), priced at the expected share {share} of a pass: the "
+            f"router picks it){copies}, priced at the expected share {share} of a pass: the "
             "predicted time is an expectation; a pass whose tokens pick more experts takes "
             "longer")
 

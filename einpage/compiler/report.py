@@ -128,11 +128,16 @@ class ProblemBound:
 class Routing:
     """A plan's guarded applies (`einpage.ir.ops.GuardedOp`: a mixture-of-experts task run only
     where the router chose its expert): how many, how many on the host, and the least and the
-    largest expected share they are priced at. The predicted pass is then an expectation."""
+    largest expected share they are priced at; and its guarded reloads (an expert copied only
+    when chosen): how many, their bytes, and the bytes expected per pass. The predicted pass is
+    then an expectation."""
     applies: int
     on_host: int
     share_min: float
     share_max: float
+    reloads: int = 0
+    reload_bytes: int = 0
+    expected_reload_bytes: int = 0
 
     @staticmethod
     def of(mg: MemGraph) -> "Routing | None":
@@ -140,8 +145,11 @@ class Routing:
         if not guarded:
             return None
         shares = [n.guard.share for n in guarded]
+        copies = [(mg.tensors[n.tensor].bytes, n.guard.share) for n in mg.nodes
+                  if n.kind == "reload" and n.guard is not None]
         return Routing(len(guarded), sum(1 for n in guarded if n.on_host), min(shares),
-                       max(shares))
+                       max(shares), len(copies), sum(b for b, _ in copies),
+                       round(sum(b * s for b, s in copies)))
 
 
 @dataclass(frozen=True)
@@ -266,6 +274,9 @@ class PlanReport:
         out.update(guarded_applies=r.applies if r else 0,
                    guarded_host_applies=r.on_host if r else 0,
                    guarded_share_min=r.share_min if r else None,
-                   guarded_share_max=r.share_max if r else None)
+                   guarded_share_max=r.share_max if r else None,
+                   guarded_reloads=r.reloads if r else 0,
+                   guarded_reload_bytes=r.reload_bytes if r else 0,
+                   guarded_reload_expected_bytes=r.expected_reload_bytes if r else 0)
         out.update(self.notes)
         return out
