@@ -9,7 +9,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from einpage.compiler import Allocator, aligned
+from einpage.compiler import Allocator, aligned, allocator
 
 ARENA = 24 * 256
 
@@ -55,6 +55,22 @@ ops = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free", "free", "rol
 @settings(max_examples=500, deadline=None)
 @given(ops)
 def test_allocator_matches_the_model(script):
+    _check(script)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ops)
+def test_the_search_by_threshold_matches_the_model(script):
+    """The array search `allocate` takes over many free segments, taken at every count."""
+    many = allocator.MANY_SEGMENTS
+    allocator.MANY_SEGMENTS = 0
+    try:
+        _check(script)
+    finally:
+        allocator.MANY_SEGMENTS = many
+
+
+def _check(script) -> None:
     alloc, model = Allocator(256, ARENA), Model(256, ARENA)
     live: list = []
     stamp = 0

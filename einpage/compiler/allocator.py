@@ -16,7 +16,14 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from einpage.ir.memgraph import ALIGNMENT
+
+
+#: Beyond this many free segments `allocate` searches by threshold over arrays
+#: (`Allocator._allocate_many`), below it with a sliding window in Python
+MANY_SEGMENTS = 512
 
 
 def aligned(n: int, alignment: int = ALIGNMENT) -> int:
@@ -67,6 +74,11 @@ class Allocator:
             return None
         lo, stamp = self._lo, self._stamp
         n = len(lo)
+        if n > MANY_SEGMENTS:  # the windows to slide: the segments of the runs that fit
+            fit = sum(bisect.bisect_left(lo, b) - bisect.bisect_left(lo, a)
+                      for a, b in zip(self._run_lo, self._run_hi) if b - a >= size)
+            if fit > MANY_SEGMENTS:
+                return self._allocate_many(size)
         best_key, best_at = None, -1
         largest = 0
         for run_lo, run_hi in zip(self._run_lo, self._run_hi):
@@ -103,6 +115,36 @@ class Allocator:
             self._max_run = largest  # taking bytes only shrinks runs; a free updates this
             return None
         return self.take(best_at, size)
+
+    def _allocate_many(self, size: int) -> Allocation | None:
+        """`allocate` over many segments, in array passes: each candidate window (a segment
+        start whose `size` bytes stay inside its run) covers segments [s, m); its newest stamp
+        is a range maximum, answered from a sparse table of the stamps (the maxima of every
+        power-of-two span, O(n log n) to build, two lookups a query). The least key at the
+        lowest offset is the first minimum in address order: the sliding window's choice."""
+        lo = np.array(self._lo, dtype=np.int64)
+        stamp = np.array(self._stamp, dtype=np.float64)  # None (never used) -> nan -> -1
+        stamp[np.isnan(stamp)] = -1
+        run_lo = np.array(self._run_lo, dtype=np.int64)
+        run_hi = np.array(self._run_hi, dtype=np.int64)
+        run = np.searchsorted(run_lo, lo, side="right") - 1  # the run of each segment
+        end = lo + size
+        ok = end <= run_hi[run]
+        if not ok.any():
+            self._max_run = int((run_hi - run_lo).max())  # a free updates this
+            return None
+        starts = np.flatnonzero(ok)
+        stop = np.searchsorted(lo, end[starts], side="left")  # window of start s: [s, stop)
+        span = stop - starts
+        levels = int(span.max()).bit_length()  # spans 2^k for k < levels
+        table = np.full((levels, len(stamp)), -1.0)  # row k: the newest of [i, i + 2^k)
+        table[0] = stamp
+        for k in range(1, levels):
+            half = 1 << (k - 1)
+            np.maximum(table[k - 1, :-half], table[k - 1, half:], out=table[k, :-half])
+        k = np.log2(span).astype(np.int64)  # exact for spans below 2^53
+        newest = np.maximum(table[k, starts], table[k, stop - (1 << k)])
+        return self.take(int(lo[starts[int(np.argmin(newest))]]), size)
 
     def allocate_lowest(self, size: int) -> Allocation | None:
         """Place `size` bytes at the lowest offset where they fit (first fit, stamps ignored):
