@@ -419,10 +419,11 @@ def test_guarded_reloads_round_trip_and_need_version_2(streamed_experts):
     again = MemGraph.from_json(data)
     assert _guarded_reloads(again) == _guarded_reloads(mg)
     validate(again)
-    bad = json.loads(json.dumps(data))
-    next(d for d in bad["nodes"] if "guard" in d)["guard"]["share"] = 1.5
-    with pytest.raises((PlanError, ValueError)):
-        MemGraph.from_json(bad)
+    for key, value in (("share", 1.5), ("offset", 256.5), ("tensor", "3"), ("index", None)):
+        bad = json.loads(json.dumps(data))
+        next(d for d in bad["nodes"] if "guard" in d)["guard"][key] = value
+        with pytest.raises((PlanError, ValueError, TypeError)):
+            MemGraph.from_json(bad)
     with pytest.raises(PlanError, match="version 2"):
         dataclasses.replace(mg, graph=None).to_json()
 
@@ -460,3 +461,28 @@ def test_the_report_counts_the_guarded_reloads(streamed_experts):
     assert f"{len(guarded)} reloads" in line and "only when it is picked" in line
     data = report.to_json()
     assert data["guarded_reloads"] == len(guarded) and data["guarded_reload_bytes"] == raw
+
+
+def test_a_plan_with_a_guarded_reload_is_never_captured(fake_cupy):
+    from types import SimpleNamespace
+    from einpage.ir.memgraph import Access, ReloadGuard, ReloadNode
+    backend = CupyBackend()
+    guard = ReloadGuard(Access(1, 0), 0, 0.25)
+    backend.mg = SimpleNamespace(nodes=[ReloadNode(0, 0, 256, (), None, guard)])
+    assert not backend.can_capture()
+    backend.mg = SimpleNamespace(nodes=[ReloadNode(0, 0, 256, ())])
+    assert backend.can_capture()
+
+
+def test_the_room_search_bounds_a_step_by_its_expected_bytes(streamed_experts):
+    """The search's per-set bound prices a guarded expert at its share, as the simulator does
+    (at full bytes it exceeded plans that exist and stopped the search early)."""
+    from einpage.compiler.lowering import GUARDED_RELOAD_SHARE
+    from einpage.compiler.resident import streamed_bytes
+    from einpage.ir.taskgraph import reload_guards
+    *_, tg, mg, _ = streamed_experts
+    guarded = reload_guards(tg, GUARDED_RELOAD_SHARE)
+    raw = sum(tg.blocks[b].bytes for b in guarded)
+    expected = sum(tg.blocks[b].bytes * key[2] for b, key in guarded.items())
+    assert streamed_bytes(tg) - streamed_bytes(tg, guarded=GUARDED_RELOAD_SHARE) \
+        == pytest.approx(raw - expected, abs=1)

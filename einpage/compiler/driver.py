@@ -423,9 +423,10 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
 
     def bound(at: float) -> float:
         """No plan of `at`'s set beats its compute or the link time of the persistent bytes
-        it leaves off the device."""
+        it leaves off the device (an expert copied only when chosen at its expected share)."""
         return max(sum(seconds),
-                   streamed_bytes(tg, paced_set(at)) / trials.profile.h2d_bandwidth)
+                   streamed_bytes(tg, paced_set(at), options.guarded_reload_share)
+                   / trials.profile.h2d_bandwidth)
 
     first = trials.run(residency.blocks, windows[0])
     if coarser is not None:

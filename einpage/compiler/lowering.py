@@ -254,7 +254,7 @@ class _Lowering:
         g, index, share = self.guard_of[b]
         gs = self.blocks[g]
         if (self.guard_ready[g] >= self.e or gs.offset is None or g in self.pending
-                or g in self.host_pending):
+                or self.host_pending.get(g)):
             return None
         return ReloadGuard(Access(g, gs.offset), index, share)
 

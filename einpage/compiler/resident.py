@@ -88,39 +88,86 @@ def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int) -> int:
     """The fewest bytes that any plan of this taskgraph and order must copy host->device per pass
     under `device_bytes`, whatever its policy and resident choice (raw bytes; a lower bound).
 
-    Let P be the persistent blocks (weights, KV) some task reads and A(p) the produced blocks live
-    at position p (first to last touch, outputs leaving after their last use). A persistent block
-    that is not resident streams at least once per pass; a block of A(p) that is not on the device
-    at p must come back before its last use. The device holds at most `device_bytes` at p, so the
-    resident bytes are at most `device_bytes - (A(p) - spilled)`, and the bytes copied in are at
-    least `(P - resident) + spilled >= P + A(p) - device_bytes`, at the p where A peaks.
+    Fix a position p of the order. Let A(p) be the produced blocks live at p (first to last
+    touch, outputs leaving after their last use) and P the persistent blocks (weights, KV) some
+    task reads. Count what each byte costs in copies against where it is while task p runs
+    (the device holds at most `device_bytes` then):
+
+    - a byte of A(p) not on the device at p was spilled and comes back before its last use: 1;
+    - a persistent byte not resident streams at least once per pass: 1, unless it is on the
+      device at p, either resident (0) or held there between two of its uses;
+    - a persistent byte *spanning* p (read by tasks before p and after p, written by none) that
+      is not on the device at p streams twice, once for the reads on each side: 2; held at p, 1; resident, 0.
+
+    So the copies are at least `sum(value * bytes)` over every byte, less what the bytes on the
+    device at p save: at most 1 per byte of A(p) or of a non-spanning block, 2 per byte of a
+    spanning one, `device_bytes` bytes in all. The fractional knapsack (the highest savings
+    first) gives the bound. With nothing spanning p it is `P + A(p) - device_bytes` (the bound
+    this had before); a table read at both ends of a pass (tied embeddings: the gather, then the
+    logits) adds what of it exceeds the budget, which must cross twice.
 
     A block whose reloads may be guarded (`taskgraph.reload_guards`: an expert's weights, copied
-    only where the router chose it) crosses at its share s <= 1 in expectation, so a byte kept
-    resident saves at most s, and a byte spilled to make room at most 1: the expected bytes are
-    at least the shares' sum less the room `device_bytes - A(p)` filled with the highest shares
-    first (a fractional knapsack; with every share 1 the bound above)."""
-    room = max(0, device_bytes - produced_peak(tg, order, outputs_stay=False, size=int))
+    only where the router chose it) crosses at its share s <= 1 in expectation: its values and
+    savings are s and 2s. The bound is the largest over two positions: where A peaks, and where
+    A plus the spanning bytes peak."""
+    n = len(order)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for p, tid in enumerate(order):
+        t = tg.tasks[tid]
+        for b in (*t.reads, t.write):
+            first.setdefault(b, p)
+            last[b] = p
     shares = {b: key[2] for b, key in reload_guards(tg).items()}
-    read = {b for t in tg.tasks for b in t.reads}
-    blocks = sorted(((shares.get(b.id, 1.0), b.bytes) for b in tg.input_blocks
-                     if b.role in PERSISTENT_ROLES and b.id in read), reverse=True)
-    total = sum(s * n for s, n in blocks)
-    saved = 0.0
-    for s, n in blocks:
-        take = min(n, room)
-        saved, room = saved + s * take, room - take
-        if room <= 0:
-            break
-    return max(0, round(total - saved))
+    persistent = [(b.id, b.bytes, shares.get(b.id, 1.0)) for b in tg.input_blocks
+                  if b.role in PERSISTENT_ROLES and b.id in first]
+    live = [0] * (n + 1)   # produced bytes live at p
+    span = [0.0] * (n + 1)  # expected bytes of the persistent blocks spanning p
+    for b, p in first.items():
+        blk = tg.blocks[b]
+        if blk.source is None:
+            live[p] += blk.bytes
+            live[last[b] + 1] -= blk.bytes
+    spanning = [(b, nbytes, share) for b, nbytes, share in persistent
+                if not tg.writers[b] and last[b] - first[b] >= 2]  # (a write may need no copy)
+    for b, nbytes, share in spanning:
+            span[first[b] + 1] += share * nbytes
+            span[last[b]] -= share * nbytes
+    for p in range(1, n + 1):
+        live[p] += live[p - 1]
+        span[p] += span[p - 1]
+    if n == 0:
+        return 0
+    positions = {max(range(n), key=lambda p: live[p]),
+                 max(range(n), key=lambda p: live[p] + span[p])}
+    bound = 0.0
+    for p in sorted(positions):
+        items = [(1.0, live[p])]
+        across = {b for b, _, _ in spanning if first[b] < p < last[b]}
+        for b, nbytes, share in persistent:
+            items.append((share * (2 if b in across else 1), nbytes))
+        total = sum(v * nb for v, nb in items)
+        room, saved = device_bytes, 0.0
+        for v, nb in sorted(items, reverse=True):
+            take = min(nb, room)
+            saved, room = saved + v * take, room - take
+            if room <= 0:
+                break
+        bound = max(bound, total - saved)
+    return max(0, round(bound))
 
 
-def streamed_bytes(tg: TaskGraph, resident: frozenset[int] = frozenset()) -> int:
+def streamed_bytes(tg: TaskGraph, resident: frozenset[int] = frozenset(),
+                   guarded: float = 0.0) -> int:
     """The raw bytes of the persistent blocks that some task reads and `resident` leaves off the
-    device: each crosses the link at least once per pass."""
+    device: each crosses the link at least once per pass; with `guarded` > 0, the expected
+    bytes: a block whose reload the lowering guards (`taskgraph.reload_guards`: on in at most
+    `guarded` of the passes) at its share."""
     read = {b for t in tg.tasks for b in t.reads}
-    return sum(b.bytes for b in tg.input_blocks
-               if b.role in PERSISTENT_ROLES and b.id in read and b.id not in resident)
+    shares = ({b: key[2] for b, key in reload_guards(tg, guarded).items()} if guarded > 0
+              else {})
+    return round(sum(b.bytes * shares.get(b.id, 1.0) for b in tg.input_blocks
+                     if b.role in PERSISTENT_ROLES and b.id in read and b.id not in resident))
 
 
 def memory_lower_bound(tg: TaskGraph, resident: frozenset[int]) -> int:

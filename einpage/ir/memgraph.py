@@ -739,7 +739,7 @@ def _node_from(d: dict, graph: TaskGraph | None) -> MemNode:
             share = float(guard["share"])
             if not 0 < share <= 1:
                 raise ValueError(f"a reload's guard has share {share}, expected one in (0, 1]")
-            guard = ReloadGuard(Access(int(guard["tensor"]), int(guard["offset"])),
+            guard = ReloadGuard(Access(json_int(guard["tensor"]), json_int(guard["offset"])),
                                 json_int(guard["index"]), share)
         return ReloadNode(nid, int(d["tensor"]), int(d["offset"]), deps,
                           _opt_int(d.get("host_offset")), guard)

@@ -469,9 +469,11 @@ class CupyBackend(DeviceApplies, Backend):
     # ------------------------------------------------------------------ CUDA graphs
     def can_capture(self) -> bool:
         """A pass with no host work in it (no disk reads, no applies on the host) and no
-        guards (a branch on data) replays as one CUDA graph."""
+        guards (a branch on data: a guarded apply or reload) replays as one CUDA graph."""
         return not any(isinstance(n, ReadNode) or (isinstance(n, ApplyNode) and (
-            n.on_host or n.guard is not None)) for n in self.mg.nodes)
+            n.on_host or n.guard is not None)) or (isinstance(n, ReloadNode)
+                                                    and n.guard is not None)
+            for n in self.mg.nodes)
 
     def begin_capture(self) -> None:
         """The compute stream captures; the copy streams join it by waiting on its first
