@@ -15,7 +15,10 @@ from einpage.compiler.lowering import LowerOptions, lower
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.policies import get_policy
-from einpage.compiler.resident import min_stream_bytes, produced_peak
+from einpage.compiler.resident import least_disk_bytes, min_stream_bytes, produced_peak
+from einpage.compiler.tiers import place_tiers
+from einpage.predict import simulate
+from einpage.predict.devices import get_device
 from einpage.errors import BudgetError
 from einpage.ir import GraphBuilder
 from einpage.ir.tensors import PERSISTENT_ROLES
@@ -93,3 +96,47 @@ def test_no_plan_copies_less_than_the_bound(make, block):
     assert lowered > 100
     if make is _tied:
         assert tighter  # the table, larger than the budget, crosses twice: the bound says so
+
+
+def _prefill_like(width: int = 16, seq: int = 8, layers: int = 3):
+    """Layers that each write a cache-like output (a prefill's KV rows) beside the result."""
+    g = GraphBuilder()
+    x = g.input("x", (seq, width))
+    for k in range(layers):
+        x = g.einsum("sm,nm->sn", x, g.input(f"w{k}", (width, width), role="weight"))
+        g.output(f"kv{k}", g.einsum("sm,nm->sn", x, g.input(f"k{k}", (width, width),
+                                                              role="weight")))
+    g.output("y", x)
+    return g.build()
+
+
+def test_no_plan_reads_less_from_disk_than_the_bound():
+    """Every resident set, at device and host budgets where the outputs crowd the host: the
+    disk tier of each lowered plan reads at least what the device and the host cannot hold."""
+    profile = get_device("h100-pcie")
+    tg = partition(_prefill_like(128, 32, layers=2), PartitionOptions(1 << 16))
+    persistent = [b.id for b in tg.input_blocks if b.role in PERSISTENT_ROLES]
+    weights = sum(tg.blocks[b].bytes for b in persistent)
+    outputs = sum(tg.blocks[o.block].bytes for o in tg.outputs)
+    assert 4 <= len(persistent) <= 8 and outputs
+    order = memory_aware_order(tg)
+    checked = binding = 0
+    for device in (weights // 3, weights // 2):
+        for host in (weights // 2, weights // 2 + outputs, weights):
+            least = least_disk_bytes(tg, device, host)
+            stream_term = max(0, min_stream_bytes(tg, order, device) - host)
+            binding += least > stream_term
+            for k in range(len(persistent) + 1):
+                for kept in itertools.combinations(persistent, k):
+                    try:
+                        mg = lower(tg, order, LowerOptions(
+                            device, get_policy("reuse-distance"), resident=frozenset(kept),
+                            outputs_to_host=True))
+                        tiered = place_tiers(mg, simulate(mg, profile), host, profile)
+                    except BudgetError:
+                        continue
+                    checked += 1
+                    read = sum(tiered.memgraph.tensors[n.tensor].bytes
+                               for n in tiered.memgraph.nodes if n.kind == "read")
+                    assert read >= least, (device, host, kept)
+    assert checked > 20 and binding  # the outputs' term raised the bound somewhere

@@ -21,7 +21,7 @@ from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.policies import Policy, Residency, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
-from einpage.compiler.resident import (PassNeeds, everything_fits,
+from einpage.compiler.resident import (PassNeeds, everything_fits, least_disk_bytes,
                                        memory_lower_bound, min_stream_bytes, paced_resident,
                                        pass_needs, persistent_blocks, streamed_bytes,
                                        weights_first, working_set)
@@ -140,6 +140,7 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     meta = {"policy": options.policy, "device": trials.profile.name, "lookahead": figures.lookahead,
             "tasks": figures.tasks, "resident_bytes": figures.resident_bytes,
             "min_stream_bytes": figures.min_stream_bytes,
+            "min_disk_bytes": figures.min_disk_bytes,
             "weight_bytes": figures.weight_bytes, "kv_bytes": figures.kv_bytes,
             "kv_resident_bytes": figures.kv_resident_bytes, **tiered.choice.to_json(),
             **options.workload}
@@ -494,7 +495,8 @@ def _figures(planned: _Planned, best: search.Trial, rungs: list[_Rung],
         tasks_per_second=round(len(tg.tasks) / elapsed, 1) if elapsed > 0 else None,
         lookahead=lookahead(best.window), lookahead_makespan_s=best.simulation.makespan_s,
         default_lookahead_makespan_s=default_makespan,
-        trials=summaries, weight_formats=_weight_formats(tg))
+        trials=summaries, weight_formats=_weight_formats(tg),
+        min_disk_bytes=least_disk_bytes(tg, options.device_bytes, options.host_bytes))
 
 
 def _weight_formats(tg: TaskGraph) -> tuple[tuple[str, int], ...]:

@@ -90,6 +90,8 @@ class CompileFigures:
     trials: tuple[TrialSummary, ...] = ()
     #: bytes of the weights per storage format, largest first (() where none is quantized)
     weight_formats: tuple[tuple[str, int], ...] = ()
+    #: what no plan can avoid reading from disk at these budgets (`resident.least_disk_bytes`)
+    min_disk_bytes: int = 0
 
     @property
     def min_budget_bytes(self) -> int:
@@ -117,8 +119,12 @@ class ProblemBound:
 
     @staticmethod
     def of(compute_s: float, stream_bytes: int, profile,
-           host_bytes: int | None = None) -> "ProblemBound":
-        disk = max(0, stream_bytes - host_bytes) if isinstance(host_bytes, int) else 0
+           host_bytes: int | None = None, least_disk: int = 0) -> "ProblemBound":
+        """`least_disk`: the bytes no plan can hold on the device and the host together (their
+        outputs counted, `resident.least_disk_bytes`), which the disk supplies whatever the
+        link does."""
+        disk = (max(0, stream_bytes - host_bytes, least_disk) if isinstance(host_bytes, int)
+                else 0)
         disk_bw = getattr(profile, "disk_bandwidth", None)
         return ProblemBound(compute_s, stream_bytes, stream_bytes / profile.h2d_bandwidth,
                             disk, disk / disk_bw if disk and disk_bw else 0.0)
@@ -185,7 +191,9 @@ class PlanReport:
         tokens = mg.meta.get("tokens")
         stream = compiled.min_stream_bytes if compiled else mg.meta.get("min_stream_bytes")
         compute = compiled.min_compute_s if compiled else simulation.compute_s
-        bound = (ProblemBound.of(compute, stream, profile, mg.meta.get("host_bytes"))
+        disk = compiled.min_disk_bytes if compiled else mg.meta.get("min_disk_bytes", 0)
+        bound = (ProblemBound.of(compute, stream, profile, mg.meta.get("host_bytes"),
+                                 disk if isinstance(disk, int) else 0)
                  if isinstance(stream, int) and profile is not None else None)
         return PlanReport(mg.device_bytes, len(mg.nodes), len(mg.tensors),
                           valid.peak_bytes if valid else mg.high_water(),
