@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import random
 
-import numpy as np
 import pytest
 
 from einpage.compiler.lowering import LowerOptions, lower
@@ -66,6 +65,19 @@ def _orders(tg, count: int, seed: int = 0):
     return [list(o) for o in sorted(out)]
 
 
+def _every_plan(tg, order, budget: int, persistent):
+    """(resident set, plan) for every set of the persistent blocks the lowering can keep
+    resident at `budget` (those it cannot are skipped)."""
+    for k in range(len(persistent) + 1):
+        for kept in itertools.combinations(persistent, k):
+            try:
+                yield kept, lower(tg, order, LowerOptions(
+                    budget, get_policy("reuse-distance"), resident=frozenset(kept),
+                    outputs_to_host=True))
+            except BudgetError:
+                continue
+
+
 def _copied(mg) -> int:
     return sum(mg.tensors[n.tensor].bytes for n in mg.nodes if n.kind == "reload")
 
@@ -83,16 +95,9 @@ def test_no_plan_copies_less_than_the_bound(make, block):
             bound = min_stream_bytes(tg, order, budget)
             # the bound this replaced: every persistent byte once, beside the activations' peak
             tighter += bound > max(0, weights + peak - budget)
-            for k in range(len(persistent) + 1):
-                for kept in itertools.combinations(persistent, k):
-                    try:
-                        mg = lower(tg, order, LowerOptions(
-                            budget, get_policy("reuse-distance"), resident=frozenset(kept),
-                            outputs_to_host=True))
-                    except BudgetError:
-                        continue
-                    lowered += 1
-                    assert _copied(mg) >= bound, (order, budget, kept)
+            for kept, mg in _every_plan(tg, order, budget, persistent):
+                lowered += 1
+                assert _copied(mg) >= bound, (order, budget, kept)
     assert lowered > 100
     if make is _tied:
         assert tighter  # the table, larger than the budget, crosses twice: the bound says so
@@ -126,17 +131,13 @@ def test_no_plan_reads_less_from_disk_than_the_bound():
             least = least_disk_bytes(tg, device, host)
             stream_term = max(0, min_stream_bytes(tg, order, device) - host)
             binding += least > stream_term
-            for k in range(len(persistent) + 1):
-                for kept in itertools.combinations(persistent, k):
-                    try:
-                        mg = lower(tg, order, LowerOptions(
-                            device, get_policy("reuse-distance"), resident=frozenset(kept),
-                            outputs_to_host=True))
-                        tiered = place_tiers(mg, simulate(mg, profile), host, profile)
-                    except BudgetError:
-                        continue
-                    checked += 1
-                    read = sum(tiered.memgraph.tensors[n.tensor].bytes
-                               for n in tiered.memgraph.nodes if n.kind == "read")
-                    assert read >= least, (device, host, kept)
+            for kept, mg in _every_plan(tg, order, device, persistent):
+                try:
+                    tiered = place_tiers(mg, simulate(mg, profile), host, profile)
+                except BudgetError:
+                    continue
+                checked += 1
+                read = sum(tiered.memgraph.tensors[n.tensor].bytes
+                           for n in tiered.memgraph.nodes if n.kind == "read")
+                assert read >= least, (device, host, kept)
     assert checked > 20 and binding  # the outputs' term raised the bound somewhere
