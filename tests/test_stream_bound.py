@@ -128,7 +128,7 @@ def test_no_plan_reads_less_from_disk_than_the_bound():
     checked = binding = 0
     for device in (weights // 3, weights // 2):
         for host in (weights // 2, weights // 2 + outputs, weights):
-            least = least_disk_bytes(tg, device, host)
+            least = least_disk_bytes(tg, order, device, host)
             stream_term = max(0, min_stream_bytes(tg, order, device) - host)
             binding += least > stream_term
             for kept, mg in _every_plan(tg, order, device, persistent):

@@ -496,7 +496,8 @@ def _figures(planned: _Planned, best: search.Trial, rungs: list[_Rung],
         lookahead=lookahead(best.window), lookahead_makespan_s=best.simulation.makespan_s,
         default_lookahead_makespan_s=default_makespan,
         trials=summaries, weight_formats=_weight_formats(tg),
-        min_disk_bytes=least_disk_bytes(tg, options.device_bytes, options.host_bytes))
+        min_disk_bytes=least_disk_bytes(tg, list(trials.order), options.device_bytes,
+                                        options.host_bytes))
 
 
 def _weight_formats(tg: TaskGraph) -> tuple[tuple[str, int], ...]:

@@ -157,25 +157,43 @@ def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int) -> int:
     return max(0, round(bound))
 
 
-def least_disk_bytes(tg: TaskGraph, device_bytes: int, host_bytes: int | None) -> int:
-    """The fewest bytes any plan of this taskgraph must read from disk per pass with
+def least_disk_bytes(tg: TaskGraph, order: list[int], device_bytes: int,
+                     host_bytes: int | None) -> int:
+    """The fewest bytes any plan of this taskgraph and order must read from disk per pass with
     `device_bytes` on the device and `host_bytes` of host memory (None: unlimited, 0).
 
     A persistent byte some task reads (a weight, the KV store) that is not read from disk in a
-    pass is held from one pass to the next: resident on the device or pinned in host memory,
-    at every moment, the end of the pass included. At the end every output the pass produced
-    (the logits, the KV rows a prefill writes) lies on the device or on the host too. So held
-    persistent bytes + outputs <= device + host, and the disk supplies at least
-    `P + O - device_bytes - host_bytes`. (The stream bound's disk term, the bytes that must
-    cross the link less the host budget, ignores the outputs: a prefill writing 1 GB of KV rows
-    to the host holds 1 GB fewer weights there.)"""
+    pass is held from one pass to the next: resident on the device or pinned in host memory, at
+    every moment of the pass. At position p of the order, so is every produced block live at p
+    (touched before and after: on the device, or spilled to the host) and every output finished
+    before p (the logits, the KV rows a prefill writes: they are the pass's results, kept to
+    its end). So held persistent bytes + L(p) <= device + host at every p, and the disk supplies
+    at least `P + max_p L(p) - device_bytes - host_bytes`. (The stream bound's disk term, the
+    bytes that must cross the link less the host budget, ignores the outputs: a prefill writing
+    1 GB of KV rows to the host holds 1 GB fewer weights there.)"""
     if host_bytes is None:
         return 0
     read = {b for t in tg.tasks for b in t.reads}
     held = sum(b.bytes for b in tg.input_blocks if b.role in PERSISTENT_ROLES and b.id in read)
-    outputs = sum(tg.blocks[b].bytes for b in {o.block for o in tg.outputs}
-                  if tg.blocks[b].source is None)
-    return max(0, held + outputs - device_bytes - host_bytes)
+    outputs = {o.block for o in tg.outputs}
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for p, tid in enumerate(order):
+        t = tg.tasks[tid]
+        for b in (*t.reads, t.write):
+            first.setdefault(b, p)
+            last[b] = p
+    delta = [0] * (len(order) + 2)
+    for b, p in first.items():
+        if tg.blocks[b].source is None:  # produced: live from p, and an output to the end
+            delta[p] += tg.blocks[b].bytes
+            if b not in outputs:
+                delta[last[b] + 1] -= tg.blocks[b].bytes
+    most = live = 0
+    for d in delta:
+        live += d
+        most = max(most, live)
+    return max(0, held + most - device_bytes - host_bytes)
 
 
 def streamed_bytes(tg: TaskGraph, resident: frozenset[int] = frozenset(),
