@@ -38,18 +38,25 @@ class PassNeeds:
         return self.weight_bytes + self.kv_bytes
 
 
+def touches(tg: TaskGraph, order: list[int]) -> tuple[dict[int, int], dict[int, int]]:
+    """({block: the position of the first task touching it}, {block: of the last})."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for p, tid in enumerate(order):
+        t = tg.tasks[tid]
+        for b in (*t.reads, t.write):
+            first.setdefault(b, p)
+            last[b] = p
+    return first, last
+
+
 def produced_peak(tg: TaskGraph, order: list[int], outputs_stay: bool = True,
                   size: Callable[[int], int] = aligned) -> int:
     """The most bytes of produced blocks (activations, partial sums) live at once over the order,
     each live from the task that first touches it to the task that last does; with
     `outputs_stay=False` output blocks leave the device after their last use (written back to
     the host) instead of staying to the end. `size` maps a block's bytes (aligned by default)."""
-    first, last = {}, {}
-    for p, tid in enumerate(order):
-        t = tg.tasks[tid]
-        for b in (*t.reads, t.write):
-            first.setdefault(b, p)
-            last[b] = p
+    first, last = touches(tg, order)
     outputs = {o.block for o in tg.outputs} if outputs_stay else set()
     delta = [0] * (len(order) + 1)
     for b, p in first.items():
@@ -111,13 +118,7 @@ def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int) -> int:
     savings are s and 2s. The bound is the largest over two positions: where A peaks, and where
     A plus the spanning bytes peak."""
     n = len(order)
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for p, tid in enumerate(order):
-        t = tg.tasks[tid]
-        for b in (*t.reads, t.write):
-            first.setdefault(b, p)
-            last[b] = p
+    first, last = touches(tg, order)
     shares = {b: key[2] for b, key in reload_guards(tg).items()}
     persistent = [(b.id, b.bytes, shares.get(b.id, 1.0)) for b in tg.input_blocks
                   if b.role in PERSISTENT_ROLES and b.id in first]
@@ -176,13 +177,7 @@ def least_disk_bytes(tg: TaskGraph, order: list[int], device_bytes: int,
     read = {b for t in tg.tasks for b in t.reads}
     held = sum(b.bytes for b in tg.input_blocks if b.role in PERSISTENT_ROLES and b.id in read)
     outputs = {o.block for o in tg.outputs}
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for p, tid in enumerate(order):
-        t = tg.tasks[tid]
-        for b in (*t.reads, t.write):
-            first.setdefault(b, p)
-            last[b] = p
+    first, last = touches(tg, order)
     delta = [0] * (len(order) + 2)
     for b, p in first.items():
         if tg.blocks[b].source is None:  # produced: live from p, and an output to the end
