@@ -256,6 +256,11 @@ def test_host_attention_costs_the_kernels_rate_or_without_them_numpys_cast():
     assert host_apply_seconds(numpy, op, wide, out, False) < slow  # memory-bound instead
 
 
+#: a host that computes anything at once (a placement then pays wherever it moves work)
+_FAST_HOST = HostProfile("fast", 1e15, 1e15, 1e15, 1e15, 64, convert_rate=1e15,
+                         dequant_rate=1e15, apply_overhead=5e-6)
+
+
 def _profile(host: HostProfile):
     return dataclasses.replace(get_device("h100-pcie"), host=host)
 
@@ -359,8 +364,7 @@ def test_the_planner_also_tries_hosting_only_what_the_device_streams(hf_fixture,
         tried.append((len(kept & experts), len(experts)))
         return inner(tg, order, kept)
     monkeypatch.setattr(driver.placement, "place_on_host", spy)
-    host = HostProfile("fast", 1e15, 1e15, 1e15, 1e15, 64, convert_rate=1e15,
-                       dequant_rate=1e15, apply_overhead=5e-6)
+    host = _FAST_HOST
     # at half the weights the device-only plan keeps some experts resident (at a third it
     # streams them all: an expert copied only when chosen costs a quarter of its bytes)
     compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 2,
@@ -454,8 +458,7 @@ def test_placement_refines_a_candidate_with_what_its_own_plan_streams(hf_fixture
                                     for k in driver.placement.KINDS})
         return refine(tg, kept, resident)
     monkeypatch.setattr(driver.placement, "streamed_groups", spy_refine)
-    host = HostProfile("fast", 1e15, 1e15, 1e15, 1e15, 64, convert_rate=1e15,
-                       dequant_rate=1e15, apply_overhead=5e-6)
+    host = _FAST_HOST
     compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3,
                                                    device=_profile(host), host_compute=True))
     assert any(refined)  # asked what a placed plan streams of the rest: a refinement

@@ -30,7 +30,7 @@ from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
 from einpage.ir.memgraph import ALIGNMENT, MemGraph
-from einpage.ir.taskgraph import TaskGraph
+from einpage.ir.taskgraph import TaskGraph, reload_guards
 from einpage.predict.cost import task_seconds
 from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
 from einpage.predict.simulator import Simulation, simulate
@@ -405,7 +405,8 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
     set and that winner are tried instead of the search (a finer partition moves the optimum
     little, and each probe is a lowering). Returns what won."""
     tg, order = trials.tg, trials.order
-    windows = search.windows(options.auto_lookahead, options.lookahead_seconds, sum(seconds),
+    compute = sum(seconds)
+    windows = search.windows(options.auto_lookahead, options.lookahead_seconds, compute,
                              len(tg.tasks))
     budget = options.device_bytes
     shares: dict[frozenset, float] = {}  # a paced trial's resident set -> its room share
@@ -422,11 +423,12 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
         shares.setdefault(trial.resident, at)
         return trial
 
+    guarded = {b: key[2] for b, key in reload_guards(tg, options.guarded_reload_share).items()}
+
     def bound(at: float) -> float:
         """No plan of `at`'s set beats its compute or the link time of the persistent bytes
         it leaves off the device (an expert copied only when chosen at its expected share)."""
-        return max(sum(seconds),
-                   streamed_bytes(tg, paced_set(at), options.guarded_reload_share)
+        return max(compute, streamed_bytes(tg, paced_set(at), guarded)
                    / trials.profile.h2d_bandwidth)
 
     first = trials.run(residency.blocks, windows[0])

@@ -11,7 +11,8 @@ overlaps compute throughout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from types import MappingProxyType
+from typing import Callable, Mapping, Sequence
 
 from einpage.compiler.allocator import aligned
 from einpage.ir.taskgraph import TaskGraph, reload_guards
@@ -192,14 +193,11 @@ def least_disk_bytes(tg: TaskGraph, order: list[int], device_bytes: int,
 
 
 def streamed_bytes(tg: TaskGraph, resident: frozenset[int] = frozenset(),
-                   guarded: float = 0.0) -> int:
+                   shares: Mapping[int, float] = MappingProxyType({})) -> int:
     """The raw bytes of the persistent blocks that some task reads and `resident` leaves off the
-    device: each crosses the link at least once per pass; with `guarded` > 0, the expected
-    bytes: a block whose reload the lowering guards (`taskgraph.reload_guards`: on in at most
-    `guarded` of the passes) at its share."""
+    device: each crosses the link at least once per pass; with `shares`, the expected bytes: a
+    block whose reload the lowering guards at its share (`taskgraph.reload_guards`)."""
     read = {b for t in tg.tasks for b in t.reads}
-    shares = ({b: key[2] for b, key in reload_guards(tg, guarded).items()} if guarded > 0
-              else {})
     return round(sum(b.bytes * shares.get(b.id, 1.0) for b in tg.input_blocks
                      if b.role in PERSISTENT_ROLES and b.id in read and b.id not in resident))
 
