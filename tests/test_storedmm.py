@@ -124,6 +124,26 @@ def test_products_equal_numpys_path(fmt, rows, path):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("fmt", WRITABLE)
+@pytest.mark.parametrize("logical", [np.float16, BF16, np.float32], ids=["f16", "bf16", "f32"])
+def test_one_row_against_levels_looked_up_where_they_lie(fmt, logical, path):
+    """One row of x (decode at B=1): AVX-512 looks a 4-bit row's levels up from its nibbles
+    where they lie, reading x in the lanes' order, instead of decoding the row first."""
+    rng = np.random.default_rng(5)
+    n, k = 37, 384
+    storage = Storage(fmt, 1)
+    w = quantize(_awkward(n, k, seed=5) * 0.05, storage)
+    rounded = None if np.dtype(logical) == np.float32 else logical
+    dense = dequantize(w, storage, (n, k), np.float32, rounded=rounded)
+    op = _op("bsm,fm->bsf")
+    x = rng.standard_normal((1, 1, k)).astype(np.float16)
+    lay = _layout(op, x, w, storage, logical=logical, shape=(n, k))
+    got = storedmm.product(lay, [x, w])
+    want = np.einsum("bsm,fm->bsf", x.astype(np.float64), dense.astype(np.float64))
+    scale = np.abs(x.astype(np.float64)) @ np.abs(dense.astype(np.float64)).T
+    assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-30)
+
+
 @pytest.mark.parametrize("spec,x_shape,w_shape,w_first,factor", [
     ("bsm,ngrjm->bsngrj", (1, 2, 64), (2, 2, 3, 4, 64), False, 1.0),  # several free indices
     ("bsngrj,mngrj->bsm", (1, 2, 2, 2, 3, 8), (40, 2, 2, 3, 8), False, 1.0),  # several summed

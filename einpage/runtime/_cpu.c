@@ -8,7 +8,9 @@
  *   gemv     out[b, m, n] = sum_k x[b, m, k] * W_b[n, k] for rows n0 <= n < n1 of each of a
  *            batch of W's (rows at a byte stride, each batch at its own byte offset: a block
  *            of a KV store read per head): each row decoded a chunk at a time into a small
- *            float32 buffer (in L1) and dotted with the (few) rows of x.
+ *            float32 buffer (in L1) and dotted with the (few) rows of x; with one row of
+ *            x and AVX-512, a 4-bit row's levels are looked up from its nibbles where they lie
+ *            instead (dot_q4_avx512: decode at B=1, where the decoding binds).
  *   dequant  rows n0 <= n < n1 of W decoded into a float32 tile, for the BLAS to multiply
  *            (many rows of x: prefill), the tile sized by the caller to stay in cache.
  *
@@ -344,6 +346,20 @@ AVX512 static inline __m512 round16(__m512 v, int round)
     return v;
 }
 
+/* the 16 values a 4-bit group's nibbles stand for, d its scale (levels4's, 16 at once) */
+AVX512 static inline __m512 levels16(int fmt, const uint8_t *g, __m512 d, int round)
+{
+    const __m512 steps = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 lv;
+    if (fmt == F_Q4_0)
+        lv = _mm512_mul_ps(d, _mm512_sub_ps(steps, _mm512_set1_ps(8)));
+    else if (fmt == F_Q4_1)
+        lv = _mm512_add_ps(_mm512_mul_ps(d, steps), _mm512_set1_ps(scale_f16c(g + 2)));
+    else
+        lv = _mm512_mul_ps(_mm512_sub_ps(steps, _mm512_set1_ps((float)g[2])), d);
+    return round16(lv, round);
+}
+
 AVX512 static void decode_avx512(int fmt, const uint8_t *row, int64_t K, int round, float *out)
 {
     int64_t k = 0;
@@ -367,7 +383,6 @@ AVX512 static void decode_avx512(int fmt, const uint8_t *row, int64_t K, int rou
     }
     if (fmt == F_F32) { memcpy(out, row, (size_t)K * 4); return; }
     const int G = GROUP[fmt], GB = GROUP_BYTES[fmt];
-    const __m512 steps = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i low4 = _mm512_set1_epi32(15);
     for (int64_t g0 = 0; g0 < K; g0 += G, row += GB, out += G) {
         __m512 d = _mm512_set1_ps(scale_f16c(row));
@@ -378,14 +393,7 @@ AVX512 static void decode_avx512(int fmt, const uint8_t *row, int64_t K, int rou
             }
             continue;
         }
-        __m512 lv;
-        if (fmt == F_Q4_0)
-            lv = _mm512_mul_ps(d, _mm512_sub_ps(steps, _mm512_set1_ps(8)));
-        else if (fmt == F_Q4_1)
-            lv = _mm512_add_ps(_mm512_mul_ps(d, steps), _mm512_set1_ps(scale_f16c(row + 2)));
-        else
-            lv = _mm512_mul_ps(_mm512_sub_ps(steps, _mm512_set1_ps((float)row[2])), d);
-        lv = round16(lv, round);
+        __m512 lv = levels16(fmt, row, d, round);
         const uint8_t *qs = row + (GB - G / 2);
         for (int i = 0; i < G / 2; i += 16) {
             __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + i)));
@@ -441,6 +449,36 @@ AVX512 static void dot_avx512(const float *x, int64_t ldx, int64_t M, int64_t K,
     }
 }
 
+/* One row of x against one row of W in a 4-bit format, its nibbles looked up in the group's
+ * levels where they lie: a group's 16 bytes broadcast to the four 128-bit lanes and shifted by
+ * 8c (low nibbles) or 8c + 4 (high) leave, in lane 4c + j, the nibble of byte 4j + c in the
+ * low 4 bits the lookup reads. Decoding into a buffer spends a widening and two stores per 16
+ * values more on the ports the lookups need. So every run of 16 elements arrives in the order
+ * of lanes 4c + j <- element 4j + c, and x is read in that order: xp, permuted once a call
+ * (permute_runs16). Sums in float32 over the groups in order, two accumulators. */
+AVX512 static float dot_q4_avx512(int fmt, int round, const float *xp, const uint8_t *row,
+                                  int64_t K)
+{
+    const int G = GROUP[fmt], GB = GROUP_BYTES[fmt], H = G / 2;
+    const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16,
+                                            24, 24, 24, 24);
+    const __m512i shift4 = _mm512_add_epi32(shift, _mm512_set1_epi32(4));
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    for (int64_t g0 = 0; g0 < K; g0 += G, row += GB, xp += G) {
+        uint16_t h; memcpy(&h, row, 2);
+        __m512 lv = levels16(fmt, row, _mm512_cvtph_ps(_mm256_set1_epi16((short)h)), round);
+        const uint8_t *qs = row + (GB - H);
+        for (int i = 0; i < H; i += 16) {
+            __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(qs + i)));
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + i),
+                                 _mm512_permutexvar_ps(_mm512_srlv_epi32(q, shift), lv), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + H + i),
+                                 _mm512_permutexvar_ps(_mm512_srlv_epi32(q, shift4), lv), a1);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
 /* four rows of x against four decoded rows of W (w, stride K): 16 sums, each x and W vector
  * loaded once for four products */
 AVX512 static void dot4_avx512(const float *x, int64_t ldx, int64_t M, int64_t K,
@@ -468,6 +506,20 @@ AVX512 static void dot4_avx512(const float *x, int64_t ldx, int64_t M, int64_t K
         dot_avx512(x + m * ldx, ldx, M - m, K, w + r * ldw, out + m * ldo + r, ldo);
 }
 #endif /* EP_X86 */
+
+/* the order dot_q4_avx512 reads x in: in each run of 16, lane 4c + j holds element 4j + c */
+static void permute_runs16(const float *x, int64_t K, float *xp)
+{
+    for (int64_t r = 0; r < K; r += 16)
+        for (int l = 0; l < 16; l++) xp[r + l] = x[r + 4 * (l % 4) + l / 4];
+}
+
+/* a row of x against rows of W looked up where they lie (dot_q4_avx512) rather than decoded */
+static int lookup_q4(int fmt, int64_t M)
+{
+    return EP_X86 && isa == ISA_AVX512 && M == 1
+        && (fmt == F_Q4_0 || fmt == F_Q4_1 || fmt == F_Q4_G128);
+}
 
 static void decode_row(int fmt, const uint8_t *row, int64_t K, int round, float *out)
 {
@@ -595,6 +647,16 @@ static void gemv_rows(int fmt, int round, const float *x, int64_t M, int64_t K,
     for (int64_t m = 0; m < M; m++)
         memset(out + m * N + n0, 0, (size_t)(n1 - n0) * 4);
     int64_t n = n0;
+#if EP_X86
+    if (lookup_q4(fmt, M)) {
+        permute_runs16(x, K, buf);
+        for (; n < n1; n++) {
+            prefetch(w + (n + 2) * ldw, rb, end);
+            out[n] = dot_q4_avx512(fmt, round, buf, w + n * ldw, K);
+        }
+        return;
+    }
+#endif
     if (M >= 2)
         for (; n + 4 <= n1; n += 4) {
             for (int r = 0; r < 4; r++) prefetch(w + (n + 4 + r) * ldw, rb, end);
@@ -663,7 +725,8 @@ static PyObject *py_gemv(PyObject *self, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "gemv: rows out of the weight's bytes");
             goto done;
         }
-    float *buf = (float *)malloc((size_t)CHUNK * 16 + 64);
+    /* four decoded chunks, or x permuted for the lookups */
+    float *buf = (float *)malloc((size_t)(K > 4 * CHUNK ? K : 4 * CHUNK) * 4 + 64);
     if (!buf) { PyErr_NoMemory(); goto done; }
     Py_BEGIN_ALLOW_THREADS
     for (int64_t b = b0; b < b1; b++)
