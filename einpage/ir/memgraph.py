@@ -10,6 +10,11 @@ buffer at `host_offset` of the host arena), `reload` (host -> device; from the s
 block on the device is nonzero), `offload` (device -> host; the device copy stays live), `free`
 (ends a device instance), `apply` (a block op: reads, one write, optionally accumulating; on the
 device, or `on: "host"`: it reads and writes host copies, named by tensor, with no offsets).
+A plan for several devices (version 2) is one program per rank (`rank`, `world`): a `send` (a
+block of a tensor the plan makes, from its device instance or its host copy, to a peer rank with
+a tag) and a `recv` (a box of a logical input of the plan, from a peer, into that input's host
+copy, which the input blocks of it then read) carry the tensors that cross ranks
+(`einpage.compiler.pipeline`).
 `nodes` is one valid sequential order; the edges alone must make every topological order correct
 (see `einpage.ir.validator`).
 """
@@ -161,8 +166,41 @@ class ApplyNode:
         return replace(self, op=op.op, reads=self.reads[:-1]) if isinstance(op, GuardedOp) else self
 
 
-MemNode = Union[InputNode, ReadNode, ReloadNode, OffloadNode, FreeNode, ApplyNode]
-_NODE_TYPES = (InputNode, ReadNode, ReloadNode, OffloadNode, FreeNode, ApplyNode)
+@dataclass(frozen=True, slots=True)
+class SendNode:
+    """Tensor `tensor`'s current bytes to rank `peer` under `tag`: its device instance at
+    `offset`, or (`offset` None) its host copy. A pipeline stage's boundary block, sent once
+    final; the instance or copy stays."""
+    id: int
+    tensor: int
+    offset: int | None
+    peer: int
+    tag: int
+    deps: tuple[int, ...]
+    kind = "send"
+
+
+@dataclass(frozen=True, slots=True)
+class RecvNode:
+    """The box `origin` + `shape` of logical input `input` (an activation of this rank's
+    program) from rank `peer` under `tag`, into that input's host copy: an input block of it is
+    read only after every recv whose box meets its own (its input node depends on them)."""
+    id: int
+    input: str
+    origin: tuple[int, ...]
+    shape: tuple[int, ...]
+    peer: int
+    tag: int
+    deps: tuple[int, ...]
+    kind = "recv"
+
+
+MemNode = Union[InputNode, ReadNode, ReloadNode, OffloadNode, FreeNode, ApplyNode, SendNode,
+                RecvNode]
+_NODE_TYPES = (InputNode, ReadNode, ReloadNode, OffloadNode, FreeNode, ApplyNode, SendNode,
+               RecvNode)
+#: the kinds a program for one rank of several may hold beyond one device's
+PEER_KINDS = ("send", "recv")
 
 
 def _check_place(mg: "MemGraph", n: ApplyNode) -> None:
@@ -184,11 +222,36 @@ def _check_place(mg: "MemGraph", n: ApplyNode) -> None:
                              "the host names host copies)")
 
 
+def _check_peer(mg: "MemGraph", n) -> None:
+    """A send or recv names another rank of the world and a tag; a recv, a box of an activation
+    input of the plan."""
+    if not isinstance(n.peer, int) or not 0 <= n.peer < mg.world or n.peer == mg.rank:
+        raise mg.error(n.id, f"node %{n.id} ({n.kind}): peer {n.peer!r} is not another rank of "
+                             f"this program's world (rank {mg.rank} of {mg.world})")
+    if not isinstance(n.tag, int) or n.tag < 0:
+        raise mg.error(n.id, f"node %{n.id} ({n.kind}): tag {n.tag!r} is not a non-negative int")
+    if isinstance(n, RecvNode):
+        whole = {t.name: t for t in mg.inputs}.get(n.input)
+        if whole is None or whole.role != "activation":
+            raise mg.error(n.id, f"node %{n.id} (recv): {n.input!r} is not an activation input "
+                                 "of the plan")
+        if not len(n.origin) == len(n.shape) == len(whole.shape) or any(
+                not isinstance(o, int) or not isinstance(e, int) or o < 0 or e < 1 or o + e > f
+                for o, e, f in zip(n.origin, n.shape, whole.shape)):
+            raise mg.error(n.id, f"node %{n.id} (recv): box {list(n.shape)} at "
+                                 f"{list(n.origin)} lies outside input {n.input!r} of shape "
+                                 f"{list(whole.shape)}")
+    elif n.offset is not None and not isinstance(n.offset, int):
+        raise mg.error(n.id, f"node %{n.id} (send): offset {n.offset!r} is not an int or null")
+
+
 def _tensor_ids(n: MemNode) -> list:
     if isinstance(n, ApplyNode):
         return [a.tensor for a in (*n.reads, n.write, *n.frees)]
     if isinstance(n, ReloadNode) and n.guard is not None:
         return [n.tensor, n.guard.access.tensor]
+    if isinstance(n, RecvNode):
+        return []
     return [n.tensor]
 
 
@@ -227,6 +290,8 @@ class MemGraph:
     #: provenance: the taskgraph this plan translates (None: a plan that does not say, such as a
     #: version 1 file; the validator then cannot prove what it computes)
     graph: TaskGraph | None = field(default=None, compare=False, repr=False)
+    rank: int = 0   # several devices: this program's rank of `world` (send, recv)
+    world: int = 1
 
     # ------------------------------------------------------------ structure
     def verify(self) -> None:
@@ -238,7 +303,9 @@ class MemGraph:
         - `tensors[k].id == k`; every shape entry is a non-negative int; a tensor's `bytes` is
           `prod(shape) * dtype.itemsize`, or its packed size with a `storage`;
         - every node is one of the six kinds; `nodes[k].id == k`; every dep is an int id `< k`;
-        - every tensor id a node or an output names exists.
+        - every tensor id a node or an output names exists;
+        - `0 <= rank < world`; a send or recv names a peer rank other than its own, a
+          non-negative tag, and a recv a box inside an activation input of the plan.
 
         The rules of memory (liveness, overlap, host copies) are the validator's
         (`einpage.ir.validate`), which calls this first."""
@@ -264,6 +331,10 @@ class MemGraph:
                 packed = f" as {t.storage.format}" if t.storage is not None else ""
                 raise PlanError(f"tensor %t{k} ({t.name}): bytes is {t.bytes}, but "
                                 f"{t.dtype}{list(t.shape)}{packed} takes {expected}")
+        if (not isinstance(self.world, int) or not isinstance(self.rank, int) or self.world < 1
+                or not 0 <= self.rank < self.world):
+            raise PlanError(f"rank {self.rank!r} of world {self.world!r}: expected "
+                            "0 <= rank < world")
         count = len(self.tensors)
         for k, node in enumerate(self.nodes):
             if not isinstance(node, _NODE_TYPES):
@@ -281,6 +352,8 @@ class MemGraph:
                                         f"plan has tensors %t0..%t{count - 1}")
             if isinstance(node, ApplyNode):
                 _check_place(self, node)
+            elif isinstance(node, (SendNode, RecvNode)):
+                _check_peer(self, node)
         for o in self.outputs:
             if not isinstance(o.tensor, int) or not 0 <= o.tensor < count:
                 raise PlanError(f"output {o.name!r}{list(o.origin)}: names tensor {o.tensor!r}, "
@@ -425,8 +498,14 @@ class MemGraph:
                               for n in self.nodes):
             raise PlanError("a plan with guarded applies is written as version 2, which "
                             "carries the plan's graph; this plan has none")
+        ranks = {}
+        if self.world > 1 or any(n.kind in PEER_KINDS for n in self.nodes):
+            if not proven:
+                raise PlanError("a plan for several ranks is written as version 2, which "
+                                "carries the plan's graph; this plan has none")
+            ranks = {"rank": self.rank, "world": self.world}
         return {
-            "format": FORMAT, "version": VERSION if proven else 1,
+            "format": FORMAT, "version": VERSION if proven else 1, **ranks,
             "device_bytes": self.device_bytes, **host,
             "tensors": [_tensor_json(t) for t in self.tensors],
             "nodes": [_node_json(n, proven) for n in self.nodes],
@@ -470,7 +549,11 @@ class MemGraph:
                             f"versions {', '.join(map(str, VERSIONS))})")
         where = "plan"
         try:
-            _refuse_unbuilt(data)
+            _refuse_misplaced(data)
+            if version < 2 and ("rank" in data or "world" in data or any(
+                    isinstance(n, dict) and n.get("kind") in PEER_KINDS for n in data["nodes"])):
+                raise PlanError("a version 1 plan cannot hold ranks, sends or recvs (they came "
+                                "with version 2)")
             inputs_json, results_json = data.get("inputs", []), data.get("results", [])
             inputs = tuple(_logical_from(t) for t in inputs_json)
             results = tuple(_logical_from(t) for t in results_json)
@@ -497,7 +580,8 @@ class MemGraph:
                             for o in data["outputs"])
             mg = MemGraph(int(data["device_bytes"]), tensors, tuple(nodes), outputs, inputs,
                           results, MappingProxyType(dict(data.get("meta", {}))),
-                          int(data.get("host_arena_bytes", 0)), graph)
+                          int(data.get("host_arena_bytes", 0)), graph,
+                          json_int(data.get("rank", 0)), json_int(data.get("world", 1)))
             if graph is not None:  # checked against its content by `graph_from_json`
                 mg.__dict__["graph_hash"] = data["graph"]["hash"]
             return mg
@@ -604,25 +688,16 @@ def _opt_index(v):
     return None if v is None else json_int(v)
 
 
-def _refuse_unbuilt(data: dict) -> None:
-    """Version 2 capabilities this reader knows of but cannot run yet, refused by name rather
-    than misread (DESIGN.md, "Version 2")."""
-    what = None
+def _refuse_misplaced(data: dict) -> None:
+    """A field a version 2 reader knows but finds where it does not belong, refused by name
+    rather than misread: a `guard` on an apply (a guarded apply's guard is its task's op)."""
     tensors, nodes = data.get("tensors", ()), data.get("nodes", ())
     if not isinstance(tensors, list) or not isinstance(nodes, list):
         raise TypeError("tensors and nodes must be lists")
-    if "rank" in data or "world" in data:
-        what = "several ranks (rank, world)"
-    else:
-        for n in nodes:
-            if isinstance(n, dict) and "guard" in n and n.get("kind") != "reload":
-                raise PlanError(f"node {n.get('id')!r}: an apply names no guard of its own; a "
-                                "guarded apply's op is a guarded op (its task's)")
-            if isinstance(n, dict) and n.get("kind") in ("send", "recv"):
-                what = "several ranks (send, recv)"
-                break
-    if what is not None:
-        raise PlanError(f"the plan uses {what}, which this einpage does not run")
+    for n in nodes:
+        if isinstance(n, dict) and "guard" in n and n.get("kind") != "reload":
+            raise PlanError(f"node {n.get('id')!r}: an apply names no guard of its own; a "
+                            "guarded apply's op is a guarded op (its task's)")
 
 
 def _tensor_json(t: TensorInfo) -> dict:
@@ -689,6 +764,11 @@ def _node_json(n: MemNode, proven: bool) -> dict:
             out["on"] = n.on
     elif isinstance(n, ReadNode):
         out.update(tensor=n.tensor, host_offset=n.host_offset)
+    elif isinstance(n, SendNode):
+        out.update(tensor=n.tensor, offset=n.offset, peer=n.peer, tag=n.tag)
+    elif isinstance(n, RecvNode):
+        out.update(input=n.input, origin=list(n.origin), shape=list(n.shape), peer=n.peer,
+                   tag=n.tag)
     else:
         out.update(tensor=n.tensor, offset=n.offset)
         if isinstance(n, ReloadNode) and n.host_offset is not None:
@@ -743,6 +823,13 @@ def _node_from(d: dict, graph: TaskGraph | None) -> MemNode:
                                 json_int(guard["index"]), share)
         return ReloadNode(nid, int(d["tensor"]), int(d["offset"]), deps,
                           _opt_int(d.get("host_offset")), guard)
+    if kind == "send":
+        return SendNode(nid, json_int(d["tensor"]), _opt_index(d["offset"]), json_int(d["peer"]),
+                        json_int(d["tag"]), deps)
+    if kind == "recv":
+        return RecvNode(nid, str(d["input"]), tuple(map(json_int, d["origin"])),
+                        tuple(map(json_int, d["shape"])), json_int(d["peer"]),
+                        json_int(d["tag"]), deps)
     cls = {"offload": OffloadNode, "free": FreeNode}.get(kind)
     if cls is None:
         raise ValueError(f"unknown node kind {kind!r}")
@@ -763,6 +850,12 @@ def format_node(mg: MemGraph, n: MemNode) -> str:
         when = (f" if %t{g.access.tensor}@0x{g.access.offset:08x}[{g.index}]"
                 if g is not None else "")
         return f"%{n.id} = reload %t{n.tensor}{src} @0x{n.offset:08x}{when}{deps}"
+    if isinstance(n, SendNode):
+        where = f"@0x{n.offset:08x}" if n.offset is not None else " host"
+        return f"%{n.id} = send %t{n.tensor}{where} -> rank {n.peer} tag {n.tag}{deps}"
+    if isinstance(n, RecvNode):
+        return (f"%{n.id} = recv {n.input}{list(n.shape)} at {list(n.origin)} <- rank {n.peer} "
+                f"tag {n.tag}{deps}")
     if isinstance(n, ApplyNode):
         def at(a: Access) -> str:
             return f"%t{a.tensor}@0x{a.offset:08x}" if a.offset is not None else f"%t{a.tensor}"

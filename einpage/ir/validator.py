@@ -68,6 +68,14 @@ Invariants:
     guard tensor, at the same share (it is skipped exactly when the copy was); no `offload`
     reads it, and it is no output at the end.
 
+12. Peers (version 2, a program of several ranks): a `send` reads its tensor like an offload
+    (rule 3 on its instance, or rule 6 on its host copy with `offset` null), the tensor is an
+    output of the plan and the version it sends is the last. The `recv`s that name an input
+    tile it exactly (no box twice, none missed), and an `input` of a block of such an input has
+    every recv whose box meets its own as an ancestor: the caller supplies no byte of it.
+    Matching sends to recvs across ranks, and freedom from deadlock, are
+    `einpage.ir.peers.validate_ranks`'.
+
 With 10, every write of a tensor, every reload and every offload of it are totally ordered by
 the edges (by 3, 4, 6 and 8 on the device side), so its versions, and the host copy each reload
 or host apply reads, are the same in every topological order.
@@ -89,7 +97,8 @@ from typing import Callable
 
 from einpage.errors import PlanError
 from einpage.ir.memgraph import (ALIGNMENT, HOST_ALIGNMENT, ApplyNode, FreeNode, InputNode,
-                                 MemGraph, MemNode, OffloadNode, ReadNode, ReloadNode)
+                                 MemGraph, MemNode, OffloadNode, ReadNode, RecvNode, ReloadNode,
+                                 SendNode)
 from einpage.ir.translation import check_ops, prove
 
 __all__ = ["ValidationReport", "validate", "checked", "vouch"]
@@ -164,6 +173,11 @@ def vouch(mg: MemGraph, report: ValidationReport) -> None:
 
 
 # ---------------------------------------------------------------------------------- helpers
+def _meets(a: tuple, b: tuple) -> bool:
+    """Whether boxes `(origin, shape)` a and b share an element."""
+    return all(p < q + m and q < p + n for p, n, q, m in zip(a[0], a[1], b[0], b[1]))
+
+
 class _Instance:
     """One device copy of a tensor while the checker replays the node order."""
     __slots__ = ("serial", "tensor", "offset", "nbytes", "creator", "last_writer", "readers",
@@ -321,13 +335,20 @@ class _Checker:
         self.staged: dict[int, _Instance] = {}      # tensor -> its live staging buffer
         self.disk_inputs: dict[int, list[int]] = {}  # tensor -> its inputs at disk
         self.buffers = 0
+        self.received: dict[str, list[RecvNode]] = {}  # input -> the recvs that fill it
+        for n in mg.nodes:
+            if isinstance(n, RecvNode):
+                self.received.setdefault(n.input, []).append(n)
+        self.sent: list[tuple[SendNode, int]] = []  # each send and the version it sent
 
     # ------------------------------------------------------------ driver
     def run(self) -> ValidationReport:
         handlers = {"input": self._input, "read": self._read, "reload": self._reload,
-                    "offload": self._offload, "free": self._free, "apply": self._apply}
+                    "offload": self._offload, "free": self._free, "apply": self._apply,
+                    "send": self._send, "recv": lambda node: None}
         for node in self.nodes:
             handlers[node.kind](node)
+        self._check_peers()
         for inst in self.staged.values():
             raise self.mg.error(inst.creator, f"{self._kind(inst.creator)} reads "
                                               f"{self._name(inst.tensor)} from disk, but no "
@@ -495,6 +516,15 @@ class _Checker:
         if t in self.last_write:
             self._fail(node, f"input of {self._name(t)} comes after "
                              f"{self._kind(self.last_write[t])} wrote it")
+        source = self.tensors[t].source
+        if source is not None and source.input in self.received:
+            box = (source.origin, self.tensors[t].shape)
+            meets = [r.id for r in self.received[source.input] if _meets((r.origin, r.shape), box)]
+            missing = self.ancestry.missing(meets, node.id)
+            if missing:
+                self._fail(node, f"input of {self._name(t)} reads {source.input!r}, which "
+                                 f"{self._kind(missing[0])} fills, but that recv is not an "
+                                 "ancestor")
         if node.at == "host":
             if node.offset is not None:
                 self._fail(node, f"input of {self._name(t)} at host has an offset ({node.offset})")
@@ -624,6 +654,49 @@ class _Checker:
         self._host_copy(node, t)
         self.traffic["offload"][0] += 1
         self.traffic["offload"][1] += inst.nbytes
+
+    def _send(self, node: SendNode) -> None:
+        t = self._tensor(node, node.tensor)
+        if node.offset is None:
+            self._host_current(node, t, "sends")
+            self.host_readers.setdefault(t, []).append(node.id)
+        else:
+            inst = self._live(node, t, node.offset, "sends")
+            self._check_written(node, inst, "sends")
+            if inst.guard is not None:
+                self._fail(node, f"sends {self._name(t)} {_at(inst.offset)}, which "
+                                 f"{self._kind(inst.creator)} reloaded under a guard")
+            inst.readers.append(node.id)
+        if not any(o.tensor == t for o in self.mg.outputs):
+            self._fail(node, f"sends {self._name(t)}, which is no output of the plan (a rank "
+                             "sends the values its graph outputs)")
+        self.sent.append((node, self.version.get(t, 0)))
+
+    def _check_peers(self) -> None:
+        """Rule 12's parts that need the whole program: each send sent the last version, the
+        recvs of each input tile it."""
+        for node, version in self.sent:
+            if version != self.version.get(node.tensor, 0):
+                self._fail(node, f"sends {self._name(node.tensor)} at version {version}, but "
+                                 f"{self._kind(self.last_write[node.tensor])} writes it after")
+        shapes = {t.name: t.shape for t in self.mg.inputs}
+        for name, recvs in self.received.items():
+            total = 1
+            for v in shapes[name]:
+                total *= v
+            got = 0
+            for k, a in enumerate(recvs):
+                size = 1
+                for v in a.shape:
+                    size *= v
+                got += size
+                for b in recvs[k + 1:]:
+                    if _meets((a.origin, a.shape), (b.origin, b.shape)):
+                        self._fail(b, f"receives a box of {name!r} that {self._kind(a.id)} "
+                                      "receives too")
+            if got != total:
+                self._fail(recvs[-1], f"the recvs of {name!r} fill {got} of its {total} "
+                                      "elements")
 
     def _free(self, node: FreeNode) -> None:
         t = self._tensor(node, node.tensor)

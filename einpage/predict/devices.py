@@ -56,6 +56,13 @@ class DeviceProfile:
     #: seconds per kernel of a pass replayed as one CUDA graph (the CuPy backend replays every
     #: pass after the first of a plan it can capture); None: priced as issued node by node
     graph_launch_overhead: float | None = None
+    #: bytes/s from this device to a peer device (a pipeline's sends); None: a PCIe peer copy,
+    #: at the host link's rate (`PEER_LINKS` names others)
+    peer_bandwidth: float | None = None
+
+    @property
+    def peer_rate(self) -> float:
+        return self.peer_bandwidth if self.peer_bandwidth is not None else self.d2h_bandwidth
 
     def replayed(self) -> "DeviceProfile":
         """This profile for a pass replayed as one captured graph: each kernel costs the graph's
@@ -78,10 +85,18 @@ class DeviceProfile:
                 "launch_overhead": self.launch_overhead, "source": self.source,
                 "disk_bandwidth": self.disk_bandwidth, "disk_latency": self.disk_latency,
                 **({"graph_launch_overhead": self.graph_launch_overhead}
-                   if self.graph_launch_overhead is not None else {})}
+                   if self.graph_launch_overhead is not None else {}),
+                **({"peer_bandwidth": self.peer_bandwidth}
+                   if self.peer_bandwidth is not None else {})}
 
 
 T = 1e12
+
+#: device-to-device links a pipeline's sends may cross (bytes/s one way): `pcie` (None) is a
+#: peer copy over PCIe at the profile's host link rate; NVLink 4 (H100 SXM) 450 GB/s each way;
+#: a 100 Gb/s and a 400 Gb/s network between machines
+PEER_LINKS: dict[str, float | None] = {"pcie": None, "nvlink": 450e9, "net-100g": 12.5e9,
+                                       "net-400g": 50e9}
 
 
 def _profile(name, f16, f32, f64, vec32, hbm, link, memory_gb, source, bf16=None, vec16=None):
@@ -185,7 +200,9 @@ def load_device_file(path: str | Path, name: str | None = None) -> DeviceProfile
                                        "disk_latency"),
             graph_launch_overhead=(None if data.get("graph_launch_overhead") is None else
                                    _non_negative(data["graph_launch_overhead"],
-                                                 "graph_launch_overhead")))
+                                                 "graph_launch_overhead")),
+            peer_bandwidth=(None if data.get("peer_bandwidth") is None else
+                            _positive(data["peer_bandwidth"], "peer_bandwidth")))
     except InputError as exc:
         raise InputError(f"{path}: {exc}") from None
     return profile

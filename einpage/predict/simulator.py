@@ -15,18 +15,29 @@ that does not stay resident, the token ids; a block whose every reload is guarde
 expected share), and the minimum disk bytes each tensor at disk that
 is read, once.
 Efficiency is lower bound / makespan.
+
+A program of one rank of several also runs its sends, in order, on a sixth engine, the link to
+its peers (`peer_seconds`: bytes over the profile's peer link); a recv takes no time and
+finishes when its message arrives (`arrivals`: the matched send's end on the sender's clock).
+`simulate_ranks` runs the programs of a pipeline together, `micro_batches` passes of each in a
+row (a rank's next pass starts when its last one ended: the passes share the arena's offsets),
+and reports the bubble: the share of the ranks' time spent waiting for their inputs, 1 - the sum
+over ranks of M times the rank's pass run alone (every message there at its start) over world x
+the makespan: (N - 1) / (M + N - 1) for N equal stages.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
-from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph
+from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph, RecvNode, SendNode
 from einpage.predict.cost import (apply_seconds, d2h_seconds, disk_seconds, h2d_seconds,
-                                  host_apply_seconds)
+                                  host_apply_seconds, peer_seconds)
 from einpage.predict.devices import DeviceProfile
 
-ENGINES = ("compute", "h2d", "d2h", "disk", "host")
-_ENGINE_OF = {"apply": "compute", "reload": "h2d", "offload": "d2h", "read": "disk"}
+ENGINES = ("compute", "h2d", "d2h", "disk", "host", "peer")
+_ENGINE_OF = {"apply": "compute", "reload": "h2d", "offload": "d2h", "read": "disk",
+              "send": "peer"}
 
 
 def engine_of(n) -> str | None:
@@ -57,6 +68,8 @@ class Simulation:
     disk_bytes: int = 0             # read from disk this pass
     disk_min_bytes: int = 0         # ... of which no plan with this tier choice can avoid
     host_s: float = 0.0             # busy time of the host's CPU (applies placed on the host)
+    peer_s: float = 0.0             # busy time of the link to peer devices (sends)
+    start_s: float = 0.0            # when the pass began (`start`, `end` are absolute)
 
     @property
     def efficiency(self) -> float:
@@ -86,6 +99,8 @@ def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
             out.append(d2h_seconds(profile, tensors[n.tensor].bytes))
         elif n.kind == "read":
             out.append(disk_seconds(profile, tensors[n.tensor].bytes))
+        elif n.kind == "send":
+            out.append(peer_seconds(profile, tensors[n.tensor].bytes))
         else:
             out.append(0.0)
     return out
@@ -116,8 +131,9 @@ def min_disk_bytes(mg: MemGraph) -> int:
     return sum(mg.tensors[t].bytes for t in read)
 
 
-def simulate(mg: MemGraph, profile: DeviceProfile,
-             durations: list[float] | None = None) -> Simulation:
+def simulate(mg: MemGraph, profile: DeviceProfile, durations: list[float] | None = None,
+             arrivals: Mapping[int, float] | None = None, start_at: float = 0.0) -> Simulation:
+    """`mg` run once from `start_at`: `arrivals` gives when each recv's message arrives."""
     mg.verify()
     dur = durations if durations is not None else node_seconds(mg, profile)
     n_nodes = len(mg.nodes)
@@ -126,16 +142,19 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
     start = [0.0] * n_nodes
     end = [0.0] * n_nodes
     engine: list[str | None] = [None] * n_nodes
-    free_at = dict.fromkeys(ENGINES, 0.0)
+    origin = start_at
+    free_at = dict.fromkeys(ENGINES, origin)
     busy = dict.fromkeys(ENGINES, 0.0)
     stall = stall_h2d = 0.0
     late: set[int] = set()
     h2d_bytes = d2h_bytes = disk_bytes = 0
     for k, n in enumerate(mg.nodes):
-        ready, last = 0.0, None
+        ready, last = origin, None
         for d in n.deps:
             if end[d] > ready:
                 ready, last = end[d], d
+        if arrivals is not None and isinstance(n, RecvNode):
+            ready = max(ready, arrivals.get(n.id, 0.0))
         eng = engine_of(n)
         if eng is None:
             start[n.id] = end[n.id] = ready
@@ -158,7 +177,7 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
         start[n.id], end[n.id] = t0, t0 + dur[n.id]
         free_at[eng] = end[n.id]
         busy[eng] += dur[n.id]
-    makespan = max(end, default=0.0)
+    makespan = max(end, default=origin) - origin
     h2d_min = min_h2d_bytes(mg)
     disk_min = min_disk_bytes(mg)
     lower = max(busy["compute"], busy["host"], h2d_min / profile.h2d_bandwidth,
@@ -166,4 +185,45 @@ def simulate(mg: MemGraph, profile: DeviceProfile,
     return Simulation(profile.name, tuple(start), tuple(end), tuple(engine), makespan,
                       busy["compute"], busy["h2d"], busy["d2h"], stall, stall_h2d, len(late),
                       round(h2d_bytes), h2d_min,
-                      d2h_bytes, lower, busy["disk"], disk_bytes, disk_min, busy["host"])
+                      d2h_bytes, lower, busy["disk"], disk_bytes, disk_min, busy["host"],
+                      busy["peer"], origin)
+
+
+@dataclass(frozen=True)
+class RankedSimulation:
+    """The programs of a pipeline run together: each rank's passes, the makespan of them all,
+    each rank's pass alone, and the bubble (the module's docstring)."""
+    passes: tuple[tuple[Simulation, ...], ...]  # [rank][micro-batch]
+    makespan_s: float
+    bubble: float
+    alone: tuple[Simulation, ...]               # per rank: one pass, every message at its start
+
+    @property
+    def world(self) -> int:
+        return len(self.passes)
+
+
+def simulate_ranks(programs: Sequence[MemGraph], profiles: Sequence[DeviceProfile],
+                   micro_batches: int = 1) -> RankedSimulation:
+    """Rank by rank (sends go only to later ranks, so a rank's arrivals are known once the ranks
+    before it ran), each `micro_batches` passes in a row; pass m's recvs meet pass m's sends."""
+    sent: dict[tuple[int, int, int, int], float] = {}  # (src, dst, tag, pass) -> arrival
+    passes = []
+    for r, mg in enumerate(programs):
+        durations = node_seconds(mg, profiles[r])
+        runs, at = [], 0.0
+        for m in range(micro_batches):
+            arrivals = {n.id: sent.get((n.peer, r, n.tag, m), 0.0) for n in mg.nodes
+                        if isinstance(n, RecvNode)}
+            sim = simulate(mg, profiles[r], durations, arrivals, at)
+            at = sim.start_s + sim.makespan_s
+            for n in mg.nodes:
+                if isinstance(n, SendNode):
+                    sent[(r, n.peer, n.tag, m)] = sim.end[n.id]
+            runs.append(sim)
+        passes.append(tuple(runs))
+    makespan = max((max(run.end, default=0.0) for runs in passes for run in runs), default=0.0)
+    alone = tuple(simulate(mg, profiles[r]) for r, mg in enumerate(programs))
+    work = micro_batches * sum(s.makespan_s for s in alone)
+    bubble = max(0.0, 1 - work / (len(programs) * makespan)) if makespan > 0 else 0.0
+    return RankedSimulation(tuple(passes), makespan, bubble, alone)

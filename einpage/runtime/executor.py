@@ -19,7 +19,7 @@ import numpy as np
 
 from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGraph, OffloadNode,
-                                 OutputRef, ReadNode, ReloadNode)
+                                 OutputRef, ReadNode, RecvNode, ReloadNode, SendNode)
 from einpage.ir.tensors import WeightSource
 from einpage.ir.validator import checked
 from einpage.runtime.blockops import apply_into, guard_on, host_apply_into
@@ -70,13 +70,27 @@ def random_topological_order(mg: MemGraph, seed: int) -> list[int]:
     return out
 
 
+def _received_inputs(mg: MemGraph, poison: bool) -> dict[str, np.ndarray]:
+    """A host buffer for each input the plan's recvs fill (poisoned: a block read before its
+    recv shows NaN)."""
+    names = {n.input for n in mg.nodes if isinstance(n, RecvNode)}
+    out = {}
+    for t in mg.inputs:
+        if t.name in names:
+            buf = np.empty(t.shape, t.dtype.numpy)
+            if poison:
+                buf.view(np.uint8)[...] = POISON
+            out[t.name] = buf
+    return out
+
+
 # ------------------------------------------------------------------ the interpreter
 
 def run(mg: MemGraph, inputs: Mapping[str, np.ndarray] | None = None,
         weights: WeightSource | None = None, order: str | int = "sequential",
-        poison_freed: bool = True, check: bool = True) -> dict[str, np.ndarray]:
+        poison_freed: bool = True, check: bool = True, comm=None) -> dict[str, np.ndarray]:
     """`NumpyExecutor().run(...)`: execute `mg` once and return its outputs by name."""
-    return NumpyExecutor().run(mg, inputs, weights, order, poison_freed, check)
+    return NumpyExecutor().run(mg, inputs, weights, order, poison_freed, check, comm)
 
 
 class NumpyExecutor:
@@ -85,7 +99,7 @@ class NumpyExecutor:
 
     def run(self, mg: MemGraph, inputs: Mapping[str, np.ndarray] | None = None,
             weights: WeightSource | None = None, order: str | int = "sequential",
-            poison_freed: bool = True, check: bool = True) -> dict[str, np.ndarray]:
+            poison_freed: bool = True, check: bool = True, comm=None) -> dict[str, np.ndarray]:
         """Execute `mg`: activation and cache inputs by logical name from `inputs`, weights from
         `weights(name)` (the whole logical array; only the blocks the plan reads are sliced out,
         before any dtype conversion). Returns the logical outputs by name, assembled from their
@@ -95,13 +109,21 @@ class NumpyExecutor:
         the compiler made in this process was validated there). `check=False` runs it unchecked:
         for harnesses that study what a broken plan does (`bench/mutants.py`).
 
+        A program of one rank of several (`send`, `recv` nodes) talks to its peers through
+        `comm` (`einpage.runtime.comm.Communicator`); the inputs its recvs fill are not given.
+
         Raises InputError for a missing or mis-shaped input, CheckpointError for a mis-shaped
         weight, PlanError (naming the node) for a plan that is invalid or cannot run."""
         if check:
             checked(mg)
         self.mg = mg
         self.poison_freed = poison_freed
-        self.io = PlanIO(mg, inputs, weights)
+        self.comm = comm
+        self.received = _received_inputs(mg, poison_freed)
+        if self.received and comm is None:
+            raise PlanError(f"the plan receives {', '.join(map(repr, self.received))} from "
+                            f"other ranks (rank {mg.rank} of {mg.world}): it needs a communicator")
+        self.io = PlanIO(mg, {**(inputs or {}), **self.received}, weights)
         sequence = node_order(mg, order)
         self.arena = np.zeros(mg.device_bytes, dtype=np.uint8)
         if poison_freed:  # only the bytes the plan touches: np.zeros pages in lazily
@@ -110,7 +132,8 @@ class NumpyExecutor:
         # the host arena of the disk tier's staging buffers, poisoned like the device arena
         self.staging = np.full(mg.host_arena_bytes, POISON if poison_freed else 0, np.uint8)
         handlers = {"input": self._input, "read": self._read, "reload": self._reload,
-                    "offload": self._offload, "free": self._free, "apply": self._apply}
+                    "offload": self._offload, "free": self._free, "apply": self._apply,
+                    "send": self._send, "recv": self._recv}
         for nid in sequence:
             node = mg.nodes[nid]
             try:
@@ -163,6 +186,16 @@ class NumpyExecutor:
 
     def _offload(self, n: OffloadNode) -> None:
         self.host[n.tensor] = self._view(n.tensor, n.offset).copy()
+
+    def _send(self, n: SendNode) -> None:
+        data = self._view(n.tensor, n.offset) if n.offset is not None else self._host_copy(n.tensor)
+        self.comm.send(np.ascontiguousarray(data), n.peer, n.tag)
+
+    def _recv(self, n: RecvNode) -> None:
+        whole = self.received[n.input]
+        box = np.empty(n.shape, whole.dtype)
+        self.comm.recv(box, n.peer, n.tag)
+        whole[tuple(slice(o, o + e) for o, e in zip(n.origin, n.shape))] = box
 
     def _free(self, n: FreeNode) -> None:
         self._release(Access(n.tensor, n.offset))

@@ -1,0 +1,371 @@
+"""Pipeline parallelism: one model over several devices, consecutive layers per device.
+
+A graph's nodes carry the layer they belong to (`Node.stage`: 0 before the first layer, the last
+stage after it). `plan_stages` cuts the stages into `world` contiguous ranges whose predicted
+times are balanced, and `split` turns each range into a graph of its own, a *rank graph*:
+
+- a node that depends on no weight and no cache (rotary tables, masks: functions of the
+  activation inputs alone) is computed on every rank that needs it, so it crosses no link;
+- every other computed node runs on the rank of its stage (an output, on its operand's rank);
+- a value made on rank q and read on rank r is a *boundary*: rank q's graph outputs it and rank
+  r's graph takes it as an activation input, both under the name `pipe.<node id>`; weights and
+  activation inputs are inputs of every rank that reads them.
+
+Each rank graph is compiled as any graph is, for the device's own budget (`compile_pipeline`):
+resident weights, streaming, host and disk tiers all work per device. Its plan then speaks to its
+peers (`einpage.ir.memgraph`, version 2): each block of a boundary output is sent, once final, by
+a `send` node appended to the sender's program; on the receiver, a `recv` node per sent block
+fills that box of the boundary input's host copy, and every input node of a block of that input
+depends on the recvs whose boxes meet its own. Sends go only to higher ranks, which is what makes
+every order of every rank's program free of deadlock (`einpage.ir.validator.validate_ranks`).
+
+The stage cut is chosen twice: first by a model of each range's time, the larger of its compute
+(FLOPs over the profile's peak) and the bytes of its weights that do not fit the budget over the
+link, minimised over all contiguous cuts (dynamic programming); then refined with the compiler
+itself, moving one boundary a stage at a time toward the slowest rank while the slowest rank's
+predicted pass gets shorter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from einpage.errors import BudgetError, PlanError
+from einpage.ir.graph import Einsum, Graph, Input, Node, Output, Role
+from einpage.ir.memgraph import InputNode, MemGraph, OffloadNode, RecvNode, SendNode
+from einpage.ir.peers import boundary_name
+from einpage.ir.storage import tensor_bytes
+from einpage.predict.devices import DEFAULT_DEVICE, get_device
+
+#: the share of a device's budget the stage model counts as holding weights (the rest holds the
+#: activations, the blocks in flight and the KV store)
+WEIGHT_SHARE = 0.8
+#: most compiles the refinement of the stage cut spends beyond the first cut's
+REFINE_COMPILES = 6
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A value made on rank `src` and read on rank `dst` (`name` on both sides)."""
+    node: int
+    name: str
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Split:
+    """The rank graphs of a cut (`cut[r]`: the first stage of rank r + 1; stages below
+    `cut[0]` are rank 0's) and the values that cross ranks."""
+    cut: tuple[int, ...]
+    graphs: tuple[Graph, ...]
+    boundaries: tuple[Boundary, ...]
+
+
+# ------------------------------------------------------------------ which node runs where
+
+def _stateful(graph: Graph) -> list[bool]:
+    """Nodes that depend on a weight or a cache input (the rest are functions of activations)."""
+    out = [False] * len(graph.nodes)
+    for n in graph.nodes:
+        if isinstance(n.op, Input):
+            out[n.id] = n.op.role in (Role.weight, Role.cache)
+        else:
+            out[n.id] = any(out[i] for i in n.inputs) or (
+                n.guard is not None and out[n.guard.tensor])
+    return out
+
+
+def _operands(n: Node) -> tuple[int, ...]:
+    return n.inputs + ((n.guard.tensor,) if n.guard is not None else ())
+
+
+def node_ranks(graph: Graph, cut: tuple[int, ...]) -> list[frozenset[int]]:
+    """The ranks each node is computed or loaded on: a stateful computed node on its stage's
+    rank (an output on its operand's), a stateless one and an input on every rank that reads
+    it."""
+    def rank_of(stage: int) -> int:
+        return sum(1 for c in cut if stage >= c)
+
+    stateful = _stateful(graph)
+    home: list[int | None] = [None] * len(graph.nodes)
+    for n in graph.nodes:
+        if isinstance(n.op, Output):  # an operand computed everywhere: rank 0 reports it
+            home[n.id] = home[n.inputs[0]] if home[n.inputs[0]] is not None else 0
+        elif stateful[n.id] and not isinstance(n.op, Input):
+            home[n.id] = rank_of(n.stage)
+    where: list[set[int]] = [set() if h is None else {h} for h in home]
+    for n in reversed(graph.nodes):
+        if home[n.id] is None:
+            for u in graph.users(n.id):
+                where[n.id] |= where[u]
+    return [frozenset(w) for w in where]
+
+
+def split(graph: Graph, cut: tuple[int, ...]) -> Split:
+    """The rank graphs of `cut` (see the module's docstring)."""
+    world = len(cut) + 1
+    ranks = node_ranks(graph, cut)
+    stateful = _stateful(graph)
+    graphs, boundaries = [], []
+    for r in range(world):
+        nodes: list[Node] = []
+        new_id: dict[int, int] = {}
+        received: dict[int, int] = {}
+
+        def add(node: Node) -> int:
+            k = len(nodes)
+            nodes.append(replace(node, id=k))
+            return k
+
+        def operand(i: int) -> int:
+            if i in new_id:
+                return new_id[i]
+            if i not in received:  # made on another rank: a boundary input here
+                src = graph.nodes[i]
+                (owner,) = ranks[i]
+                received[i] = add(Node(0, Input(boundary_name(i), Role.activation), (),
+                                       src.shape, src.dtype, src.stage))
+                boundaries.append(Boundary(i, boundary_name(i), owner, r))
+            return received[i]
+
+        for n in graph.nodes:
+            if r not in ranks[n.id]:
+                continue
+            guard = n.guard
+            inputs = tuple(operand(i) for i in n.inputs)
+            if guard is not None:
+                guard = replace(guard, tensor=operand(guard.tensor))
+            new_id[n.id] = add(replace(n, inputs=inputs, guard=guard))
+        for n in graph.nodes:  # values read on a later rank leave this one as outputs
+            if (r in ranks[n.id] and stateful[n.id] and not isinstance(n.op, (Input, Output))
+                    and any(r not in ranks[u] and not isinstance(graph.nodes[u].op, Output)
+                            for u in graph.users(n.id))):
+                add(Node(0, Output(boundary_name(n.id)), (new_id[n.id],), n.shape, n.dtype,
+                         n.stage))
+        rank_graph = Graph(tuple(nodes))
+        rank_graph.verify()
+        graphs.append(rank_graph)
+    for b in boundaries:
+        if b.src >= b.dst:
+            raise PlanError(f"node %{b.node} is made on rank {b.src} and read on rank {b.dst}: "
+                            "a pipeline sends only to later ranks (are the graph's stages in "
+                            "the order of its layers?)")
+    boundaries.sort(key=lambda b: (b.src, b.dst, b.node))
+    return Split(tuple(cut), tuple(graphs), tuple(boundaries))
+
+
+# ------------------------------------------------------------------ the stage cut
+
+@dataclass(frozen=True)
+class StageCost:
+    """What the stage model knows of each stage: FLOPs and the bytes of its weights."""
+    flops: tuple[float, ...]
+    weight_bytes: tuple[int, ...]
+
+
+def stage_costs(graph: Graph) -> StageCost:
+    stages = max((n.stage for n in graph.nodes), default=0) + 1
+    flops = [0.0] * stages
+    weights = [0] * stages
+    for n in graph.nodes:
+        if isinstance(n.op, Einsum):
+            sizes = n.op.spec.sizes([graph.nodes[i].shape for i in n.inputs])
+            flops[n.stage] += 2.0 * math.prod(int(v) for v in sizes.values())
+        elif isinstance(n.op, Input) and n.op.role == Role.weight:
+            users = graph.users(n.id)
+            stage = min((graph.nodes[u].stage for u in users), default=n.stage)
+            weights[stage] += tensor_bytes(tuple(int(s) for s in n.shape), n.dtype,
+                                           n.op.storage)
+    return StageCost(tuple(flops), tuple(weights))
+
+
+def model_cut(costs: StageCost, world: int, device_bytes: int, profile) -> tuple[int, ...]:
+    """The contiguous cut of the stages into `world` non-empty ranges that minimises the largest
+    modelled range time: max(FLOPs / peak, streamed weight bytes / link)."""
+    stages = len(costs.flops)
+    if world > stages:
+        raise BudgetError(f"{world} devices for a graph of {stages} stages: at most one device "
+                          "per stage", world, stages)
+    peak = profile.flops("f16", True)
+    room = WEIGHT_SHARE * device_bytes
+
+    def seconds(lo: int, hi: int) -> float:
+        flops = sum(costs.flops[lo:hi])
+        streamed = max(0.0, sum(costs.weight_bytes[lo:hi]) - room)
+        return max(flops / peak, streamed / profile.h2d_bandwidth)
+
+    inf = float("inf")
+    # best[k][s]: the least largest time of the first s stages on k ranks; cut positions kept
+    best = [[inf] * (stages + 1) for _ in range(world + 1)]
+    back = [[0] * (stages + 1) for _ in range(world + 1)]
+    best[0][0] = 0.0
+    for k in range(1, world + 1):
+        for s in range(k, stages + 1):
+            for p in range(k - 1, s):
+                v = max(best[k - 1][p], seconds(p, s))
+                if v < best[k][s]:
+                    best[k][s], back[k][s] = v, p
+    cut, s = [], stages
+    for k in range(world, 1, -1):
+        s = back[k][s]
+        cut.append(s)
+    return tuple(reversed(cut))
+
+
+# ------------------------------------------------------------------ compiling the ranks
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's compiled program and what the compiler said of it."""
+    rank: int
+    memgraph: MemGraph
+    compiled: object  # einpage.compiler.driver.Compiled
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A plan for `world` devices: one program per rank, the cut and the boundaries."""
+    split: Split
+    ranks: tuple[RankPlan, ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def programs(self) -> tuple[MemGraph, ...]:
+        return tuple(r.memgraph for r in self.ranks)
+
+
+def compile_pipeline(graph: Graph, world: int, options,
+                     compile_fn: Callable | None = None,
+                     cut: tuple[int, ...] | None = None) -> Pipeline:
+    """Compile `graph` for `world` devices of `options.device_bytes` each: the stage cut (the
+    model's, refined with the compiler unless `cut` is given), each rank graph compiled with
+    `options`, and the programs joined by sends and recvs."""
+    from einpage.compiler.driver import compile_graph  # the driver compiles each rank
+    compile_fn = compile_fn or compile_graph
+    if world < 2:
+        raise PlanError(f"a pipeline needs 2 devices or more, got {world}")
+    if options.cuts:
+        raise PlanError("per-node cuts name the whole graph's nodes; a pipeline's ranks take "
+                        "none")
+    profile = options.device or get_device(DEFAULT_DEVICE)
+    costs = stage_costs(graph)
+    cache: dict[tuple[int, int, tuple], object] = {}
+
+    def compiled_split(c: tuple[int, ...]) -> tuple[Split, list]:
+        s = split(graph, c)
+        out = []
+        for r, g in enumerate(s.graphs):
+            lo = c[r - 1] if r else 0
+            hi = c[r] if r < len(c) else len(costs.flops)
+            key = (lo, hi, tuple(b.node for b in s.boundaries if r in (b.src, b.dst)))
+            if key not in cache:
+                cache[key] = compile_fn(g, options)
+            out.append(cache[key])
+        return s, out
+
+    if cut is None:
+        cut = model_cut(costs, world, options.device_bytes, profile)
+        chosen = compiled_split(cut)
+        chosen = _refine(cut, chosen, compiled_split, len(costs.flops))
+    else:
+        chosen = compiled_split(tuple(cut))
+    s, compiled = chosen
+    programs = join(s, [c.memgraph for c in compiled])
+    return Pipeline(s, tuple(RankPlan(r, mg, c)
+                             for r, (mg, c) in enumerate(zip(programs, compiled))))
+
+
+def _slowest(compiled: list) -> tuple[float, int]:
+    times = [c.simulation.makespan_s for c in compiled]
+    return max(times), times.index(max(times))
+
+
+def _refine(cut: tuple[int, ...], chosen, compiled_split, stages: int):
+    """Move one boundary a stage at a time toward the slowest rank while the slowest rank's
+    predicted pass shortens, spending at most REFINE_COMPILES new compiles' worth of tries."""
+    worst, at = _slowest(chosen[1])
+    for _ in range(REFINE_COMPILES):
+        tries = []
+        if at > 0:      # the slowest rank gives its first stage to the rank before
+            tries.append(cut[:at - 1] + (cut[at - 1] + 1,) + cut[at:])
+        if at < len(cut):  # ... or its last stage to the rank after
+            tries.append(cut[:at] + (cut[at] - 1,) + cut[at + 1:])
+        better = None
+        for c in tries:
+            bounds = (0, *c, stages)
+            if any(bounds[k] >= bounds[k + 1] for k in range(len(bounds) - 1)):
+                continue
+            candidate = compiled_split(c)
+            t, k = _slowest(candidate[1])
+            if t < worst * (1 - 1e-3) and (better is None or t < better[0]):
+                better = (t, k, c, candidate)
+        if better is None:
+            break
+        worst, at, cut, chosen = better
+    return chosen
+
+
+def join(s: Split, plans: list[MemGraph]) -> list[MemGraph]:
+    """The rank programs with their sends and recvs (tags numbered per sender and receiver in
+    the order of the sender's output blocks)."""
+    world = len(plans)
+    sends: list[list[tuple]] = [[] for _ in range(world)]  # per sender: (output, dst, tag)
+    recvs: list[list[tuple]] = [[] for _ in range(world)]  # (name, origin, shape, src, tag)
+    tags = {}
+    for b in s.boundaries:
+        mg = plans[b.src]
+        for o in mg.outputs:
+            if o.name != b.name:
+                continue
+            key = (b.src, b.dst)
+            tag = tags[key] = tags.get(key, -1) + 1
+            sends[b.src].append((o, b.dst, tag))
+            recvs[b.dst].append((b.name, tuple(o.origin), tuple(mg.tensors[o.tensor].shape),
+                                 b.src, tag))
+    return [_with_peers(mg, r, world, sends[r], recvs[r]) for r, mg in enumerate(plans)]
+
+
+def _with_peers(mg: MemGraph, rank: int, world: int, sends: list, recvs: list) -> MemGraph:
+    """`mg` with its recvs first (every node renumbered after them; each input node of a block of
+    a received input depends on the recvs that meet its box) and its sends last."""
+    k = len(recvs)
+    nodes: list = [RecvNode(i, name, origin, shape, src, tag, ())
+                   for i, (name, origin, shape, src, tag) in enumerate(recvs)]
+    by_input: dict[str, list[int]] = {}
+    for i, (name, *_rest) in enumerate(recvs):
+        by_input.setdefault(name, []).append(i)
+    for n in mg.nodes:
+        deps = tuple(d + k for d in n.deps)
+        if isinstance(n, InputNode):
+            t = mg.tensors[n.tensor]
+            if t.source is not None and t.source.input in by_input:
+                deps = tuple(i for i in by_input[t.source.input]
+                             if _meets(recvs[i][1], recvs[i][2], t.source.origin, t.shape)) + deps
+        nodes.append(replace(n, id=n.id + k, deps=deps))
+    last_write: dict[int, int] = {}
+    last_offload: dict[int, int] = {}
+    for n in nodes:
+        if n.kind == "apply":
+            last_write[n.write.tensor] = n.id
+        elif isinstance(n, OffloadNode):
+            last_offload[n.tensor] = n.id
+    for o, dst, tag in sends:
+        if o.at == "device":
+            dep, offset = last_write.get(o.tensor), o.offset
+        else:
+            dep, offset = last_offload.get(o.tensor), None
+        if dep is None:
+            raise PlanError(f"rank {rank}: boundary block %t{o.tensor} of {o.name!r} is never "
+                            "made on this rank")
+        nodes.append(SendNode(len(nodes), o.tensor, offset, dst, tag, (dep,)))
+    return replace(mg, nodes=tuple(nodes), rank=rank, world=world)
+
+
+def _meets(origin_a, shape_a, origin_b, shape_b) -> bool:
+    return all(a < b + m and b < a + n
+               for a, n, b, m in zip(origin_a, shape_a, origin_b, shape_b))

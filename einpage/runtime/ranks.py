@@ -1,0 +1,77 @@
+"""Running the programs of several ranks: each rank's program on its own executor, its sends and
+recvs through a `Communicator` (`einpage.runtime.comm`).
+
+`run_ranks` runs every rank in this process, one thread each, over a `LocalCommunicator` group:
+the check that a pipeline's programs, run in any orders, give the one-device answers. Under
+`mpiexec` each process runs its own rank with `run_rank` over MPI. Either way a rank that fails
+aborts the group, so that every other rank stops (a blocked recv raises) instead of waiting for
+a message that will never come; the error raised names the rank that failed first and why.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from einpage.errors import CheckpointError, InputError
+from einpage.ir.memgraph import MemGraph
+from einpage.ir.peers import is_boundary, validate_ranks
+from einpage.ir.tensors import WeightSource
+from einpage.runtime import executor
+from einpage.runtime.comm import CommError, Communicator, LocalCommunicator
+
+
+def run_rank(mg: MemGraph, comm: Communicator, inputs: Mapping[str, np.ndarray] | None = None,
+             weights: WeightSource | None = None, order: str | int = "sequential",
+             poison_freed: bool = True) -> dict[str, np.ndarray]:
+    """Run this rank's program (NumPy executor); its results without the values it only sends
+    to later ranks. A failure here aborts the group first, so the peers stop too."""
+    try:
+        out = executor.run(mg, inputs, weights, order, poison_freed, comm=comm)
+    except CommError:
+        raise
+    except Exception as exc:
+        comm.abort(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        raise
+    return {name: value for name, value in out.items() if not is_boundary(name)}
+
+
+def run_ranks(programs: Sequence[MemGraph], inputs: Mapping[str, np.ndarray] | None = None,
+              weights: WeightSource | None = None, order: str | int = "sequential",
+              poison_freed: bool = True, timeout: float = 60.0) -> dict[str, np.ndarray]:
+    """Run every rank's program in this process, one thread each (rank r in order `order`, or
+    in the random order of seed `order + r`), and return all their results by name. The
+    programs are validated together first (`einpage.ir.peers.validate_ranks`)."""
+    validate_ranks(programs)
+    world = len(programs)
+    comms = LocalCommunicator.group(world, timeout=timeout)
+    results: list[dict | None] = [None] * world
+    errors: list[BaseException | None] = [None] * world
+
+    def work(r: int) -> None:
+        rank_order = order if isinstance(order, str) else int(order) + r
+        try:
+            results[r] = run_rank(programs[r], comms[r], inputs, weights, rank_order,
+                                  poison_freed)
+        except BaseException as exc:  # reported below, by rank
+            errors[r] = exc
+
+    threads = [threading.Thread(target=work, args=(r,), name=f"rank-{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in comms:
+        c.close()
+    failed = [r for r in range(world) if errors[r] is not None]
+    if failed:
+        # the first cause, not the aborts it set off in the other ranks
+        first = next((r for r in failed if not isinstance(errors[r], CommError)), failed[0])
+        exc = errors[first]
+        cls = type(exc) if isinstance(exc, (InputError, CheckpointError)) else PlanError
+        raise cls(f"rank {first}: {exc}") from exc
+    out: dict[str, np.ndarray] = {}
+    for res in results:
+        out.update(res)
+    return out
