@@ -3,12 +3,7 @@
 `mpich` wheel by tests/mpi_comm_worker.py; skipped without mpi4py or mpiexec)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -17,6 +12,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from mpi_launch import mpiexec, needs_mpi
 
 from einpage.errors import EinpageError
 from einpage.runtime import comm as comm_mod
@@ -236,48 +232,13 @@ def test_missing_mpi4py_is_a_clear_error(monkeypatch):
 
 # ------------------------------------------------------------------ MPI processes
 
-def find_mpiexec() -> str | None:
-    """The mpiexec beside this Python (the `mpich` wheel's, matching the MPI library mpi4py
-    loads), else one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
-MPIEXEC = find_mpiexec()
-needs_mpi = pytest.mark.skipif(
-    importlib.util.find_spec("mpi4py") is None or MPIEXEC is None,
-    reason="MPI tests need mpi4py and mpiexec: pip install 'einpage[mpi]'")
-
-
-def launcher_flags() -> list[str]:
-    """MPICH's hydra starts local ranks with fork when told to: no ssh, which a container may
-    lack. Other mpiexecs get no extra flag."""
-    try:
-        version = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True,
-                                 timeout=20, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return ["-launcher", "fork"] if "HYDRA" in version else []
-
-
 def mpirun(scenario: str, timeout: float = 60.0):
     """`mpiexec -n 2 python tests/mpi_comm_worker.py SCENARIO`: (exit status, RESULT records,
     output, seconds). On a timeout the whole process group is killed and the test fails."""
-    cmd = [MPIEXEC, *launcher_flags(), "-n", "2", sys.executable, str(WORKER), scenario]
-    env = {k: v for k, v in os.environ.items() if k not in comm_mod._LAUNCHER_VARS}
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"mpiexec {scenario} hung past {timeout} s:\n{output}")
-    took = time.monotonic() - start
+    rc, output, took = mpiexec(2, [sys.executable, WORKER, scenario], timeout)
     records = [json.loads(line[len("RESULT "):]) for line in output.splitlines()
                if line.startswith("RESULT ")]
-    return proc.returncode, records, output, took
+    return rc, records, output, took
 
 
 @needs_mpi

@@ -222,3 +222,20 @@ def test_ranks_must_be_whole_and_send_forward(two):
         nodes = list(a.nodes)
         nodes[send.id] = replace(send, peer=0)
         replace(a, nodes=tuple(nodes)).verify()
+
+
+@pytest.mark.parametrize("delays", [None, 4])
+def test_ranks_on_the_threads_backend_with_random_delays(prefill, weights, two, delays):
+    want = evaluate(prefill, {"tokens": _tokens()}, weights)["logits"]
+    got = run_ranks(two.programs, {"tokens": _tokens()}, weights, backend="threads",
+                    delays=delays)["logits"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_a_failing_queue_on_one_rank_stops_the_other(two, weights):
+    def broken(name):
+        if name.startswith("layers.3.w_down"):
+            raise InputError(f"cannot read {name}")
+        return weights(name)
+    with pytest.raises(InputError, match="rank 1: .*cannot read layers.3.w_down"):
+        run_ranks(two.programs, {"tokens": _tokens()}, broken, backend="threads", timeout=20)

@@ -305,12 +305,13 @@ def write_text(path: str, text: str) -> None:
     write(path, text)
 
 
-def load_plan(path: str):
-    """The one way the CLI reads a plan file: `MemGraph.load`, then `validate` (memory and order,
-    and that it computes the graph it carries). A plan without a graph (version 1) runs with a
-    warning that says what could not be proven. Returns (plan, validation report)."""
+def load_plan(path: str, mg=None):
+    """The one way the CLI reads a plan file: `MemGraph.load` (unless the plan read from it is
+    given), then `validate` (memory and order, and that it computes the graph it carries). A
+    plan without a graph (version 1) runs with a warning that says what could not be proven.
+    Returns (plan, validation report)."""
     from einpage.ir import MemGraph, validate
-    mg = MemGraph.load(path)
+    mg = MemGraph.load(path) if mg is None else mg
     report = validate(mg)
     if not report.proven:
         print(f"einpage: warning: {path} is a version 1 plan: it carries no graph, so its memory "

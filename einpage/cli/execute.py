@@ -14,7 +14,7 @@ from einpage.cli.common import (POLICY_HELP, add_host_args, add_quantize_arg, ch
                                 check_context, host_budget, input_from_args, load_plan,
                                 report_logits, write_text)
 from einpage.cli.outputs import Deferred, OutputPath
-from einpage.errors import InputError
+from einpage.errors import EinpageError, InputError
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.outputs import save_npy
 from einpage.units import format_size, parse_size
@@ -550,7 +550,6 @@ def _print_rates(s: dict, out: TextIO | None = None) -> None:
 def run_plan(args) -> None:
     """`einpage run plan.json --checkpoint DIR --tokens ...`: execute a saved plan (text input:
     the prompts, padded to the longest, must have the plan's token shape)."""
-    from einpage.models.checkpoint import Checkpoint
     from einpage.runners import plan_weights
     fixed = [flag for flag, given in (("--gpu-mem", args.gpu_mem), ("--arena", args.arena),
                                       ("--policy", args.policy),
@@ -568,12 +567,26 @@ def run_plan(args) -> None:
     if not args.checkpoint:
         raise InputError("running a plan file needs --checkpoint DIR (or a GGUF file) with its "
                          "weights")
-    mg, _ = load_plan(args.model)
+    from einpage.ir.peers import load_programs
+    programs, _ = load_programs(args.model)
+    if len(programs) > 1:
+        return _run_ranks(args, programs)
+    mg, _ = load_plan(args.model, programs[0])
     want = {t.name: t for t in mg.inputs}
     if mg.meta.get("phase") == "decode" or any(t.role == "cache" for t in mg.inputs):
         raise InputError(f"{args.model} is a decode step: it runs inside a generation, from "
                          "the KV store a prefill fills; use einpage generate CHECKPOINT "
                          "--max-new-tokens N (it compiles its decode plans itself)")
+    given, source = _plan_input(args, want)
+    weights = plan_weights(mg, source)
+    out = _run_plan_on_backend(args, mg, {"tokens": given.tokens}, weights, _passes(args))
+    report_logits(out["logits"], args.out, given.lengths, given.codec if given.text else None)
+
+
+def _plan_input(args, want: dict):
+    """The tokens `run PLAN` was given, checked against the plan's token input, and the weight
+    source of --checkpoint."""
+    from einpage.models.checkpoint import Checkpoint
     given = input_from_args(args, Path(args.checkpoint))
     tokens = given.tokens
     if "tokens" not in want or tuple(want["tokens"].shape) != tuple(tokens.shape):
@@ -589,9 +602,49 @@ def run_plan(args) -> None:
         vocab = source.config.vocab
     if tokens.min() < 0 or tokens.max() >= vocab:
         raise InputError(f"token id out of range for a vocabulary of {vocab}")
-    weights = plan_weights(mg, source)
-    out = _run_plan_on_backend(args, mg, {"tokens": tokens}, weights, _passes(args))
-    report_logits(out["logits"], args.out, given.lengths, given.codec if given.text else None)
+    return given, source
+
+
+def _run_ranks(args, programs) -> None:
+    """A plan for several devices: under `mpiexec -n N`, this process runs its own rank's
+    program over MPI; otherwise every rank runs here, one thread each. The rank that makes the
+    logits reports them; a rank that fails stops every rank (one line each)."""
+    from einpage.ir.peers import validate_ranks
+    from einpage.runners import plan_weights
+    from einpage.runtime.comm import MpiCommunicator, mpi_world
+    from einpage.runtime.ranks import run_rank, run_ranks
+    world = len(programs)
+    for flag, given in (("--timing", args.timing), ("--trace", args.trace),
+                        ("--passes", _passes(args) != 1)):
+        if given:
+            raise InputError(f"{flag} is not measured for a plan of several devices yet")
+    if args.backend not in ("auto", "threads", "numpy"):
+        raise InputError(f"--backend {args.backend}: a plan of several devices runs on threads "
+                         "or numpy")
+    backend = None if args.backend == "numpy" else "threads"
+    validate_ranks(programs)
+    want = {t.name: t for mg in programs for t in mg.inputs}
+    given, source = _plan_input(args, want)
+    rank, size = mpi_world()
+    if size > 1:
+        if size != world:
+            raise InputError(f"{args.model} is a plan for {world} devices; mpiexec started "
+                             f"{size} processes (use mpiexec -n {world})")
+        mg = programs[rank]
+        with MpiCommunicator() as comm:
+            try:
+                weights = plan_weights(mg, source)
+            except EinpageError as exc:  # the peers would wait for this rank's messages
+                comm.abort(str(exc))
+                raise
+            out = run_rank(mg, comm, {"tokens": given.tokens}, weights, backend=backend)
+    else:
+        weights = [plan_weights(mg, source) for mg in programs]
+        out = run_ranks(programs, {"tokens": given.tokens}, weights, backend=backend)
+    if "logits" in out:
+        report_logits(out["logits"], args.out, given.lengths,
+                      given.codec if given.text else None)
+
 
 
 def _run_plan_on_backend(args, mg, inputs, weights, passes: int = 1) -> dict:

@@ -75,6 +75,17 @@ def add_commands(sub) -> None:
                    help="auto (default): place applies on the host where the simulated pass is "
                         "faster (a decode step's attention over a KV store in host memory, "
                         "experts whose weights stay there); off: every apply on the device")
+    c.add_argument("--devices", type=int, default=1,
+                   help="plan for this many devices of --gpu-mem each: consecutive layers per "
+                        "device (pipeline parallelism), run by `einpage run` or "
+                        "`mpiexec -n N einpage run`")
+    c.add_argument("--micro-batches", type=int, default=1,
+                   help="with --devices: split --batch into this many passes that follow each "
+                        "other through the devices (default 1)")
+    c.add_argument("--peer-link", default="pcie",
+                   help="with --devices: the link between devices: pcie (a peer copy at the "
+                        "host link's rate; default), nvlink, net-100g, net-400g, or a rate "
+                        "(25GB/s)")
     i = sub.add_parser("inspect", help="report on a saved plan (validated and simulated)")
     i.add_argument("plan", help="a plan file (einpage compile -o)")
     i.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -171,6 +182,9 @@ def cmd_compile(args) -> None:
         if value is not None:
             raise InputError(f"{flag} is an option of --draft: add --draft ngram (or a draft "
                              "model)")
+    if args.devices != 1 or args.micro_batches != 1:
+        from einpage.cli.ranks import compile_ranks
+        return compile_ranks(args, profile, device_bytes, over)
     cfg, graph, sources, tokens, workload = graph_from_args(args)
     progress = Progress(enabled=False if args.quiet else None)
     host_bytes, host_source = host_budget(args)

@@ -61,6 +61,12 @@ class Split:
     cut: tuple[int, ...]
     graphs: tuple[Graph, ...]
     boundaries: tuple[Boundary, ...]
+    stages: int  # of the whole graph
+
+    def stage_range(self, rank: int) -> tuple[int, int]:
+        """The first and last stage of `rank`."""
+        bounds = (0, *self.cut, self.stages)
+        return bounds[rank], bounds[rank + 1] - 1
 
 
 # ------------------------------------------------------------------ which node runs where
@@ -153,7 +159,8 @@ def split(graph: Graph, cut: tuple[int, ...]) -> Split:
                             "a pipeline sends only to later ranks (are the graph's stages in "
                             "the order of its layers?)")
     boundaries.sort(key=lambda b: (b.src, b.dst, b.node))
-    return Split(tuple(cut), tuple(graphs), tuple(boundaries))
+    stages = max((n.stage for n in graph.nodes), default=0) + 1
+    return Split(tuple(cut), tuple(graphs), tuple(boundaries), stages)
 
 
 # ------------------------------------------------------------------ the stage cut
@@ -369,3 +376,103 @@ def _with_peers(mg: MemGraph, rank: int, world: int, sends: list, recvs: list) -
 def _meets(origin_a, shape_a, origin_b, shape_b) -> bool:
     return all(a < b + m and b < a + n
                for a, n, b, m in zip(origin_a, shape_a, origin_b, shape_b))
+
+
+# ------------------------------------------------------------------ the report
+
+@dataclass(frozen=True)
+class RankFigures:
+    """One rank of a pipeline as the compiler saw it."""
+    rank: int
+    stages: tuple[int, int]       # first and last stage it runs
+    weight_bytes: int
+    resident_bytes: int
+    streamed_bytes: int           # host->device per pass
+    min_stream_bytes: int         # what no plan of this rank's graph can avoid streaming
+    sent_bytes: int               # to later ranks, per pass
+    pass_s: float                 # its pass alone, every message there at its start
+    bound_s: float                # its problem's bound (`ProblemBound.seconds`)
+    compute_s: float              # ... of which compute
+    after_arrival_s: float        # the least link time after its first message arrives
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "stages": list(self.stages), "weight_bytes": self.weight_bytes,
+                "resident_bytes": self.resident_bytes, "streamed_bytes": self.streamed_bytes,
+                "min_stream_bytes": self.min_stream_bytes, "sent_bytes": self.sent_bytes,
+                "pass_s": self.pass_s, "bound_s": self.bound_s, "compute_s": self.compute_s,
+                "after_arrival_s": self.after_arrival_s}
+
+
+@dataclass(frozen=True)
+class RanksReport:
+    """A pipeline's prediction: `micro_batches` passes of each rank in a row (`simulate_ranks`),
+    the makespan, the bubble and the bound. No schedule of these rank problems beats any of:
+
+    - M times the slowest rank's bound (each rank runs its M passes one after another);
+    - the *chain*: the sum over ranks of the link time each must spend after the first row of
+      its input is complete, `after_arrival_s` = (W_r - D) / link, W_r the weights and KV store
+      rank r reads in a pass and D its budget. Proof: rank r runs no task that reads a weight
+      before a whole row of its input has arrived (each layer begins with a norm over whole
+      rows, and reads weights only after it); the first whole row it sends depends on every
+      weight of its layers (a row of a layer's output depends on all of the layer's weights
+      and on the row of the layer before); when that first input row is complete the device
+      holds at most D bytes, so at least W_r - D bytes cross the link after it, before rank
+      r + 1's first row can be complete. Rank 0's first row is there at the start; the last
+      rank's chain ends with its pass. It holds for ranks whose applies all run on the device
+      (a weight read on the host crosses no link), so a rank with applies on the host adds 0.
+      Not a term: the compute of one micro-batch through every rank, since blocks of rows
+      flow on as each is done, so the ranks' compute overlaps even within one micro-batch.
+    """
+    device: str
+    device_bytes: int
+    peer_bandwidth: float
+    micro_batches: int
+    ranks: tuple[RankFigures, ...]
+    makespan_s: float
+    bubble: float
+    compile_seconds: float
+    tokens: int | None = None     # tokens of all micro-batches together
+    workload: tuple = ()
+
+    @property
+    def bound_s(self) -> float:
+        m = self.micro_batches
+        slowest = max(r.bound_s for r in self.ranks)
+        return max(m * slowest, sum(r.after_arrival_s for r in self.ranks))
+
+    @property
+    def efficiency(self) -> float:
+        return self.bound_s / self.makespan_s if self.makespan_s > 0 else 1.0
+
+    def to_json(self) -> dict:
+        out = {"device": self.device, "devices": len(self.ranks), "device_bytes": self.device_bytes,
+               "peer_bandwidth": self.peer_bandwidth, "micro_batches": self.micro_batches,
+               "makespan_s": self.makespan_s, "bubble": self.bubble, "bound_s": self.bound_s,
+               "efficiency": self.efficiency, "compile_seconds": self.compile_seconds,
+               "ranks": [r.to_json() for r in self.ranks], **dict(self.workload)}
+        if self.tokens:
+            out["tokens_per_s"] = self.tokens / self.makespan_s
+        return out
+
+
+def ranks_report(pipeline: Pipeline, profile, micro_batches: int, compile_seconds: float,
+                 tokens: int | None = None, workload=()) -> RanksReport:
+    from einpage.predict.simulator import simulate_ranks
+    sim = simulate_ranks(pipeline.programs, [profile] * pipeline.world, micro_batches)
+    figures = []
+    for r, plan in enumerate(pipeline.ranks):
+        report, mg = plan.compiled.report, plan.memgraph
+        c = report.compiled
+        sent = sum(mg.tensors[n.tensor].bytes for n in mg.nodes if isinstance(n, SendNode))
+        on_host = any(n.kind == "apply" and n.on_host for n in mg.nodes)
+        after = 0.0 if on_host else (max(0, c.weight_bytes + c.kv_bytes - mg.device_bytes)
+                                     / profile.h2d_bandwidth)
+        figures.append(RankFigures(
+            r, pipeline.split.stage_range(r), c.weight_bytes, c.resident_bytes,
+            sim.alone[r].h2d_bytes, c.min_stream_bytes, sent, sim.alone[r].makespan_s,
+            report.bound.seconds if report.bound else sim.alone[r].lower_bound_s,
+            report.bound.compute_s if report.bound else sim.alone[r].compute_s, after))
+    return RanksReport(profile.name, pipeline.ranks[0].memgraph.device_bytes, profile.peer_rate,
+                       micro_batches, tuple(figures), sim.makespan_s, sim.bubble,
+                       compile_seconds, tokens, tuple(workload))
+

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping, Union
+from typing import Callable, Mapping, Union
 
 from einpage.errors import EinpageError, PlanError
 from einpage.outputs import atomic_open
@@ -523,19 +523,7 @@ class MemGraph:
         the name ends in `.gz` (about 10x smaller; `load` reads both, by content). Whole or not
         at all: a temporary file beside `path` renamed into place (`einpage.outputs`); a
         failure (no such directory, a full disk, a file-size limit) is an `OutputError`."""
-        with _bulk():
-            _ops_json.cache = {}  # ops many nodes share are printed once
-            try:
-                data = json.dumps(self.to_json(), separators=(",", ":")).encode()
-            finally:
-                _ops_json.cache = None
-        with atomic_open(path, "wb") as fh:
-            if str(path).lower().endswith(".gz"):
-                with gzip.GzipFile(filename="", mode="wb", fileobj=fh, compresslevel=GZIP_LEVEL,
-                                   mtime=0) as gz:  # no name, no time: the same plan, same bytes
-                    gz.write(data)
-            else:
-                fh.write(data)
+        write_plan_json(path, self.to_json)
 
     @staticmethod
     def from_json(data: dict) -> "MemGraph":
@@ -596,29 +584,61 @@ class MemGraph:
         apart by its first bytes, whatever the name). Every failure is one `PlanError` naming
         the file: missing, unreadable, a corrupt or truncated gzip stream, not JSON, not a
         plan."""
+        data = read_plan_json(path)
+        if isinstance(data, dict) and data.get("format") == RANKS_FORMAT:
+            raise PlanError(f"{path}: a plan for {data.get('world')!r} devices, one program per "
+                            "rank (`einpage.ir.peers.load_programs`; `einpage run` runs it)")
         try:
-            raw = Path(path).read_bytes()
-        except FileNotFoundError:
-            raise PlanError(f"{path}: no such plan file") from None
-        except OSError as exc:
-            raise PlanError(f"{path}: cannot read: {exc.strerror or exc}") from None
-        if raw[:2] == GZIP_MAGIC:
-            try:
-                raw = gzip.decompress(raw)
-            except (OSError, EOFError, zlib.error) as exc:
-                raise PlanError(f"{path}: corrupt gzip file ({exc})") from None
-        with _bulk():
-            try:
-                data = json.loads(raw)
-            except UnicodeDecodeError as exc:
-                raise PlanError(f"{path}: cannot read: not UTF-8 text ({exc.reason} at byte "
-                                f"{exc.start})") from None
-            except json.JSONDecodeError as exc:
-                raise PlanError(f"{path}: not JSON: {exc}") from None
-            try:
+            with _bulk():
                 return MemGraph.from_json(data)
-            except PlanError as exc:
-                raise PlanError(f"{path}: {exc}") from None
+        except PlanError as exc:
+            raise PlanError(f"{path}: {exc}") from None
+
+
+#: the format of a file holding the programs of several ranks (`einpage.ir.peers`)
+RANKS_FORMAT = "einpage.ranks"
+
+
+def write_plan_json(path: str | Path, make: Callable[[], object]) -> None:
+    """Write the JSON of `make()` to `path`: compact, gzip-compressed when the name ends in
+    `.gz`; whole or not at all (`einpage.outputs.atomic_open`: an `OutputError` on failure)."""
+    with _bulk():
+        _ops_json.cache = {}  # ops many nodes share are printed once
+        try:
+            data = json.dumps(make(), separators=(",", ":")).encode()
+        finally:
+            _ops_json.cache = None
+    with atomic_open(path, "wb") as fh:
+        if str(path).lower().endswith(".gz"):
+            with gzip.GzipFile(filename="", mode="wb", fileobj=fh, compresslevel=GZIP_LEVEL,
+                               mtime=0) as gz:  # no name, no time: the same plan, same bytes
+                gz.write(data)
+        else:
+            fh.write(data)
+
+
+def read_plan_json(path: str | Path) -> object:
+    """The JSON of a plan file, plain or gzip-compressed (told apart by its first bytes); every
+    failure one `PlanError` naming the file: missing, unreadable, corrupt gzip, not JSON."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise PlanError(f"{path}: no such plan file") from None
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if raw[:2] == GZIP_MAGIC:
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise PlanError(f"{path}: corrupt gzip file ({exc})") from None
+    with _bulk():
+        try:
+            return json.loads(raw)
+        except UnicodeDecodeError as exc:
+            raise PlanError(f"{path}: cannot read: not UTF-8 text ({exc.reason} at byte "
+                            f"{exc.start})") from None
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{path}: not JSON: {exc}") from None
 
 
 #: what reading a malformed plan raises before it is turned into one `PlanError`: Python's own

@@ -11,6 +11,11 @@ and recvs, and that it computes its rank graph). Across ranks:
   origin and shape are the recv's), the dtype and the bytes;
 - every send goes to a higher rank.
 
+A file holds the programs of every rank (`save_programs`, `load_programs`): `{"format":
+"einpage.ranks", "version": 2, "world": N, "meta": {...}, "programs": [plan, ...]}`, each plan
+the JSON of one rank's `MemGraph` (version 2, with its `rank` and `world`). Each process of a
+run reads the one file and runs its own rank's program.
+
 Why the last rule is enough for deadlock freedom, whatever order each rank runs its nodes in and
 however long its sends wait to be matched: rank 0 receives nothing, so it runs to the end; by
 induction, when ranks 0..r-1 run to the end, every send to rank r is posted, so each recv of
@@ -20,10 +25,13 @@ all-reduces) needs a stronger rule than this one.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 from einpage.errors import PlanError
-from einpage.ir.memgraph import MemGraph, RecvNode, SendNode
+from einpage.ir.memgraph import (MALFORMED, RANKS_FORMAT, VERSION, MemGraph, RecvNode, SendNode,
+                                 read_plan_json, write_plan_json)
 from einpage.ir.validator import ValidationReport, checked
 
 #: the name a value crossing ranks has on both sides: the sender's output, the receiver's input
@@ -103,3 +111,41 @@ def _check_pair(sender: MemGraph, q: int, s: SendNode, receiver: MemGraph, r: in
         expected *= v
     if t.bytes != expected:
         raise PlanError(f"{where}: {t.bytes} bytes sent, {expected} received")
+
+
+def save_programs(programs: Sequence[MemGraph], path: str | Path,
+                  meta: Mapping[str, object] | None = None) -> None:
+    """Write every rank's program to one file (the module's docstring), `.gz` compressed by
+    name, whole or not at all."""
+    write_plan_json(path, lambda: {"format": RANKS_FORMAT, "version": VERSION,
+                                   "world": len(programs), "meta": dict(meta or {}),
+                                   "programs": [mg.to_json() for mg in programs]})
+
+
+def load_programs(path: str | Path) -> tuple[tuple[MemGraph, ...], Mapping[str, object]]:
+    """The programs of a file `save_programs` wrote, and its meta; a plan for one device is one
+    program. Every failure is one `PlanError` naming the file."""
+    data = read_plan_json(path)
+    if isinstance(data, dict) and data.get("format") != RANKS_FORMAT:
+        return (MemGraph.load(path),), {}
+    try:
+        if data.get("version") != VERSION:
+            raise PlanError(f"version {data.get('version')!r} of a plan for several ranks is not "
+                            f"supported (this einpage reads version {VERSION})")
+        world = int(data["world"])
+        programs = data["programs"]
+        if not isinstance(programs, list) or len(programs) != world:
+            raise PlanError(f"world is {world} but the file holds "
+                            f"{len(programs) if isinstance(programs, list) else 'no list of'} "
+                            "programs")
+        out = []
+        for k, p in enumerate(programs):
+            try:
+                out.append(MemGraph.from_json(p))
+            except PlanError as exc:
+                raise PlanError(f"rank {k}: {exc}") from None
+        return tuple(out), MappingProxyType(dict(data.get("meta", {})))
+    except PlanError as exc:
+        raise PlanError(f"{path}: {exc}") from None
+    except MALFORMED as exc:
+        raise PlanError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None

@@ -23,7 +23,8 @@ from einpage.ir.memgraph import (Access, ApplyNode, FreeNode, InputNode, MemGrap
 from einpage.ir.tensors import WeightSource
 from einpage.ir.validator import checked
 from einpage.runtime.blockops import apply_into, guard_on, host_apply_into
-from einpage.runtime.planio import PlanIO, arena_view, stored, typed_view
+from einpage.runtime.planio import (PlanIO, arena_view, receive_into, received_inputs, stored,
+                                    typed_view)
 
 #: The byte freed (and not yet written) arena bytes hold with `poison_freed`: NaN in f16, bf16,
 #: f32 and f64; -1 in i64.
@@ -70,20 +71,6 @@ def random_topological_order(mg: MemGraph, seed: int) -> list[int]:
     return out
 
 
-def _received_inputs(mg: MemGraph, poison: bool) -> dict[str, np.ndarray]:
-    """A host buffer for each input the plan's recvs fill (poisoned: a block read before its
-    recv shows NaN)."""
-    names = {n.input for n in mg.nodes if isinstance(n, RecvNode)}
-    out = {}
-    for t in mg.inputs:
-        if t.name in names:
-            buf = np.empty(t.shape, t.dtype.numpy)
-            if poison:
-                buf.view(np.uint8)[...] = POISON
-            out[t.name] = buf
-    return out
-
-
 # ------------------------------------------------------------------ the interpreter
 
 def run(mg: MemGraph, inputs: Mapping[str, np.ndarray] | None = None,
@@ -119,7 +106,7 @@ class NumpyExecutor:
         self.mg = mg
         self.poison_freed = poison_freed
         self.comm = comm
-        self.received = _received_inputs(mg, poison_freed)
+        self.received = received_inputs(mg, poison_freed)
         if self.received and comm is None:
             raise PlanError(f"the plan receives {', '.join(map(repr, self.received))} from "
                             f"other ranks (rank {mg.rank} of {mg.world}): it needs a communicator")
@@ -192,10 +179,7 @@ class NumpyExecutor:
         self.comm.send(np.ascontiguousarray(data), n.peer, n.tag)
 
     def _recv(self, n: RecvNode) -> None:
-        whole = self.received[n.input]
-        box = np.empty(n.shape, whole.dtype)
-        self.comm.recv(box, n.peer, n.tag)
-        whole[tuple(slice(o, o + e) for o, e in zip(n.origin, n.shape))] = box
+        receive_into(self.received[n.input], n, self.comm)
 
     def _free(self, n: FreeNode) -> None:
         self._release(Access(n.tensor, n.offset))

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from einpage.errors import CheckpointError, InputError, PlanError
-from einpage.ir.memgraph import InputNode, MemGraph, OutputRef, TensorInfo
+from einpage.ir.memgraph import InputNode, MemGraph, OutputRef, RecvNode, TensorInfo
 from einpage.ir.tensors import WeightSource
 from einpage.ir.quant import dequantize, quantize
 from einpage.ir.storage import Storage
@@ -56,6 +56,27 @@ def arena_view(arena: np.ndarray, mg: MemGraph, tid: int, offset: int | None) ->
     """The instance of `tid` at `offset`: a typed view of the `uint8` arena."""
     start, _ = instance_bytes(mg, tid, offset)
     return typed_view(arena, start, mg.tensors[tid])
+
+
+def received_inputs(mg: MemGraph, poison: bool = True) -> dict[str, np.ndarray]:
+    """A host buffer for each input of a rank's program that its recvs fill, in the input's
+    logical shape and dtype (poisoned, 0xFF bytes: a block read before its recv shows NaN)."""
+    names = {n.input for n in mg.nodes if isinstance(n, RecvNode)}
+    out = {}
+    for t in mg.inputs:
+        if t.name in names:
+            buf = np.empty(t.shape, t.dtype.numpy)
+            if poison:
+                buf.view(np.uint8)[...] = 0xFF
+            out[t.name] = buf
+    return out
+
+
+def receive_into(whole: np.ndarray, n: RecvNode, comm) -> None:
+    """Recv `n`'s box of its input, from its peer, into `whole` (that input's host buffer)."""
+    box = np.empty(n.shape, whole.dtype)
+    comm.recv(box, n.peer, n.tag)
+    whole[tuple(slice(o, o + e) for o, e in zip(n.origin, n.shape))] = box
 
 
 def held_storage(weights, name: str) -> Storage | None:

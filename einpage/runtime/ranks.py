@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from einpage.errors import CheckpointError, InputError
+from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir.memgraph import MemGraph
 from einpage.ir.peers import is_boundary, validate_ranks
 from einpage.ir.tensors import WeightSource
@@ -24,11 +24,16 @@ from einpage.runtime.comm import CommError, Communicator, LocalCommunicator
 
 def run_rank(mg: MemGraph, comm: Communicator, inputs: Mapping[str, np.ndarray] | None = None,
              weights: WeightSource | None = None, order: str | int = "sequential",
-             poison_freed: bool = True) -> dict[str, np.ndarray]:
-    """Run this rank's program (NumPy executor); its results without the values it only sends
-    to later ranks. A failure here aborts the group first, so the peers stop too."""
+             poison_freed: bool = True, backend=None) -> dict[str, np.ndarray]:
+    """Run this rank's program, on the NumPy executor in `order`, or on a stream `backend` (a
+    name or a `Backend`); its results without the values it only sends to later ranks. A
+    failure here aborts the group first, so the peers stop too."""
     try:
-        out = executor.run(mg, inputs, weights, order, poison_freed, comm=comm)
+        if backend is None:
+            out = executor.run(mg, inputs, weights, order, poison_freed, comm=comm)
+        else:
+            from einpage.runtime.stream_executor import run_streams
+            out = run_streams(mg, inputs, weights, backend, timing=False, comm=comm).outputs
     except CommError:
         raise
     except Exception as exc:
@@ -38,11 +43,15 @@ def run_rank(mg: MemGraph, comm: Communicator, inputs: Mapping[str, np.ndarray] 
 
 
 def run_ranks(programs: Sequence[MemGraph], inputs: Mapping[str, np.ndarray] | None = None,
-              weights: WeightSource | None = None, order: str | int = "sequential",
-              poison_freed: bool = True, timeout: float = 60.0) -> dict[str, np.ndarray]:
-    """Run every rank's program in this process, one thread each (rank r in order `order`, or
-    in the random order of seed `order + r`), and return all their results by name. The
-    programs are validated together first (`einpage.ir.peers.validate_ranks`)."""
+              weights: WeightSource | Sequence[WeightSource] | None = None,
+              order: str | int = "sequential",
+              poison_freed: bool = True, timeout: float = 60.0, backend: str | None = None,
+              delays: int | None = None) -> dict[str, np.ndarray]:
+    """Run every rank's program in this process, one thread each, and return all their results
+    by name: on the NumPy executor (rank r in order `order`, or in the random order of seed
+    `order + r`), or on the stream `backend` named, each rank's queues delayed at random from
+    seed `[delays, r]` where `delays` is given. `weights`: one source for every rank, or one
+    per rank. The programs are validated together first (`einpage.ir.peers.validate_ranks`)."""
     validate_ranks(programs)
     world = len(programs)
     comms = LocalCommunicator.group(world, timeout=timeout)
@@ -52,8 +61,16 @@ def run_ranks(programs: Sequence[MemGraph], inputs: Mapping[str, np.ndarray] | N
     def work(r: int) -> None:
         rank_order = order if isinstance(order, str) else int(order) + r
         try:
-            results[r] = run_rank(programs[r], comms[r], inputs, weights, rank_order,
-                                  poison_freed)
+            engine = None
+            if backend is not None:
+                from einpage.runtime.backends import make_backend
+                engine = make_backend(backend)
+                if delays is not None:
+                    from einpage.runtime.backends.inject import Delayed
+                    engine = Delayed(engine, seed=delays * 1000 + r)
+            source = weights[r] if isinstance(weights, (list, tuple)) else weights
+            results[r] = run_rank(programs[r], comms[r], inputs, source, rank_order,
+                                  poison_freed, engine)
         except BaseException as exc:  # reported below, by rank
             errors[r] = exc
 

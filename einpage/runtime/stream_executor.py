@@ -25,6 +25,12 @@ typed exception: the original `EinpageError` (a checkpoint that fails to read), 
 naming the queue and node for anything else, `Interrupted` for Ctrl-C. Never a hang: a worker
 blocks only on a node that either its producer records or the abort releases, and between
 passes on its next job, which `close` sends.
+
+A program of one rank of several runs its sends and recvs on queues of their own through the
+session's `comm` (`einpage.runtime.comm.Communicator`): a recv fills its box of the input's host
+buffer (the session holds one per received input, across passes), which the input's reloads then
+read; a send reads its block as an output is read. A failure on any queue also aborts `comm`, so
+that the peers stop too; a failure a peer reports raises here as its `CommError`.
 """
 from __future__ import annotations
 
@@ -38,12 +44,12 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 
 from einpage.errors import EinpageError, ExecutionError, Interrupted
-from einpage.ir.memgraph import InputNode, MemGraph, MemNode, ReloadNode
+from einpage.ir.memgraph import InputNode, MemGraph, MemNode, RecvNode, ReloadNode, SendNode
 from einpage.ir.tensors import WeightSource
 from einpage.ir.validator import checked
 from einpage.runtime.backends.base import Backend
 from einpage.runtime.measured import Measured, Span
-from einpage.runtime.planio import PlanIO
+from einpage.runtime.planio import PlanIO, received_inputs
 from einpage.ir.quant import quantize
 from einpage.runtime.streams import QUEUES, StreamProgram, compile_streams, queue_of
 
@@ -63,10 +69,11 @@ class StreamRun:
 def run_streams(mg: MemGraph, inputs: Mapping[str, np.ndarray] | None = None,
                 weights: WeightSource | None = None, backend: Backend | str = "threads",
                 program: StreamProgram | None = None, timing: bool = True,
-                check: bool = True) -> StreamRun:
+                check: bool = True, comm=None) -> StreamRun:
     """Execute `mg` once on `backend` (a `Backend` or a registered name) and return its outputs
     by name with the measured pass. `timing` off spares the CUDA backend two events per node."""
-    with StreamSession(mg, weights, backend, program, timing, check=check) as session:
+    with StreamSession(mg, weights, backend, program, timing, check=check,
+                       comm=comm) as session:
         return session.run(inputs or {})
 
 
@@ -86,12 +93,20 @@ class StreamSession:
 
     def __init__(self, mg: MemGraph, weights: WeightSource | None = None,
                  backend: Backend | str = "threads", program: StreamProgram | None = None,
-                 timing: bool = True, graphs: bool = True, check: bool = True):
+                 timing: bool = True, graphs: bool = True, check: bool = True, comm=None):
         if check:
             checked(mg)
+        self.comm = comm
+        self.received = received_inputs(mg)
+        if mg.world > 1 and comm is None:
+            raise ExecutionError(f"rank {mg.rank} of {mg.world}: a program of several ranks "
+                                 "runs with a communicator (einpage run starts them)")
         if isinstance(backend, str):
             from einpage.runtime.backends import make_backend
             backend = make_backend(backend)
+        if mg.world > 1 and not backend.peers:
+            raise ExecutionError(f"the {backend.name} backend does not run the sends and recvs "
+                                 "of a plan for several devices yet; use --backend threads")
         self.mg, self.weights, self.backend, self.timing = mg, weights, backend, timing
         self.program = program if program is not None else compile_streams(mg, preload=True)
         self.io: PlanIO | None = None
@@ -115,10 +130,12 @@ class StreamSession:
             raise ExecutionError("this plan's session is closed")
         try:
             load_s = None
+            inputs = {**inputs, **self.received} if self.received else inputs
             if self.io is None:
                 self.io = PlanIO(self.mg, inputs, self.weights)
                 self.backend.open(self.mg, self.io)
-                self._crew = _Crew(self.mg, self.program, self.backend)
+                self._crew = _Crew(self.mg, self.program, self.backend, self.comm,
+                                   self.received)
                 weakref.finalize(self, self._crew.dismiss)  # dropped without `close`: threads end
                 self._crew.start()
                 load_s = self._preload()
@@ -340,8 +357,9 @@ class _Crew:
     from `start` to `stop`; between passes a worker sleeps on its job box. `preload` and `run`
     hand out jobs and return when every worker is done, raising the first failure."""
 
-    def __init__(self, mg: MemGraph, program: StreamProgram, backend: Backend):
-        self.backend = backend
+    def __init__(self, mg: MemGraph, program: StreamProgram, backend: Backend, comm=None,
+                 received: Mapping[str, np.ndarray] | None = None):
+        self.backend, self.comm = backend, comm
         self.queues = tuple(q for q in QUEUES if any(s.queue == q for s in program.steps)
                             or (q == "h2d" and program.preloaded))
         self.steps = _queue_steps(mg, program, self.queues)
@@ -354,8 +372,15 @@ class _Crew:
                     skipped.add(n.id)
                 else:
                     copy(n)
+        def send(n: SendNode) -> None:
+            backend.send(n, comm)
+
+        def recv(n: RecvNode) -> None:
+            backend.recv(n, comm, received[n.input])
+
         issue = {"compute": backend.run, "h2d": copy_h2d, "d2h": backend.copy_d2h,
-                 "disk": backend.read_disk, "host": backend.run_host}
+                 "disk": backend.read_disk, "host": backend.run_host, "send": send,
+                 "recv": recv}
         self.issue = tuple(issue[q] for q in self.queues)
         self.preloaded = tuple(_Step(mg.nodes[n], (), False) for n in program.preloaded)
         self.board = _Board(len(self.queues))
@@ -393,9 +418,14 @@ class _Crew:
         return stamps
 
     def abort(self) -> None:
-        """Stop every worker before its next step (from any thread)."""
+        """Stop every worker before its next step (from any thread); the peers too."""
         self.board.abort()
         self.backend.abort()
+        if self.comm is not None:
+            failure = self.failure
+            self.comm.abort(f"{failure[0]} queue failed at {failure[1]}: "
+                            f"{type(failure[2]).__name__}: {failure[2]}" if failure
+                            else "interrupted")
 
     def dismiss(self) -> None:
         """Tell every worker to end once its job is done (without waiting for it; a worker that

@@ -2,9 +2,10 @@
 
 Every node that does work goes on one queue: `compute` (apply), `h2d` (reload, input at device),
 `d2h` (offload), `disk` (read: checkpoint file -> host staging buffer), `host` (an apply placed
-on the host: it computes on host copies, on the CPU). `free` nodes and inputs at
-host or disk move no byte: they only order, so they fold
-into the nodes that depend on them (a node's *queue deps* are its deps with every folded node
+on the host: it computes on host copies, on the CPU), and in a program of one rank of several
+`send` and `recv` (messages to and from peer ranks: a recv blocks only its own queue). `free`
+nodes and inputs at host or disk move no byte: they only order, so they fold into the nodes
+that depend on them (a node's *queue deps* are its deps with every folded node
 replaced by that node's own queue deps, transitively). A queue runs its nodes in plan order, so
 a node needs at most one wait per other queue: on the latest node of that queue among its queue
 deps, and none where what the node's queue already knows implies it (tracked as a vector of the
@@ -26,10 +27,10 @@ from dataclasses import dataclass
 
 from einpage.errors import PlanError
 from einpage.ir.memgraph import (ApplyNode, InputNode, MemGraph, MemNode, OffloadNode, ReadNode,
-                                 ReloadNode)
+                                 RecvNode, ReloadNode, SendNode)
 from einpage.ir.tensors import PERSISTENT_ROLES
 
-QUEUES = ("compute", "h2d", "d2h", "disk", "host")
+QUEUES = ("compute", "h2d", "d2h", "disk", "host", "send", "recv")
 
 
 def queue_of(n: MemNode) -> str | None:
@@ -43,6 +44,10 @@ def queue_of(n: MemNode) -> str | None:
         return "d2h"
     if isinstance(n, ReadNode):
         return "disk"
+    if isinstance(n, SendNode):
+        return "send"
+    if isinstance(n, RecvNode):
+        return "recv"
     return None
 
 

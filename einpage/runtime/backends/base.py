@@ -26,9 +26,9 @@ import numpy as np
 
 from einpage.errors import PlanError
 from einpage.ir.memgraph import (ALIGNMENT, HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph,
-                                 OffloadNode, OutputRef, ReadNode, ReloadNode)
+                                 OffloadNode, OutputRef, ReadNode, RecvNode, ReloadNode, SendNode)
 from einpage.runtime.blockops import host_apply_into
-from einpage.runtime.planio import PlanIO, typed_view
+from einpage.runtime.planio import PlanIO, receive_into, typed_view
 
 
 class Backend(ABC):
@@ -36,6 +36,8 @@ class Backend(ABC):
     (always, also after an error); a backend object runs one plan at a time."""
 
     name: str = ""
+    #: runs the sends and recvs of a program of one rank of several (`send`, `recv`)
+    peers: bool = False
 
     @abstractmethod
     def open(self, mg: MemGraph, io: PlanIO) -> None:
@@ -100,6 +102,17 @@ class Backend(ABC):
     @abstractmethod
     def output(self, ref: OutputRef) -> np.ndarray:
         """An output block as a host array (after `finish`)."""
+
+    def send(self, n: SendNode, comm) -> None:
+        """From the send queue's thread: `n`'s block (its instance, or its host copy) to its
+        peer through `comm`; the block is complete (the executor waited for its writer)."""
+        ref = OutputRef(n.tensor, "host" if n.offset is None else "device", n.offset, "", ())
+        comm.send(np.ascontiguousarray(self.output(ref)), n.peer, n.tag)
+
+    def recv(self, n: RecvNode, comm, whole: np.ndarray) -> None:
+        """From the recv queue's thread: `n`'s box of its input into `whole`, that input's host
+        buffer, which the reloads of its blocks then read."""
+        receive_into(whole, n, comm)
 
     def begin_pass(self) -> None:
         """Between passes of a plan held open: the activation inputs (`io.set_inputs`) changed;
@@ -168,7 +181,10 @@ def host_layout(mg: MemGraph, stage_sources: bool,
     wanted = copied | ((streamed - exclude) if stage_sources else set())
     offsets, end = {}, 0
     for n in mg.nodes:
-        tids = ([n.write.tensor] if n.on_host else []) if isinstance(n, ApplyNode) else [n.tensor]
+        if isinstance(n, ApplyNode):
+            tids = [n.write.tensor] if n.on_host else []
+        else:
+            tids = [] if isinstance(n, RecvNode) else [n.tensor]
         for tid in tids:
             if tid in wanted and tid not in offsets:
                 offsets[tid] = end

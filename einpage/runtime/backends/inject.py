@@ -20,6 +20,7 @@ class Wrapped(Backend):
     def __init__(self, inner: Backend):
         self.inner = inner
         self.name = inner.name
+        self.peers = inner.peers
 
     def _before(self, queue: str) -> None:
         pass
@@ -52,6 +53,14 @@ class Wrapped(Backend):
     def run_host(self, n) -> None:
         self._before("host")
         self.inner.run_host(n)
+
+    def send(self, n, comm) -> None:
+        self._before("send")
+        self.inner.send(n, comm)
+
+    def recv(self, n, comm, whole) -> None:
+        self._before("recv")
+        self.inner.recv(n, comm, whole)
 
     def record(self, queue: str, node: int) -> None:
         self.inner.record(queue, node)

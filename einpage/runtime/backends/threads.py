@@ -25,6 +25,7 @@ from einpage.runtime.planio import PlanIO, arena_view
 
 class ThreadsBackend(Backend):
     name = "threads"
+    peers = True
 
     def __init__(self, poison: bool = False, drop_cache: bool = False) -> None:
         """`poison` fills the arena with 0xFF first (NaN in every float dtype), so a read of

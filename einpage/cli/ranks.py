@@ -1,0 +1,91 @@
+"""`einpage compile MODEL --devices N`: a plan for several devices (pipeline parallelism,
+`einpage.compiler.pipeline`): its report, and the programs of every rank in one file (`-o`)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from argparse import Namespace
+from dataclasses import replace
+
+from einpage.errors import InputError
+from einpage.units import format_size, parse_rate
+
+
+def peer_profile(profile, link: str):
+    """`profile` with the device-to-device link `--peer-link` names (a preset or a rate)."""
+    from einpage.predict.devices import PEER_LINKS
+    if link in PEER_LINKS:
+        return replace(profile, peer_bandwidth=PEER_LINKS[link])
+    try:
+        return replace(profile, peer_bandwidth=parse_rate(link, "--peer-link", "B"))
+    except InputError:
+        raise InputError(f"--peer-link {link!r}: use one of {', '.join(PEER_LINKS)} or a rate "
+                         "such as 25GB/s") from None
+
+
+def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
+    from einpage.cli.plan import graph_from_args
+    from einpage.compiler import CompileOptions
+    from einpage.compiler.pipeline import compile_pipeline, ranks_report
+    from einpage.ir.peers import save_programs
+    devices, m = args.devices, args.micro_batches
+    if devices < 2:
+        raise InputError(f"--devices must be at least 2 for a pipeline (got {devices}); "
+                         "--micro-batches needs it")
+    if m < 1 or args.batch % m:
+        raise InputError(f"--micro-batches {m} must divide --batch {args.batch}")
+    for flag, value in (("--trace", args.trace), ("--lookahead", args.lookahead),
+                        ("--block-bytes", args.block_bytes)):
+        if value:
+            raise InputError(f"{flag} is an option of a plan for one device; drop it with "
+                             "--devices")
+    profile = peer_profile(profile, args.peer_link)
+    micro = Namespace(**{**vars(args), "batch": args.batch // m})
+    cfg, graph, sources, tokens, workload = graph_from_args(micro)
+    from einpage.cli.common import host_budget
+    host_bytes, host_source = host_budget(args)
+    workload = {**workload, "batch": args.batch, "micro_batches": m, "devices": devices,
+                "host_budget": host_source}
+    options = CompileOptions(device_bytes=device_bytes, policy=args.policy, device=profile,
+                             sources=sources, workload=workload, host_bytes=host_bytes,
+                             host_compute=args.host_compute == "auto")
+    t0 = time.perf_counter()
+    pipeline = compile_pipeline(graph, devices, options)
+    report = ranks_report(pipeline, profile, m, time.perf_counter() - t0, tokens * m,
+                          tuple(workload.items()))
+    notes = []
+    if over:
+        notes.append(f"warning: {over}")
+    if args.output:
+        save_programs(pipeline.programs, args.output, workload)
+        notes.append(f"plan: {args.output} ({devices} programs, one per rank)")
+    if args.json:
+        print(json.dumps({**report.to_json(), "notes": notes}, sort_keys=True))
+    else:
+        print_ranks(report, cfg.name, workload, notes)
+
+
+def print_ranks(r, model: str, workload: dict, notes: list[str], out=sys.stdout) -> None:
+    link = format_size(r.peer_bandwidth) + "/s"
+    print(f"{model} {workload['phase']} batch {workload['batch']} on {len(r.ranks)} x "
+          f"{format_size(r.device_bytes)} {r.device} (peer link {link}), "
+          f"{r.micro_batches} micro-batch{'es' if r.micro_batches > 1 else ''}", file=out)
+    print(f"{'rank':>4}  {'stages':>7}  {'weights':>9}  {'resident':>9}  {'streamed':>9}  "
+          f"{'least':>9}  {'sent':>9}  {'pass':>9}  {'bound':>9}", file=out)
+    for f in r.ranks:
+        print(f"{f.rank:>4}  {f'{f.stages[0]}-{f.stages[1]}':>7}  "
+              f"{format_size(f.weight_bytes):>9}  {format_size(f.resident_bytes):>9}  "
+              f"{format_size(f.streamed_bytes):>9}  {format_size(f.min_stream_bytes):>9}  "
+              f"{format_size(f.sent_bytes):>9}  {_ms(f.pass_s):>9}  {_ms(f.bound_s):>9}",
+              file=out)
+    rate = f", {r.tokens / r.makespan_s:,.1f} tokens/s" if r.tokens else ""
+    print(f"predicted: {_ms(r.makespan_s)} for the batch{rate}; bubble {r.bubble:.2f}; bound "
+          f"{_ms(r.bound_s)}, efficiency {r.efficiency:.3f}; compiled in "
+          f"{r.compile_seconds:.1f} s", file=out)
+    for note in notes:
+        print(note, file=out)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"

@@ -1,0 +1,125 @@
+"""`einpage compile --devices N` and `einpage run` of the programs it writes: every rank in this
+process, or one process per rank under `mpiexec -n N` (the mpich wheel's), giving the one-device
+logits; a rank that fails stops them all with one line each; bad flags are one line."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi_launch import mpiexec, needs_mpi
+from safetensors.numpy import load_file, save_file
+
+from einpage.cli import main
+
+TOKENS = "1,2,3,4,5"
+#: the console script beside this Python (pip installs it with the package)
+EINPAGE = Path(sys.executable).parent / "einpage"
+
+
+def cli(*argv) -> int:
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as exc:
+        return exc.code
+
+
+def one_line(capsys, code, message):
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and err.startswith("einpage: error: "), (out, err)
+    assert message in err, err
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory, hf_fixture):
+    """The f32 fixture compiled for one device and for two, at the same budget each."""
+    f32 = hf_fixture("tiny-llama-f32")
+    d = tmp_path_factory.mktemp("ranks")
+    for name, extra in (("one.json", ()), ("two.json", ("--devices", 2)),
+                        ("three.json.gz", ("--devices", 3))):
+        assert cli("compile", f32, "--gpu-mem", "200KB", "--seq", 5, "--quiet", "-o",
+                   d / name, *extra) == 0
+    assert cli("run", d / "one.json", "--checkpoint", f32, "--tokens", TOKENS, "--out",
+               d / "one.npy") == 0
+    return f32, d
+
+
+@pytest.mark.parametrize("plan,backend", [("two.json", "threads"), ("two.json", "numpy"),
+                                          ("three.json.gz", "auto")])
+def test_every_rank_in_one_process_gives_the_one_device_logits(plans, plan, backend, capsys):
+    f32, d = plans
+    capsys.readouterr()
+    assert cli("run", d / plan, "--checkpoint", f32, "--tokens", TOKENS, "--backend", backend,
+               "--out", d / "got.npy") == 0
+    assert "saved logits (1, 5, 256)" in capsys.readouterr().out
+    np.testing.assert_allclose(np.load(d / "got.npy"), np.load(d / "one.npy"), rtol=1e-6,
+                               atol=1e-7)
+
+
+def test_the_report_says_what_each_rank_holds(plans, capsys):
+    f32, _ = plans
+    assert cli("compile", f32, "--gpu-mem", "200KB", "--seq", 4, "--batch", 2, "--devices", 2,
+               "--micro-batches", 2, "--peer-link", "nvlink", "--json", "--quiet") == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["devices"] == 2 and r["micro_batches"] == 2 and r["peer_bandwidth"] == 450e9
+    assert [x["rank"] for x in r["ranks"]] == [0, 1]
+    assert r["ranks"][0]["stages"][0] == 0 and r["ranks"][1]["stages"][0] == \
+        r["ranks"][0]["stages"][1] + 1
+    assert r["ranks"][0]["sent_bytes"] > 0 and r["ranks"][1]["sent_bytes"] == 0
+    assert 0 < r["efficiency"] <= 1 and 0 <= r["bubble"] < 1
+    assert r["makespan_s"] >= r["bound_s"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--micro-batches", 2), "--devices must be at least 2"),
+    (("--devices", 2, "--micro-batches", 3, "--batch", 2), "must divide --batch"),
+    (("--devices", 2, "--peer-link", "carrier-pigeon"), "--peer-link 'carrier-pigeon'"),
+    (("--devices", 9), "at most one device per stage"),
+])
+def test_bad_pipeline_flags_are_one_line(plans, capsys, argv, message):
+    f32, _ = plans
+    one_line(capsys, cli("compile", f32, "--gpu-mem", "200KB", "--seq", 5, "--quiet", *argv),
+             message)
+
+
+def test_a_file_of_several_programs_is_named_where_one_is_expected(plans, capsys):
+    _, d = plans
+    one_line(capsys, cli("inspect", d / "two.json"), "a plan for 2 devices")
+
+
+@needs_mpi
+def test_one_process_per_rank_under_mpiexec(plans, tmp_path):
+    f32, d = plans
+    rc, output, _ = mpiexec(2, [EINPAGE, "run", d / "two.json",
+                                "--checkpoint", f32, "--tokens", TOKENS, "--out",
+                                tmp_path / "mpi.npy"])
+    assert rc == 0, output
+    np.testing.assert_array_equal(np.load(tmp_path / "mpi.npy"), np.load(d / "one.npy"))
+    rc, output, _ = mpiexec(3, [EINPAGE, "run", d / "two.json",
+                                "--checkpoint", f32, "--tokens", TOKENS])
+    assert rc != 0 and "use mpiexec -n 2" in output
+
+
+@needs_mpi
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_rank_that_fails_stops_every_rank_with_one_line(plans, tmp_path, layer):
+    """Rank 0 (the sender) or rank 1 (the receiver) reads a broken weight: every process stops
+    within seconds, each with one line, the failing rank named by the others."""
+    f32, d = plans
+    broken = tmp_path / "broken"
+    shutil.copytree(f32, broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = f"model.layers.{layer}.mlp.down_proj.weight"
+    tensors[name] = tensors[name][:, :-1].copy()
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    rc, output, took = mpiexec(2, [EINPAGE, "run", d / "two.json",
+                                   "--checkpoint", broken, "--tokens", TOKENS], timeout=60)
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert rc != 0 and took < 30, output
+    assert all(line.startswith("einpage: error: ") for line in lines), output
+    assert any(name in line for line in lines) and "Traceback" not in output
+    if layer == 0:  # the receiver heard why its sender stopped
+        assert any(line.startswith("einpage: error: rank 0 failed:") for line in lines), output
