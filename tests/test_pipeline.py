@@ -239,3 +239,23 @@ def test_a_failing_queue_on_one_rank_stops_the_other(two, weights):
         return weights(name)
     with pytest.raises(InputError, match="rank 1: .*cannot read layers.3.w_down"):
         run_ranks(two.programs, {"tokens": _tokens()}, broken, backend="threads", timeout=20)
+
+
+def test_received_blocks_reload_just_before_their_first_user(two):
+    """The copy queue runs in list order: a reload that waits for a message sits right before
+    the node that needs it, so the weight reloads listed before that node go first."""
+    mg = two.programs[1]
+    received = {n.input for n in mg.nodes if isinstance(n, RecvNode)}
+    reloads = [n for n in mg.nodes if n.kind == "reload"
+               and mg.tensors[n.tensor].source is not None
+               and mg.tensors[n.tensor].source.input in received]
+    assert reloads
+    for r in reloads:
+        first = min(n.id for n in mg.nodes if r.id in n.deps)
+        between = mg.nodes[r.id + 1:first]
+        assert all(n.kind == "reload" and n.id in {x.id for x in reloads} for n in between)
+    sim = simulate_ranks(two.programs, [H100, H100]).passes[1][0]
+    arrival = max(sim.end[n.id] for n in mg.nodes if isinstance(n, RecvNode))
+    weights = [sim.start[n.id] for n in mg.nodes if n.kind == "reload"
+               and mg.tensors[n.tensor].role == "weight"]
+    assert min(weights) < arrival, "rank 1 prefetches weights while rank 0 works"

@@ -123,3 +123,20 @@ def test_a_rank_that_fails_stops_every_rank_with_one_line(plans, tmp_path, layer
     assert any(name in line for line in lines) and "Traceback" not in output
     if layer == 0:  # the receiver heard why its sender stopped
         assert any(line.startswith("einpage: error: rank 0 failed:") for line in lines), output
+
+
+def test_micro_batches_run_as_passes_that_follow_each_other(plans, tmp_path, capsys):
+    f32, _ = plans
+    tokens = tmp_path / "ids.npy"
+    np.save(tokens, np.array([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]))
+    assert cli("compile", f32, "--gpu-mem", "200KB", "--seq", 5, "--batch", 2, "--quiet", "-o",
+               tmp_path / "one.json") == 0
+    assert cli("compile", f32, "--gpu-mem", "200KB", "--seq", 5, "--batch", 2, "--devices", 2,
+               "--micro-batches", 2, "--quiet", "-o", tmp_path / "two.json") == 0
+    for plan in ("one", "two"):
+        assert cli("run", tmp_path / f"{plan}.json", "--checkpoint", f32, "--tokens-file", tokens,
+                   "--out", tmp_path / f"{plan}.npy") == 0
+    capsys.readouterr()
+    got, want = np.load(tmp_path / "two.npy"), np.load(tmp_path / "one.npy")
+    assert got.shape == want.shape == (2, 5, 256)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -624,7 +625,13 @@ def _run_ranks(args, programs) -> None:
     backend = None if args.backend == "numpy" else "threads"
     validate_ranks(programs)
     want = {t.name: t for mg in programs for t in mg.inputs}
+    passes = int(programs[0].meta.get("micro_batches", 1))
+    if passes > 1 and "tokens" in want:  # the plan runs a batch as passes of its micro-batch
+        t = want["tokens"]
+        want["tokens"] = replace(t, shape=(t.shape[0] * passes, *t.shape[1:]))
     given, source = _plan_input(args, want)
+    per = given.tokens.shape[0] // passes
+    batches = [{"tokens": given.tokens[m * per:(m + 1) * per]} for m in range(passes)]
     rank, size = mpi_world()
     if size > 1:
         if size != world:
@@ -637,10 +644,10 @@ def _run_ranks(args, programs) -> None:
             except EinpageError as exc:  # the peers would wait for this rank's messages
                 comm.abort(str(exc))
                 raise
-            out = run_rank(mg, comm, {"tokens": given.tokens}, weights, backend=backend)
+            out = run_rank(mg, comm, batches, weights, backend=backend)
     else:
         weights = [plan_weights(mg, source) for mg in programs]
-        out = run_ranks(programs, {"tokens": given.tokens}, weights, backend=backend)
+        out = run_ranks(programs, batches, weights, backend=backend)
     if "logits" in out:
         report_logits(out["logits"], args.out, given.lengths,
                       given.codec if given.text else None)

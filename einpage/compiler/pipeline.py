@@ -338,8 +338,10 @@ def join(s: Split, plans: list[MemGraph]) -> list[MemGraph]:
 
 
 def _with_peers(mg: MemGraph, rank: int, world: int, sends: list, recvs: list) -> MemGraph:
-    """`mg` with its recvs first (every node renumbered after them; each input node of a block of
-    a received input depends on the recvs that meet its box) and its sends last."""
+    """`mg` with its recvs first (each input node of a block of a received input depends on the
+    recvs that meet its box), the reloads of received blocks moved down the list to just before
+    their first user (`_late_reloads`), and its sends last."""
+    mg = _late_reloads(mg, {r[0] for r in recvs})
     k = len(recvs)
     nodes: list = [RecvNode(i, name, origin, shape, src, tag, ())
                    for i, (name, origin, shape, src, tag) in enumerate(recvs)]
@@ -371,6 +373,36 @@ def _with_peers(mg: MemGraph, rank: int, world: int, sends: list, recvs: list) -
                             "made on this rank")
         nodes.append(SendNode(len(nodes), o.tensor, offset, dst, tag, (dep,)))
     return replace(mg, nodes=tuple(nodes), rank=rank, world=world)
+
+
+def _late_reloads(mg: MemGraph, received: set[str]) -> MemGraph:
+    """`mg` with each reload of a block of a `received` input moved down the node list to just
+    before the first node that depends on it, every node renumbered. A copy queue runs its
+    nodes in list order, so a reload that waits for a message would otherwise hold back every
+    weight reload listed after it: the prefetch a rank can do while the ranks before it work.
+    The moved list is still a valid order of the same plan: the reload's deps stay before it,
+    and its instance only starts later, so no overlap it had with anything can appear."""
+    users: dict[int, int] = {}
+    for n in mg.nodes:
+        for d in n.deps:
+            users.setdefault(d, n.id)  # the first user in list order
+    moved = {n.id for n in mg.nodes if n.kind == "reload"
+             and (src := mg.tensors[n.tensor].source) is not None and src.input in received
+             and n.id in users}
+    if not moved:
+        return mg
+    before: dict[int, list[int]] = {}
+    for k in sorted(moved):
+        before.setdefault(users[k], []).append(k)
+    order = []
+    for n in mg.nodes:
+        order.extend(before.get(n.id, ()))
+        if n.id not in moved:
+            order.append(n.id)
+    new = {old: k for k, old in enumerate(order)}
+    nodes = tuple(replace(mg.nodes[old], id=k, deps=tuple(new[d] for d in mg.nodes[old].deps))
+                  for k, old in enumerate(order))
+    return replace(mg, nodes=nodes)
 
 
 def _meets(origin_a, shape_a, origin_b, shape_b) -> bool:

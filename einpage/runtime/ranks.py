@@ -22,27 +22,40 @@ from einpage.runtime import executor
 from einpage.runtime.comm import CommError, Communicator, LocalCommunicator
 
 
-def run_rank(mg: MemGraph, comm: Communicator, inputs: Mapping[str, np.ndarray] | None = None,
+Inputs = Mapping[str, np.ndarray]
+
+
+def run_rank(mg: MemGraph, comm: Communicator, inputs: Inputs | Sequence[Inputs] | None = None,
              weights: WeightSource | None = None, order: str | int = "sequential",
              poison_freed: bool = True, backend=None) -> dict[str, np.ndarray]:
     """Run this rank's program, on the NumPy executor in `order`, or on a stream `backend` (a
-    name or a `Backend`); its results without the values it only sends to later ranks. A
-    failure here aborts the group first, so the peers stop too."""
+    name or a `Backend`, the plan held open across passes); its results without the values it
+    only sends to later ranks. `inputs` may be a list, one pass per entry (the micro-batches of
+    a batch, in order: pass m's messages meet the peers' pass m), the results then joined along
+    their first axis (the batch). A failure here aborts the group first, so the peers stop
+    too."""
+    passes = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    outs = []
     try:
         if backend is None:
-            out = executor.run(mg, inputs, weights, order, poison_freed, comm=comm)
+            for given in passes:
+                outs.append(executor.run(mg, given, weights, order, poison_freed, comm=comm))
         else:
-            from einpage.runtime.stream_executor import run_streams
-            out = run_streams(mg, inputs, weights, backend, timing=False, comm=comm).outputs
+            from einpage.runtime.stream_executor import StreamSession
+            with StreamSession(mg, weights, backend, timing=False, comm=comm) as session:
+                for given in passes:
+                    outs.append(session.run(given or {}).outputs)
     except CommError:
         raise
     except Exception as exc:
         comm.abort(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         raise
-    return {name: value for name, value in out.items() if not is_boundary(name)}
+    return {name: (outs[0][name] if len(outs) == 1
+                   else np.concatenate([o[name] for o in outs]))
+            for name in outs[0] if not is_boundary(name)}
 
 
-def run_ranks(programs: Sequence[MemGraph], inputs: Mapping[str, np.ndarray] | None = None,
+def run_ranks(programs: Sequence[MemGraph], inputs: Inputs | Sequence[Inputs] | None = None,
               weights: WeightSource | Sequence[WeightSource] | None = None,
               order: str | int = "sequential",
               poison_freed: bool = True, timeout: float = 60.0, backend: str | None = None,
@@ -51,7 +64,7 @@ def run_ranks(programs: Sequence[MemGraph], inputs: Mapping[str, np.ndarray] | N
     by name: on the NumPy executor (rank r in order `order`, or in the random order of seed
     `order + r`), or on the stream `backend` named, each rank's queues delayed at random from
     seed `[delays, r]` where `delays` is given. `weights`: one source for every rank, or one
-    per rank. The programs are validated together first (`einpage.ir.peers.validate_ranks`)."""
+    per rank; `inputs`: one pass, or a list of passes (`run_rank`). The programs are validated together first (`einpage.ir.peers.validate_ranks`)."""
     validate_ranks(programs)
     world = len(programs)
     comms = LocalCommunicator.group(world, timeout=timeout)
