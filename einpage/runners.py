@@ -312,3 +312,116 @@ def backend_memory(backend: str) -> int:
     except (ValueError, OSError, AttributeError):
         available = 8 << 30
     return int(available // 2)
+
+
+class RanksRunner:
+    """Compiles every graph for `world` devices of `options.device_bytes` each
+    (`compiler.pipeline.compile_pipeline`: plans cached by graph) and runs the ranks' programs
+    on `backend` (threads): with `comm` None every rank in this process, one thread each, over a
+    `LocalCommunicator` group per plan; with `comm` (an `MpiCommunicator` under mpiexec) this
+    process's rank only. `open(graph)` holds the plans open across passes (`RanksSession`): a
+    generation's decode steps. `kv_names`: the KV-store inputs this process's plans read (every
+    layer's in one process; its own rank's layers under MPI), so that a generation keeps only
+    those (`KVStore(names=...)`)."""
+
+    def __init__(self, weights: WeightSource, options: CompileOptions, world: int,
+                 backend: str = "threads", comm=None):
+        from einpage.compiler.pipeline import compile_pipeline
+        if backend not in ("threads", "auto"):
+            from einpage.errors import InputError
+            raise InputError(f"--backend {backend}: plans for several devices run on threads")
+        self.weights, self.options, self.world, self.comm = weights, options, world, comm
+        self.backend = "threads"
+        self._compile = compile_pipeline
+        self._plans: dict[Graph, object] = {}
+        self.cut: tuple[int, ...] | None = None
+        self.compile_s = 0.0
+        self.passes: list = []
+
+    @property
+    def plans_compiled(self) -> int:
+        return len(self._plans)
+
+    def plan(self, graph: Graph):
+        """The pipeline of `graph`, compiled once. Every graph of one runner takes the stage cut
+        of the first (a generation's prefill): a layer's KV rows stay on the rank that made
+        them."""
+        if graph not in self._plans:
+            t0 = time.perf_counter()
+            self._plans[graph] = self._compile(graph, self.world, self.options, cut=self.cut)
+            self.cut = self._plans[graph].split.cut
+            self.compile_s += time.perf_counter() - t0
+        return self._plans[graph]
+
+    def __call__(self, graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict:
+        with self.open(graph) as session:
+            return session.run(inputs)
+
+    def open(self, graph: Graph) -> "RanksSession":
+        return RanksSession(self, self.plan(graph).programs)
+
+    @property
+    def kv_names(self) -> set[str] | None:
+        """The KV-store rows this process's ranks make (None: every layer's, all ranks being
+        here): the `cache.*` results of its programs so far (a generation's prefill)."""
+        if self.comm is None:
+            return None
+        return {t.name for p in self._plans.values()
+                for t in p.programs[self.comm.rank].results if t.name.startswith("cache.")}
+
+
+class RanksSession:
+    """The programs of every rank held open for many passes: a `StreamSession` per rank of this
+    process. A pass runs every rank (in this process, one thread each) and returns the results
+    the driver needs: under MPI the last rank sends its `logits` to every other rank (tag
+    `RESULTS_TAG`), so that each process picks the same next token, and each has its own
+    layers' new KV rows."""
+
+    def __init__(self, runner: RanksRunner, programs):
+        from einpage.runtime.comm import LocalCommunicator
+        from einpage.runtime.stream_executor import StreamSession
+        self.runner, self.programs = runner, programs
+        world = len(programs)
+        if runner.comm is None:
+            comms = LocalCommunicator.group(world)
+            mine = range(world)
+        else:
+            comms = {runner.comm.rank: runner.comm}
+            mine = [runner.comm.rank]
+        self.sessions = {r: StreamSession(programs[r], runner.weights, "threads", timing=False,
+                                          comm=comms[r]) for r in mine}
+        self.comms = comms
+
+    def __enter__(self) -> "RanksSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from einpage.ir.peers import is_boundary
+        from einpage.runtime.ranks import RESULTS_TAG, run_together
+        outs = run_together({r: (lambda s=s: s.run(inputs).outputs)
+                             for r, s in self.sessions.items()}, self.comms)
+        merged = {name: value for out in outs.values() for name, value in out.items()
+                  if not is_boundary(name)}
+        comm = self.runner.comm
+        if comm is not None:
+            last = len(self.programs) - 1
+            if comm.rank == last:
+                for r in range(last):
+                    comm.send(np.ascontiguousarray(merged["logits"]), r, RESULTS_TAG)
+            else:
+                t = next(t for t in self.programs[last].results if t.name == "logits")
+                merged["logits"] = np.empty(t.shape, t.dtype.numpy)
+                comm.recv(merged["logits"], last, RESULTS_TAG)
+        return merged
+
+    def write(self, name: str, lead: tuple[int, ...], values: np.ndarray) -> None:
+        for r, session in self.sessions.items():
+            if any(t.name == name for t in self.programs[r].inputs):
+                session.write(name, lead, values)
+
+    def close(self) -> None:
+        for session in self.sessions.values():
+            session.close()

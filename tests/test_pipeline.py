@@ -259,3 +259,20 @@ def test_received_blocks_reload_just_before_their_first_user(two):
     weights = [sim.start[n.id] for n in mg.nodes if n.kind == "reload"
                and mg.tensors[n.tensor].role == "weight"]
     assert min(weights) < arrival, "rank 1 prefetches weights while rank 0 works"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_generation_over_ranks_picks_the_one_device_tokens(weights, temperature):
+    """Rows of different lengths, greedy and sampled: the same tokens as one device; the KV rows
+    of a layer stay on its rank (every plan of the runner takes the first plan's cut)."""
+    from einpage.models.generation import generate
+    from einpage.runners import PlanRunner, RanksRunner
+    prompt = (np.arange(16).reshape(2, 8) * 7 + 3) % SMALL.vocab
+    lengths = np.array([8, 5])
+    options = CompileOptions(SMALL.weight_bytes() // 4)
+    kw = dict(lengths=lengths, temperature=temperature, seed=11 if temperature else None)
+    want = generate(SMALL, prompt, 10, PlanRunner(weights, options, "threads"), **kw)
+    runner = RanksRunner(weights, options, 2)
+    got = generate(SMALL, prompt, 10, runner, **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert runner.plans_compiled >= 2 and len({p.split.cut for p in runner._plans.values()}) == 1

@@ -140,3 +140,39 @@ def test_micro_batches_run_as_passes_that_follow_each_other(plans, tmp_path, cap
     got, want = np.load(tmp_path / "two.npy"), np.load(tmp_path / "one.npy")
     assert got.shape == want.shape == (2, 5, 256)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_generation_over_two_devices_gives_transformers_tokens(plans, tmp_path, capsys):
+    """In one process: the greedy tokens transformers made for the fixture."""
+    f32, _ = plans
+    assert cli("generate", f32, "--tokens-file", f32 / "greedy_prompt.npy", "--max-new-tokens",
+               5, "--ignore-eos", "--gpu-mem", "200KB", "--devices", 2, "--out",
+               tmp_path / "new.npy") == 0
+    capsys.readouterr()
+    np.testing.assert_array_equal(np.load(tmp_path / "new.npy"), np.load(f32 / "greedy_out.npy"))
+
+
+@needs_mpi
+def test_generation_with_one_process_per_device(plans, tmp_path):
+    f32, _ = plans
+    rc, output, _ = mpiexec(2, [EINPAGE, "generate", f32, "--tokens-file",
+                                f32 / "greedy_prompt.npy", "--max-new-tokens", 5,
+                                "--ignore-eos", "--gpu-mem", "200KB", "--devices", 2, "--out",
+                                tmp_path / "new.npy"])
+    assert rc == 0, output
+    assert output.count("saved new tokens") == 1, output  # rank 0 alone reports
+    np.testing.assert_array_equal(np.load(tmp_path / "new.npy"), np.load(f32 / "greedy_out.npy"))
+    rc, output, _ = mpiexec(2, [EINPAGE, "generate", f32, "--tokens", TOKENS, "--max-new-tokens",
+                                2, "--gpu-mem", "200KB", "--devices", 3])
+    assert rc != 0 and "--devices 3 but mpiexec started 2 processes" in output
+
+
+def test_bad_device_flags_for_run_and_generate_are_one_line(plans, capsys):
+    f32, _ = plans
+    one_line(capsys, cli("generate", f32, "--tokens", TOKENS, "--max-new-tokens", 2,
+                         "--devices", 2), "--devices N needs --gpu-mem")
+    one_line(capsys, cli("run", f32, "--tokens", TOKENS, "--gpu-mem", "200KB", "--devices", 2,
+                         "--backend", "numpy"), "plans for several devices run on threads")
+    one_line(capsys, cli("generate", f32, "--tokens", TOKENS, "--max-new-tokens", 2,
+                         "--gpu-mem", "200KB", "--devices", 2, "--timing"),
+             "--timing is not taken with --devices yet")

@@ -51,6 +51,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                    "(to page a small model on a GPU)")
     p.add_argument("--force", action="store_true",
                    help="allow a --gpu-mem above the memory of --device (a warning)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="run the model over N devices of --gpu-mem each (pipeline parallelism, "
+                        "threads backend): every rank in this process, or one per process "
+                        "under mpiexec -n N")
     add_host_args(p)
     add_quantize_arg(p)
     p.add_argument("--policy", help=POLICY_HELP + "; needs --gpu-mem")
@@ -146,6 +150,8 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None):
     from einpage.compiler import CompileOptions
     if args.gpu_mem and args.arena:
         raise InputError("--gpu-mem and --arena both size the plan: give one")
+    if getattr(args, "devices", 1) != 1:
+        return _ranks_runner(args, weights)
     whole = (parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else
              parse_size(args.arena, "--arena") if args.arena else None)
     if budget is None:
@@ -171,6 +177,41 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None):
     return runners.PlanRunner(weights, options, args.backend,
                               timing=bool(args.timing or args.trace), arena=bool(args.arena),
                               graphs=not args.trace)  # a trace shows every node of every pass
+
+
+def _ranks_runner(args, weights):
+    """`--devices N`: plans for N devices, every rank here or this process's under mpiexec."""
+    from einpage import runners
+    from einpage.compiler import CompileOptions
+    from einpage.runtime.comm import MpiCommunicator, mpi_world
+    devices = args.devices
+    if devices < 1:
+        raise InputError(f"--devices must be at least 1, got {devices}")
+    if not args.gpu_mem:
+        raise InputError("--devices N needs --gpu-mem: the budget of each device")
+    for flag, given in (("--arena", args.arena), ("--timing", args.timing),
+                        ("--trace", args.trace), ("--draft", getattr(args, "draft", None))):
+        if given:
+            raise InputError(f"{flag} is not taken with --devices yet")
+    if args.backend not in ("auto", "threads"):
+        raise InputError(f"--backend {args.backend}: plans for several devices run on threads")
+    rank, size = mpi_world()
+    comm = None
+    if size > 1:
+        if size != devices:
+            raise InputError(f"--devices {devices} but mpiexec started {size} processes")
+        comm = MpiCommunicator()
+    host_bytes, _ = host_budget(args)
+    options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
+                             policy=args.policy or "reuse-distance", device=_profile(args),
+                             host_bytes=host_bytes, host_compute=args.host_compute == "auto")
+    return runners.RanksRunner(weights, options, devices, comm=comm)
+
+
+def _quiet_rank(runner) -> bool:
+    """Under mpiexec, every rank but 0 runs quietly (each rank picks the same tokens)."""
+    comm = getattr(runner, "comm", None)
+    return comm is not None and comm.rank != 0
 
 
 def _profile(args):
@@ -288,6 +329,8 @@ def cmd_run(args) -> None:
     check_context(cfg, int(given.lengths.max()))
     runner = _runner(args, weights)
     out = prefill(cfg, given.tokens, runner, given.lengths, passes=passes)
+    if _quiet_rank(runner):
+        return
     report_logits(out["logits"], args.out, given.lengths, given.codec if given.text else None)
     _after(args, runner, repeated=passes > 1)
 
@@ -374,6 +417,10 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
     check_context(cfg, int(given.lengths.max()), args.max_new_tokens)
     draft, draft_bytes = _draft_from_args(args, cfg, k, given)
     runner = _runner(args, weights, reserved=draft_bytes)
+    quiet = _quiet_rank(runner)
+    if quiet:
+        import io
+        out = io.StringIO()  # rank 0 prints and saves the generation; the others compute it
     if isinstance(draft, tuple):  # a draft model: its runner on the same backend, its budget
         from einpage.models.speculative import ModelDraft
         dcfg, dweights = draft
@@ -412,7 +459,7 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
     if given.codec is not None:
         summary["text"] = [given.codec.decode(row) for row in done.rows()]
     written = Deferred()  # a failed --out: the rows print as without it, then one line
-    if args.out and written.write(save_npy, args.out, new.astype(np.int64)):
+    if args.out and not quiet and written.write(save_npy, args.out, new.astype(np.int64)):
         summary["out"] = args.out
     if args.json:
         print(json.dumps(summary, sort_keys=True), file=out)

@@ -460,7 +460,7 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
     t0 = time.perf_counter()
     rest, opened, stats = np.zeros((batch, 0), np.int64), (), None
     if caps and not picker.done:
-        store = KVStore(cfg, batch, caps[-1])
+        store = KVStore(cfg, batch, caps[-1], names=getattr(run, "kv_names", None))
         store.fill(out, lengths)
         if draft is None:
             rest, opened = _decode(cfg, store, first, new_tokens - 1, run, granule, on_token,

@@ -9,7 +9,7 @@ of a smaller bucket reads a prefix of it.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -73,9 +73,13 @@ class KVStore:
 
     For a model whose every layer has a sliding window the store is a ring (`cfg.kv_ring` slots
     at most): position q lies in slot `q mod ring`, and only the rows the window sees are
-    kept."""
+    kept.
 
-    def __init__(self, cfg: LlamaConfig, batch: int, capacity: int, dtype=None):
+    `names` keeps only those layers' arrays (a process running one rank of a pipeline holds
+    its own layers' rows; default: every layer)."""
+
+    def __init__(self, cfg: LlamaConfig, batch: int, capacity: int, dtype=None,
+                 names: Iterable[str] | None = None):
         if batch < 1 or capacity < 1:
             raise InputError(f"a KV store needs batch and capacity of at least 1, got "
                              f"{batch} and {capacity}")
@@ -86,7 +90,9 @@ class KVStore:
         self.storage = kv_storage(cfg)
         if self.storage is not None:
             shape, dtype = self.storage.packed_shape(shape), np.uint8
-        self.arrays = {name: np.zeros(shape, dtype or cfg.dtype.numpy) for name in store_names(cfg)}
+        kept = store_names(cfg) if names is None else [n for n in store_names(cfg) if n in
+                                                      set(names)]
+        self.arrays = {name: np.zeros(shape, dtype or cfg.dtype.numpy) for name in kept}
         self.pos = np.zeros(batch, np.int64)
 
     @property
@@ -96,7 +102,7 @@ class KVStore:
     def fill(self, cache: Mapping[str, np.ndarray], lengths: np.ndarray | None = None) -> None:
         """Rows from a prefill's `cache.<l>.k|v` [B, S, ...]: row b's first `lengths[b]` (default
         all S) positions, which become its past."""
-        first = cache[store_names(self.cfg)[0]]
+        first = cache[next(iter(self.arrays))] if self.arrays else next(iter(cache.values()))
         batch, seq = first.shape[:2]
         lengths = np.full(batch, seq, np.int64) if lengths is None else np.asarray(lengths)
         if batch != self.batch or lengths.shape != (batch,):

@@ -10,7 +10,7 @@ a message that will never come; the error raised names the rank that failed firs
 from __future__ import annotations
 
 import threading
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -19,7 +19,11 @@ from einpage.ir.memgraph import MemGraph
 from einpage.ir.peers import is_boundary, validate_ranks
 from einpage.ir.tensors import WeightSource
 from einpage.runtime import executor
-from einpage.runtime.comm import CommError, Communicator, LocalCommunicator
+from einpage.runtime.comm import MAX_TAG, CommError, Communicator, LocalCommunicator
+
+#: the tag a generation's driver sends the last rank's logits under, to every other rank (a
+#: plan's own tags count up from 0)
+RESULTS_TAG = MAX_TAG - 1
 
 
 Inputs = Mapping[str, np.ndarray]
@@ -48,7 +52,7 @@ def run_rank(mg: MemGraph, comm: Communicator, inputs: Inputs | Sequence[Inputs]
     except CommError:
         raise
     except Exception as exc:
-        comm.abort(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        comm.abort(f"{type(exc).__name__}: {_first_line(exc)}")
         raise
     return {name: (outs[0][name] if len(outs) == 1
                    else np.concatenate([o[name] for o in outs]))
@@ -64,44 +68,70 @@ def run_ranks(programs: Sequence[MemGraph], inputs: Inputs | Sequence[Inputs] | 
     by name: on the NumPy executor (rank r in order `order`, or in the random order of seed
     `order + r`), or on the stream `backend` named, each rank's queues delayed at random from
     seed `[delays, r]` where `delays` is given. `weights`: one source for every rank, or one
-    per rank; `inputs`: one pass, or a list of passes (`run_rank`). The programs are validated together first (`einpage.ir.peers.validate_ranks`)."""
+    per rank; `inputs`: one pass, or a list of passes (`run_rank`). The programs are validated
+    together first (`einpage.ir.peers.validate_ranks`)."""
     validate_ranks(programs)
     world = len(programs)
     comms = LocalCommunicator.group(world, timeout=timeout)
-    results: list[dict | None] = [None] * world
-    errors: list[BaseException | None] = [None] * world
 
-    def work(r: int) -> None:
+    def work(r: int) -> dict:
         rank_order = order if isinstance(order, str) else int(order) + r
-        try:
-            engine = None
-            if backend is not None:
-                from einpage.runtime.backends import make_backend
-                engine = make_backend(backend)
-                if delays is not None:
-                    from einpage.runtime.backends.inject import Delayed
-                    engine = Delayed(engine, seed=delays * 1000 + r)
-            source = weights[r] if isinstance(weights, (list, tuple)) else weights
-            results[r] = run_rank(programs[r], comms[r], inputs, source, rank_order,
-                                  poison_freed, engine)
-        except BaseException as exc:  # reported below, by rank
-            errors[r] = exc
+        engine = None
+        if backend is not None:
+            from einpage.runtime.backends import make_backend
+            engine = make_backend(backend)
+            if delays is not None:
+                from einpage.runtime.backends.inject import Delayed
+                engine = Delayed(engine, seed=delays * 1000 + r)
+        source = weights[r] if isinstance(weights, (list, tuple)) else weights
+        return run_rank(programs[r], comms[r], inputs, source, rank_order, poison_freed, engine)
 
-    threads = [threading.Thread(target=work, args=(r,), name=f"rank-{r}") for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for c in comms:
-        c.close()
-    failed = [r for r in range(world) if errors[r] is not None]
-    if failed:
-        # the first cause, not the aborts it set off in the other ranks
-        first = next((r for r in failed if not isinstance(errors[r], CommError)), failed[0])
-        exc = errors[first]
-        cls = type(exc) if isinstance(exc, (InputError, CheckpointError)) else PlanError
-        raise cls(f"rank {first}: {exc}") from exc
+    try:
+        results = run_together({r: (lambda r=r: work(r)) for r in range(world)}, comms)
+    finally:
+        for c in comms:
+            c.close()
     out: dict[str, np.ndarray] = {}
-    for res in results:
+    for res in results.values():
         out.update(res)
     return out
+
+
+def run_together(jobs: Mapping[int, Callable[[], dict]], comms) -> dict[int, dict]:
+    """Each rank's job, one thread each where there are several (a job that fails aborts its
+    communicator, so the others stop); their results by rank, or the first cause raised with
+    its rank (not the aborts it set off in the other ranks): an `InputError` or
+    `CheckpointError` as such, anything else as a `PlanError`."""
+    results: dict[int, dict] = {}
+    errors: dict[int, BaseException] = {}
+
+    def work(r: int) -> None:
+        try:
+            results[r] = jobs[r]()
+        except BaseException as exc:  # reported below, by rank
+            errors[r] = exc
+            comms[r].abort(f"{type(exc).__name__}: {_first_line(exc)}")
+
+    if len(jobs) == 1:
+        (r,) = jobs
+        work(r)
+    else:
+        threads = [threading.Thread(target=work, args=(r,), name=f"rank-{r}") for r in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        failed = sorted(errors)
+        first = next((r for r in failed if not isinstance(errors[r], CommError)), failed[0])
+        exc = errors[first]
+        if isinstance(exc, CommError) and len(jobs) == 1:
+            raise exc  # a peer's failure, under MPI: its own line names it
+        cls = type(exc) if isinstance(exc, (InputError, CheckpointError)) else PlanError
+        raise cls(f"rank {first}: {exc}") from exc
+    return results
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else ""
