@@ -176,3 +176,14 @@ def test_bad_device_flags_for_run_and_generate_are_one_line(plans, capsys):
     one_line(capsys, cli("generate", f32, "--tokens", TOKENS, "--max-new-tokens", 2,
                          "--gpu-mem", "200KB", "--devices", 2, "--timing"),
              "--timing is not taken with --devices yet")
+
+
+@needs_mpi
+@pytest.mark.parametrize("seed", [1, 2])
+def test_ranks_over_mpi_with_random_delays_per_queue_and_rank(seed):
+    worker = Path(__file__).parent / "mpi_ranks_worker.py"
+    rc, output, _ = mpiexec(2, [sys.executable, worker, seed])
+    assert rc == 0, output
+    (line,) = [x for x in output.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result["rank"] == 1 and result["recvs"] >= 2 and result["error"] < 1e-5, result
