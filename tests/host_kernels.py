@@ -10,6 +10,7 @@ import hashlib
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -138,23 +139,33 @@ def _host_source(src) -> str:
 
 
 class HostKernels:
-    """Generated kernels compiled for the host by g++, in batches, loaded with ctypes."""
+    """Generated kernels compiled for the host by g++, in batches, loaded with ctypes. Safe to
+    use from several threads (CuPy's compile is: two backends of a pipeline's ranks open at
+    once): a build takes every pending source under a lock, and a name asked for while another
+    thread builds it waits for that build."""
 
     def __init__(self, directory: Path):
         self.directory = directory
         self.pending: dict = {}
         self.functions: dict = {}
+        self.lock = threading.RLock()
 
     def add(self, src) -> None:
-        if src.name not in self.functions:
-            self.pending[src.name] = src
+        with self.lock:
+            if src.name not in self.functions:
+                self.pending[src.name] = src
 
     def function(self, name: str):
-        if name not in self.functions:
-            self.build()
-        return self.functions[name]
+        with self.lock:
+            if name not in self.functions:
+                self.build()
+            return self.functions[name]
 
     def build(self) -> None:
+        with self.lock:
+            self._build()
+
+    def _build(self) -> None:
         sources = list(self.pending.values())
         self.pending = {}
         if not sources:

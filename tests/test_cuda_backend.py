@@ -187,6 +187,33 @@ def test_paged_llama_equals_the_numpy_executor(device, dtype, fraction):
     assert backend.arena is None
 
 
+def test_a_pipelines_ranks_on_the_cupy_backend(device):
+    """Two ranks, each on a backend of its own (two threads of one process, a local group):
+    sends copy their blocks out on the send stream, recvs refill the pinned copies the reloads
+    read, and nothing is captured; the logits equal one device's NumPy executor."""
+    from einpage.compiler.pipeline import compile_pipeline
+    from einpage.runtime.comm import LocalCommunicator
+    from einpage.runtime.ranks import run_rank, run_together
+    cfg, weights, tokens, compiled = _paged_llama(DType.f32, 6)
+    graph = llama.prefill_graph(cfg).bind(B=tokens.shape[0], S=tokens.shape[1])
+    pipeline = compile_pipeline(graph, 2, CompileOptions(cfg.weight_bytes() // 6))
+    for src in kernel_sources(pipeline.programs):  # both ranks' kernels in one build
+        cuda_apply.compiled(src)
+    want = executor.run(compiled.memgraph, {"tokens": tokens}, weights)["logits"]
+    comms = LocalCommunicator.group(2, timeout=60)
+    backends = [CupyBackend(), CupyBackend()]
+    results = run_together({r: (lambda r=r: run_rank(pipeline.programs[r], comms[r],
+                                                     [{"tokens": tokens}] * 2, weights,
+                                                     backend=backends[r]))
+                            for r in range(2)}, comms)
+    got = results[1]["logits"]
+    assert got.shape[0] == 2 * tokens.shape[0]  # two passes: the second not captured
+    n = tokens.shape[0]
+    _close({"logits": got[:n]}, {"logits": want}, DType.f32, f"{device.kind} pipeline, pass 1")
+    _close({"logits": got[n:]}, {"logits": want}, DType.f32, f"{device.kind} pipeline, pass 2")
+    assert all(b.arena is None for b in backends)
+
+
 def test_tight_budget_offloads_and_decodes_greedily(device):
     cfg, weights = resolve("tiny", random_weights=True, seed=5)
     prompt = np.array([[4, 8, 15, 16], [23, 42, 1, 2]]) % cfg.vocab

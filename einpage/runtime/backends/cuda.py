@@ -68,7 +68,7 @@ import numpy as np
 
 from einpage.errors import BackendError, ExecutionError, InputError, PlanError
 from einpage.ir.memgraph import (HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph, OffloadNode,
-                                 OutputRef, ReadNode, ReloadNode)
+                                 OutputRef, ReadNode, RecvNode, ReloadNode, SendNode)
 from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.runtime.backends import cublas_lib
 from einpage.runtime.backends.apply_plan import (STATUS_BYTES, aligned, plan_applies,
@@ -80,7 +80,7 @@ from einpage.runtime.backends.cuda_memory import Regions, regions
 from einpage.runtime.backends.cuda_source import DEVICE_DTYPE
 from einpage.runtime.backends.pinned import PinnedWeights
 from einpage.runtime.diskread import DiskReader
-from einpage.runtime.planio import PlanIO, instance_bytes, stored, typed_view
+from einpage.runtime.planio import PlanIO, instance_bytes, receive_into, stored, typed_view
 
 __all__ = ["CupyBackend", "cuda_usable", "workspace_bytes"]
 
@@ -88,6 +88,8 @@ __all__ = ["CupyBackend", "cuda_usable", "workspace_bytes"]
 STAGING_SLOTS = 4
 #: pinned slots for KV rows written between passes (each as large as a resident KV block)
 ROW_SLOTS = 8
+#: the queues whose work the CPU does (a wait there blocks the CPU until the event completes)
+_CPU_QUEUES = ("disk", "host", "send", "recv")
 
 
 def _unusable_reason(device: int = 0) -> str | None:
@@ -151,6 +153,9 @@ class CupyBackend(DeviceApplies, Backend):
     `apply_plan.workspace_bytes(mg)`). Raises `BackendError` where no GPU is usable."""
 
     name = "cupy"
+    #: a rank's sends and recvs go through host memory: a send copies its block out on the send
+    #: queue's stream, a recv refills the pinned copies of the blocks its box meets
+    peers = True
 
     def __init__(self, device: int = 0, workspace_bytes: int | None = None):
         reason = _unusable_reason(device)
@@ -264,6 +269,12 @@ class CupyBackend(DeviceApplies, Backend):
         self._plans = plans
         self.layout = layout
         self._host_at = {tid: self._pinned_ptr + at for tid, at in layout.offsets.items()}
+        received = {n.input for n in mg.nodes if isinstance(n, RecvNode)}
+        self._received: dict[str, list[int]] = {}
+        for tid in layout.offsets:  # the pinned copies a recv refills
+            src = mg.tensors[tid].source
+            if src is not None and src.input in received:
+                self._received.setdefault(src.input, []).append(tid)
         self._slot, self._staging_at = slot, staging_at
         self._row, self._rows_at = row, rows_at
         self._fixed = fixed
@@ -288,10 +299,11 @@ class CupyBackend(DeviceApplies, Backend):
             self._region[name] = cp.cuda.UnownedMemory(base + at, max(size, 1), None,
                                                        self.device_id)
         self.arena = cp.ndarray((device_bytes,), np.uint8, memptr=self._at("arena", 0))
-        # the disk queue's reads and the host queue's applies run on the CPU: their streams only
-        # carry their events (recorded once the CPU work is done)
+        # the disk queue's reads, the host queue's applies and the messages of a rank of several
+        # (recv, and send after its copy out) run on the CPU: those streams carry their events
+        # (recorded once the CPU work is done) and the send's copy
         self._streams = {q: cp.cuda.Stream(non_blocking=True)
-                         for q in ("compute", "h2d", "d2h", "disk", "host")}
+                         for q in ("compute", "h2d", "d2h", "disk", "host", "send", "recv")}
         self._at("status", 0).memset_async(0, STATUS_BYTES, self._streams["compute"])
         # an event per pinned slot, recorded after each copy out of it (one never recorded is
         # complete): a slot is reused once its event is
@@ -440,7 +452,7 @@ class CupyBackend(DeviceApplies, Backend):
             event.record(self._streams[queue])
 
     def wait(self, queue: str, node: int) -> None:
-        if queue in ("disk", "host"):  # the CPU touches host memory now: the copy must be done
+        if queue in _CPU_QUEUES:  # the CPU touches the bytes now: the work must be done
             self._events[node].synchronize()
             return
         self._streams[queue].wait_event(self._events[node])
@@ -468,12 +480,38 @@ class CupyBackend(DeviceApplies, Backend):
 
     # ------------------------------------------------------------------ CUDA graphs
     def can_capture(self) -> bool:
-        """A pass with no host work in it (no disk reads, no applies on the host) and no
-        guards (a branch on data: a guarded apply or reload) replays as one CUDA graph."""
-        return not any(isinstance(n, ReadNode) or (isinstance(n, ApplyNode) and (
-            n.on_host or n.guard is not None)) or (isinstance(n, ReloadNode)
-                                                    and n.guard is not None)
+        """A pass with no host work in it (no disk reads, no applies on the host, no messages
+        to or from other ranks) and no guards (a branch on data: a guarded apply or reload)
+        replays as one CUDA graph."""
+        return not any(isinstance(n, (ReadNode, SendNode, RecvNode)) or (
+            isinstance(n, ApplyNode) and (n.on_host or n.guard is not None)) or (
+                isinstance(n, ReloadNode) and n.guard is not None)
             for n in self.mg.nodes)
+
+    # ------------------------------------------------------------------ messages
+    def send(self, n: SendNode, comm) -> None:
+        """The block to host memory on the send stream (after the wait on its writer: the CPU
+        waited), then to the peer."""
+        if n.offset is None:  # its host copy, which an offload made
+            data = host_view(self.host, self.mg, self.layout, n.tensor)
+        else:
+            src, nbytes = self._instance(n.tensor, n.offset)
+            dtype, shape = stored(self.mg.tensors[n.tensor])
+            data = np.empty(shape, dtype)
+            with self._device:  # into pageable memory: returns once the copy is complete
+                src.copy_to_host_async(data.ctypes.data, nbytes, self._streams["send"])
+        comm.send(np.ascontiguousarray(data), n.peer, n.tag)
+
+    def recv(self, n: RecvNode, comm, whole: np.ndarray) -> None:
+        """The box into the input's host buffer, then every pinned copy of a block of that
+        input the box meets read again from it (the reloads read the pinned copies; each
+        waits for the recvs of its box)."""
+        receive_into(whole, n, comm)
+        for tid in self._received.get(n.input, ()):
+            t = self.mg.tensors[tid]
+            if all(o < q + e and q < o + m for o, m, q, e in
+                   zip(t.source.origin, t.shape, n.origin, n.shape)):
+                self.io.read_into(tid, host_view(self.host, self.mg, self.layout, tid))
 
     def begin_capture(self) -> None:
         """The compute stream captures; the copy streams join it by waiting on its first
