@@ -317,7 +317,7 @@ def backend_memory(backend: str) -> int:
 class RanksRunner:
     """Compiles every graph for `world` devices of `options.device_bytes` each
     (`compiler.pipeline.compile_pipeline`: plans cached by graph) and runs the ranks' programs
-    on `backend` (threads): with `comm` None every rank in this process, one thread each, over a
+    on `backend` (threads, or cupy: rank r on GPU r modulo the GPUs seen): with `comm` None every rank in this process, one thread each, over a
     `LocalCommunicator` group per plan; with `comm` (an `MpiCommunicator` under mpiexec) this
     process's rank only. `open(graph)` holds the plans open across passes (`RanksSession`): a
     generation's decode steps. `kv_names`: the KV-store inputs this process's plans read (every
@@ -327,11 +327,13 @@ class RanksRunner:
     def __init__(self, weights: WeightSource, options: CompileOptions, world: int,
                  backend: str = "threads", comm=None):
         from einpage.compiler.pipeline import compile_pipeline
-        if backend not in ("threads", "auto"):
+        from einpage.runtime.backends import resolve
+        if backend not in ("threads", "cupy", "auto"):
             from einpage.errors import InputError
-            raise InputError(f"--backend {backend}: plans for several devices run on threads")
+            raise InputError(f"--backend {backend}: plans for several devices run on threads "
+                             "or cupy")
         self.weights, self.options, self.world, self.comm = weights, options, world, comm
-        self.backend = "threads"
+        self.backend = resolve(backend)
         self._compile = compile_pipeline
         self._plans: dict[Graph, object] = {}
         self.cut: tuple[int, ...] | None = None
@@ -379,6 +381,7 @@ class RanksSession:
 
     def __init__(self, runner: RanksRunner, programs):
         from einpage.runtime.comm import LocalCommunicator
+        from einpage.runtime.ranks import rank_backend
         from einpage.runtime.stream_executor import StreamSession
         self.runner, self.programs = runner, programs
         world = len(programs)
@@ -388,7 +391,8 @@ class RanksSession:
         else:
             comms = {runner.comm.rank: runner.comm}
             mine = [runner.comm.rank]
-        self.sessions = {r: StreamSession(programs[r], runner.weights, "threads", timing=False,
+        self.sessions = {r: StreamSession(programs[r], runner.weights,
+                                          rank_backend(runner.backend, r), timing=False,
                                           comm=comms[r]) for r in mine}
         self.comms = comms
 

@@ -193,8 +193,9 @@ def _ranks_runner(args, weights):
                         ("--trace", args.trace), ("--draft", getattr(args, "draft", None))):
         if given:
             raise InputError(f"{flag} is not taken with --devices yet")
-    if args.backend not in ("auto", "threads"):
-        raise InputError(f"--backend {args.backend}: plans for several devices run on threads")
+    if args.backend not in ("auto", "threads", "cupy"):
+        raise InputError(f"--backend {args.backend}: plans for several devices run on threads "
+                         "or cupy")
     rank, size = mpi_world()
     comm = None
     if size > 1:
@@ -205,7 +206,7 @@ def _ranks_runner(args, weights):
     options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
                              policy=args.policy or "reuse-distance", device=_profile(args),
                              host_bytes=host_bytes, host_compute=args.host_compute == "auto")
-    return runners.RanksRunner(weights, options, devices, comm=comm)
+    return runners.RanksRunner(weights, options, devices, args.backend, comm=comm)
 
 
 def _quiet_rank(runner) -> bool:
@@ -660,16 +661,15 @@ def _run_ranks(args, programs) -> None:
     from einpage.ir.peers import validate_ranks
     from einpage.runners import plan_weights
     from einpage.runtime.comm import MpiCommunicator, mpi_world
-    from einpage.runtime.ranks import run_rank, run_ranks
+    from einpage.runtime.ranks import rank_backend, run_rank, run_ranks
     world = len(programs)
     for flag, given in (("--timing", args.timing), ("--trace", args.trace),
                         ("--passes", _passes(args) != 1)):
         if given:
             raise InputError(f"{flag} is not measured for a plan of several devices yet")
-    if args.backend not in ("auto", "threads", "numpy"):
-        raise InputError(f"--backend {args.backend}: a plan of several devices runs on threads "
-                         "or numpy")
-    backend = None if args.backend == "numpy" else "threads"
+    if args.backend == "reference":
+        raise InputError("--backend reference runs graphs, not plan files")
+    backend = None if args.backend == "numpy" else args.backend
     validate_ranks(programs)
     want = {t.name: t for mg in programs for t in mg.inputs}
     passes = int(programs[0].meta.get("micro_batches", 1))
@@ -691,7 +691,8 @@ def _run_ranks(args, programs) -> None:
             except EinpageError as exc:  # the peers would wait for this rank's messages
                 comm.abort(str(exc))
                 raise
-            out = run_rank(mg, comm, batches, weights, backend=backend)
+            out = run_rank(mg, comm, batches, weights,
+                           backend=rank_backend(backend, rank) if backend else None)
     else:
         weights = [plan_weights(mg, source) for mg in programs]
         out = run_ranks(programs, batches, weights, backend=backend)

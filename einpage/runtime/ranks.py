@@ -29,6 +29,17 @@ RESULTS_TAG = MAX_TAG - 1
 Inputs = Mapping[str, np.ndarray]
 
 
+def rank_backend(name: str, rank: int):
+    """The stream backend rank `rank` runs on: `threads`, or `cupy` on GPU `rank` modulo the
+    GPUs this process sees (the ranks of one machine, one GPU each); `auto` is cupy where a
+    GPU is usable."""
+    from einpage.runtime.backends import make_backend, resolve
+    if resolve(name) != "cupy":
+        return make_backend("threads")
+    import cupy
+    return make_backend("cupy", device=rank % cupy.cuda.runtime.getDeviceCount())
+
+
 def run_rank(mg: MemGraph, comm: Communicator, inputs: Inputs | Sequence[Inputs] | None = None,
              weights: WeightSource | None = None, order: str | int = "sequential",
              poison_freed: bool = True, backend=None) -> dict[str, np.ndarray]:
@@ -78,8 +89,7 @@ def run_ranks(programs: Sequence[MemGraph], inputs: Inputs | Sequence[Inputs] | 
         rank_order = order if isinstance(order, str) else int(order) + r
         engine = None
         if backend is not None:
-            from einpage.runtime.backends import make_backend
-            engine = make_backend(backend)
+            engine = rank_backend(backend, r)
             if delays is not None:
                 from einpage.runtime.backends.inject import Delayed
                 engine = Delayed(engine, seed=delays * 1000 + r)
