@@ -187,3 +187,16 @@ def test_ranks_over_mpi_with_random_delays_per_queue_and_rank(seed):
     (line,) = [x for x in output.splitlines() if x.startswith("RESULT ")]
     result = json.loads(line[len("RESULT "):])
     assert result["rank"] == 1 and result["recvs"] >= 2 and result["error"] < 1e-5, result
+
+
+def test_micro_batches_auto_keeps_the_fastest_count(plans, capsys):
+    f32, _ = plans
+    assert cli("compile", f32, "--gpu-mem", "200KB", "--seq", 4, "--batch", 4, "--devices", 2,
+               "--micro-batches", "auto", "--json", "--quiet") == 0
+    r = json.loads(capsys.readouterr().out)
+    (note,) = [n for n in r["notes"] if n.startswith("micro-batches tried: ")]
+    tried = dict(part.split(": ") for part in note.split("; ")[0][len("micro-batches tried: "):]
+                 .split(", "))
+    assert set(tried) == {"1", "2", "4"} and f"kept {r['micro_batches']}" in note
+    one_line(capsys, cli("compile", f32, "--gpu-mem", "200KB", "--devices", 2,
+                         "--micro-batches", "many"), "--micro-batches 'many': a count or auto")

@@ -79,9 +79,10 @@ def add_commands(sub) -> None:
                    help="plan for this many devices of --gpu-mem each: consecutive layers per "
                         "device (pipeline parallelism), run by `einpage run` or "
                         "`mpiexec -n N einpage run`")
-    c.add_argument("--micro-batches", type=int, default=1,
+    c.add_argument("--micro-batches", default="1",
                    help="with --devices: split --batch into this many passes that follow each "
-                        "other through the devices (default 1)")
+                        "other through the devices (default 1), or auto: the count (a divisor "
+                        "of --batch, at most 8) of the least predicted time")
     c.add_argument("--peer-link", default="pcie",
                    help="with --devices: the link between devices: pcie (a peer copy at the "
                         "host link's rate; default), nvlink, net-100g, net-400g, or a rate "
@@ -182,7 +183,7 @@ def cmd_compile(args) -> None:
         if value is not None:
             raise InputError(f"{flag} is an option of --draft: add --draft ngram (or a draft "
                              "model)")
-    if args.devices != 1 or args.micro_batches != 1:
+    if args.devices != 1 or args.micro_batches != "1":
         from einpage.cli.ranks import compile_ranks
         return compile_ranks(args, profile, device_bytes, over)
     cfg, graph, sources, tokens, workload = graph_from_args(args)

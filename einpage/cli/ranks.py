@@ -29,32 +29,39 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
     from einpage.compiler import CompileOptions
     from einpage.compiler.pipeline import compile_pipeline, ranks_report
     from einpage.ir.peers import save_programs
-    devices, m = args.devices, args.micro_batches
+    devices = args.devices
     if devices < 2:
         raise InputError(f"--devices must be at least 2 for a pipeline (got {devices}); "
                          "--micro-batches needs it")
-    if m < 1 or args.batch % m:
-        raise InputError(f"--micro-batches {m} must divide --batch {args.batch}")
+    counts = micro_batch_counts(args.micro_batches, args.batch)
     for flag, value in (("--trace", args.trace), ("--lookahead", args.lookahead),
                         ("--block-bytes", args.block_bytes)):
         if value:
             raise InputError(f"{flag} is an option of a plan for one device; drop it with "
                              "--devices")
     profile = peer_profile(profile, args.peer_link)
-    micro = Namespace(**{**vars(args), "batch": args.batch // m})
-    cfg, graph, sources, tokens, workload = graph_from_args(micro)
     from einpage.cli.common import host_budget
     host_bytes, host_source = host_budget(args)
-    workload = {**workload, "batch": args.batch, "micro_batches": m, "devices": devices,
-                "host_budget": host_source}
-    options = CompileOptions(device_bytes=device_bytes, policy=args.policy, device=profile,
-                             sources=sources, workload=workload, host_bytes=host_bytes,
-                             host_compute=args.host_compute == "auto")
-    t0 = time.perf_counter()
-    pipeline = compile_pipeline(graph, devices, options)
-    report = ranks_report(pipeline, profile, m, time.perf_counter() - t0, tokens * m,
-                          tuple(workload.items()))
+    tried = []
+    for m in counts:  # each count its own graph (B / m rows a pass) and pipeline
+        micro = Namespace(**{**vars(args), "batch": args.batch // m})
+        cfg, graph, sources, tokens, workload = graph_from_args(micro)
+        workload = {**workload, "batch": args.batch, "micro_batches": m, "devices": devices,
+                    "host_budget": host_source}
+        options = CompileOptions(device_bytes=device_bytes, policy=args.policy,
+                                 device=profile, sources=sources, workload=workload,
+                                 host_bytes=host_bytes, host_compute=args.host_compute == "auto")
+        t0 = time.perf_counter()
+        pipeline = compile_pipeline(graph, devices, options)
+        report = ranks_report(pipeline, profile, m, time.perf_counter() - t0, tokens * m,
+                              tuple(workload.items()))
+        tried.append((report.makespan_s, m, pipeline, report, workload))
+    _, m, pipeline, report, workload = min(tried, key=lambda t: (t[0], t[1]))
     notes = []
+    if len(tried) > 1:
+        notes.append("micro-batches tried: " + ", ".join(
+            f"{k}: {_ms(t)}" for t, k, *_ in sorted(tried, key=lambda t: t[1]))
+            + f"; kept {m}")
     if over:
         notes.append(f"warning: {over}")
     if args.output:
@@ -64,6 +71,20 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
         print(json.dumps({**report.to_json(), "notes": notes}, sort_keys=True))
     else:
         print_ranks(report, cfg.name, workload, notes)
+
+
+def micro_batch_counts(text: str, batch: int) -> list[int]:
+    """`--micro-batches`: one count that divides the batch, or `auto`: every divisor of the
+    batch up to 8."""
+    if text == "auto":
+        return [m for m in range(1, min(batch, 8) + 1) if batch % m == 0]
+    try:
+        m = int(text)
+    except ValueError:
+        raise InputError(f"--micro-batches {text!r}: a count or auto") from None
+    if m < 1 or batch % m:
+        raise InputError(f"--micro-batches {m} must divide --batch {batch}")
+    return [m]
 
 
 def print_ranks(r, model: str, workload: dict, notes: list[str], out=sys.stdout) -> None:
