@@ -317,16 +317,16 @@ def backend_memory(backend: str) -> int:
 class RanksRunner:
     """Compiles every graph for `world` devices of `options.device_bytes` each
     (`compiler.pipeline.compile_pipeline`: plans cached by graph) and runs the ranks' programs
-    on `backend` (threads, or cupy: rank r on GPU r modulo the GPUs seen): with `comm` None every rank in this process, one thread each, over a
-    `LocalCommunicator` group per plan; with `comm` (an `MpiCommunicator` under mpiexec) this
-    process's rank only. `open(graph)` holds the plans open across passes (`RanksSession`): a
+    on `backend` (threads, or cupy: rank r on GPU r modulo the GPUs seen): with `comm` None
+    every rank in this process, one thread each, over a `LocalCommunicator` group per plan;
+    with `comm` (an `MpiCommunicator` under mpiexec) this process's rank only, every process
+    compiling the same programs (checked: `ranks.check_same`). `open(graph)` holds the plans open across passes (`RanksSession`): a
     generation's decode steps. `kv_names`: the KV-store inputs this process's plans read (every
     layer's in one process; its own rank's layers under MPI), so that a generation keeps only
     those (`KVStore(names=...)`)."""
 
     def __init__(self, weights: WeightSource, options: CompileOptions, world: int,
                  backend: str = "threads", comm=None):
-        from einpage.compiler.pipeline import compile_pipeline
         from einpage.runtime.backends import resolve
         if backend not in ("threads", "cupy", "auto"):
             from einpage.errors import InputError
@@ -334,11 +334,9 @@ class RanksRunner:
                              "or cupy")
         self.weights, self.options, self.world, self.comm = weights, options, world, comm
         self.backend = resolve(backend)
-        self._compile = compile_pipeline
         self._plans: dict[Graph, object] = {}
         self.cut: tuple[int, ...] | None = None
         self.compile_s = 0.0
-        self.passes: list = []
 
     @property
     def plans_compiled(self) -> int:
@@ -349,11 +347,22 @@ class RanksRunner:
         of the first (a generation's prefill): a layer's KV rows stay on the rank that made
         them."""
         if graph not in self._plans:
+            from einpage.compiler.pipeline import compile_pipeline
             t0 = time.perf_counter()
-            self._plans[graph] = self._compile(graph, self.world, self.options, cut=self.cut)
-            self.cut = self._plans[graph].split.cut
+            pipeline = compile_pipeline(graph, self.world, self.options, cut=self.cut)
+            if self.comm is not None:  # every process compiles: the same programs, or stop
+                from einpage.ir.peers import messages_digest
+                from einpage.runtime.ranks import check_same
+                check_same(self.comm, messages_digest(pipeline.programs))
+            self._plans[graph] = pipeline
+            self.cut = pipeline.split.cut
             self.compile_s += time.perf_counter() - t0
         return self._plans[graph]
+
+    def close(self) -> None:
+        """Close this process's communicator (under MPI: its sends delivered)."""
+        if self.comm is not None:
+            self.comm.close()
 
     def __call__(self, graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict:
         with self.open(graph) as session:
@@ -391,10 +400,18 @@ class RanksSession:
         else:
             comms = {runner.comm.rank: runner.comm}
             mine = [runner.comm.rank]
-        self.sessions = {r: StreamSession(programs[r], runner.weights,
-                                          rank_backend(runner.backend, r), timing=False,
-                                          comm=comms[r]) for r in mine}
         self.comms = comms
+        self.sessions = {}
+        try:
+            for r in mine:
+                self.sessions[r] = StreamSession(programs[r], runner.weights,
+                                                 rank_backend(runner.backend, r), timing=False,
+                                                 comm=comms[r])
+        except BaseException as exc:  # the peers would wait for this rank's messages
+            self.close()
+            for r in mine:
+                comms[r].abort(f"{type(exc).__name__}: {exc}")
+            raise
 
     def __enter__(self) -> "RanksSession":
         return self

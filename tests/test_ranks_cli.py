@@ -200,3 +200,22 @@ def test_micro_batches_auto_keeps_the_fastest_count(plans, capsys):
     assert set(tried) == {"1", "2", "4"} and f"kept {r['micro_batches']}" in note
     one_line(capsys, cli("compile", f32, "--gpu-mem", "200KB", "--devices", 2,
                          "--micro-batches", "many"), "--micro-batches 'many': a count or auto")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--devices", 2, "--max-new-tokens", 3), "--max-new-tokens is an option of a plan for one"),
+    (("--devices", 2, "--draft", "ngram", "--phase", "decode"), "--draft is an option of a plan"),
+    (("--peer-link", "nvlink"), "--peer-link is the link between devices: add --devices N"),
+])
+def test_options_of_one_device_are_refused_with_several(plans, capsys, argv, message):
+    f32, _ = plans
+    one_line(capsys, cli("compile", f32, "--gpu-mem", "200KB", "--quiet", *argv), message)
+
+
+def test_a_decode_plan_for_several_devices_is_run_by_generate(plans, tmp_path, capsys):
+    f32, _ = plans
+    assert cli("compile", f32, "--gpu-mem", "200KB", "--phase", "decode", "--past", 4,
+               "--devices", 2, "--quiet", "-o", tmp_path / "dec.json") == 0
+    capsys.readouterr()
+    one_line(capsys, cli("run", tmp_path / "dec.json", "--checkpoint", f32, "--tokens", TOKENS),
+             "is a decode step")

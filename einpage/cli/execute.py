@@ -198,11 +198,15 @@ def _ranks_runner(args, weights):
                          "or cupy")
     rank, size = mpi_world()
     comm = None
+    host_bytes, _ = host_budget(args)
     if size > 1:
         if size != devices:
             raise InputError(f"--devices {devices} but mpiexec started {size} processes")
         comm = MpiCommunicator()
-    host_bytes, _ = host_budget(args)
+        if getattr(args, "cpu_mem", None) is None and host_bytes is not None:
+            # the ranks share this machine's memory, measured by rank 0: the same plans on all
+            from einpage.runtime.ranks import agree
+            host_bytes = agree(comm, host_bytes // size)
     options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
                              policy=args.policy or "reuse-distance", device=_profile(args),
                              host_bytes=host_bytes, host_compute=args.host_compute == "auto")
@@ -329,7 +333,10 @@ def cmd_run(args) -> None:
     given = input_from_args(args, _checkpoint_dir(args.model))
     check_context(cfg, int(given.lengths.max()))
     runner = _runner(args, weights)
-    out = prefill(cfg, given.tokens, runner, given.lengths, passes=passes)
+    try:
+        out = prefill(cfg, given.tokens, runner, given.lengths, passes=passes)
+    finally:
+        getattr(runner, "close", lambda: None)()
     if _quiet_rank(runner):
         return
     report_logits(out["logits"], args.out, given.lengths, given.codec if given.text else None)
@@ -429,12 +436,15 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
                            args.kv_granule)
     printer = (TextPrinter(given.codec, given.tokens.shape[0], out)
                if given.text and not args.json else None)
-    done = generate(cfg, given.tokens, args.max_new_tokens, runner, granule=args.kv_granule,
-                    on_token=printer.on_token if printer else None, lengths=given.lengths,
-                    eos_ids=eos.ids, ignore_eos=args.ignore_eos, pad_id=eos.pad_id,
-                    temperature=sampling.temperature, top_p=sampling.top_p,
-                    top_k=sampling.top_k, seed=sampling.seed, draft=draft,
-                    auto_tokens=args.draft_tokens == "auto")
+    try:
+        done = generate(cfg, given.tokens, args.max_new_tokens, runner,
+                        granule=args.kv_granule, on_token=printer.on_token if printer else None,
+                        lengths=given.lengths, eos_ids=eos.ids, ignore_eos=args.ignore_eos,
+                        pad_id=eos.pad_id, temperature=sampling.temperature,
+                        top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+                        draft=draft, auto_tokens=args.draft_tokens == "auto")
+    finally:
+        getattr(runner, "close", lambda: None)()
     new = done.tokens
     stops = not args.ignore_eos and bool(eos.ids)
     summary = {"tokens": new.tolist(), "batch": int(new.shape[0]),
@@ -670,6 +680,11 @@ def _run_ranks(args, programs) -> None:
     if args.backend == "reference":
         raise InputError("--backend reference runs graphs, not plan files")
     backend = None if args.backend == "numpy" else args.backend
+    if programs[0].meta.get("phase") == "decode" or any(
+            t.role == "cache" for mg in programs for t in mg.inputs):
+        raise InputError(f"{args.model} is a decode step: it runs inside a generation, from "
+                         "the KV store a prefill fills; use einpage generate CHECKPOINT "
+                         "--devices N --max-new-tokens N")
     validate_ranks(programs)
     want = {t.name: t for mg in programs for t in mg.inputs}
     passes = int(programs[0].meta.get("micro_batches", 1))

@@ -171,6 +171,11 @@ def cmd_compile(args) -> None:
     profile = profile_from_args(args)
     device_bytes = parse_size(args.gpu_mem, "--gpu-mem")
     over = check_budget(device_bytes, profile, args.force)
+    if args.devices != 1 or args.micro_batches != "1":
+        from einpage.cli.ranks import compile_ranks
+        return compile_ranks(args, profile, device_bytes, over)
+    if args.peer_link != "pcie":
+        raise InputError("--peer-link is the link between devices: add --devices N")
     if args.max_new_tokens is not None:
         if over:
             print(f"einpage: warning: {over}", file=sys.stderr)
@@ -183,9 +188,6 @@ def cmd_compile(args) -> None:
         if value is not None:
             raise InputError(f"{flag} is an option of --draft: add --draft ngram (or a draft "
                              "model)")
-    if args.devices != 1 or args.micro_batches != "1":
-        from einpage.cli.ranks import compile_ranks
-        return compile_ranks(args, profile, device_bytes, over)
     cfg, graph, sources, tokens, workload = graph_from_args(args)
     progress = Progress(enabled=False if args.quiet else None)
     host_bytes, host_source = host_budget(args)

@@ -35,7 +35,8 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
                          "--micro-batches needs it")
     counts = micro_batch_counts(args.micro_batches, args.batch)
     for flag, value in (("--trace", args.trace), ("--lookahead", args.lookahead),
-                        ("--block-bytes", args.block_bytes)):
+                        ("--block-bytes", args.block_bytes), ("--plot", args.plot),
+                        ("--max-new-tokens", args.max_new_tokens), ("--draft", args.draft)):
         if value:
             raise InputError(f"{flag} is an option of a plan for one device; drop it with "
                              "--devices")

@@ -33,16 +33,18 @@ from typing import Callable
 
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Einsum, Graph, Input, Node, Output, Role
-from einpage.ir.memgraph import InputNode, MemGraph, OffloadNode, RecvNode, SendNode
-from einpage.ir.peers import boundary_name
+from einpage.ir.memgraph import (InputNode, MemGraph, OffloadNode, RecvNode, SendNode,
+                                 boxes_meet)
+from einpage.ir.peers import boundary_name, is_boundary
 from einpage.ir.storage import tensor_bytes
 from einpage.predict.devices import DEFAULT_DEVICE, get_device
 
 #: the share of a device's budget the stage model counts as holding weights (the rest holds the
 #: activations, the blocks in flight and the KV store)
 WEIGHT_SHARE = 0.8
-#: most compiles the refinement of the stage cut spends beyond the first cut's
-REFINE_COMPILES = 6
+#: most rounds of the refinement of the stage cut (each compiles up to two neighbouring cuts'
+#: rank graphs, those not compiled before)
+REFINE_ROUNDS = 6
 
 
 @dataclass(frozen=True)
@@ -197,11 +199,14 @@ def model_cut(costs: StageCost, world: int, device_bytes: int, profile) -> tuple
                           "per stage", world, stages)
     peak = profile.flops("f16", True)
     room = WEIGHT_SHARE * device_bytes
+    flops, weights = [0.0], [0]  # prefix sums
+    for f, w in zip(costs.flops, costs.weight_bytes):
+        flops.append(flops[-1] + f)
+        weights.append(weights[-1] + w)
 
     def seconds(lo: int, hi: int) -> float:
-        flops = sum(costs.flops[lo:hi])
-        streamed = max(0.0, sum(costs.weight_bytes[lo:hi]) - room)
-        return max(flops / peak, streamed / profile.h2d_bandwidth)
+        streamed = max(0.0, weights[hi] - weights[lo] - room)
+        return max((flops[hi] - flops[lo]) / peak, streamed / profile.h2d_bandwidth)
 
     inf = float("inf")
     # best[k][s]: the least largest time of the first s stages on k ranks; cut positions kept
@@ -233,9 +238,11 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """A plan for `world` devices: one program per rank, the cut and the boundaries."""
+    """A plan for `world` devices: one program per rank, the cut and the boundaries;
+    `host_compute`: whether the ranks were planned with applies allowed on the host."""
     split: Split
     ranks: tuple[RankPlan, ...]
+    host_compute: bool = False
 
     @property
     def world(self) -> int:
@@ -283,8 +290,12 @@ def compile_pipeline(graph: Graph, world: int, options,
         chosen = compiled_split(tuple(cut))
     s, compiled = chosen
     programs = join(s, [c.memgraph for c in compiled])
+    if options.validate:  # the joined programs, each and together (remembered: runs check once)
+        from einpage.ir.peers import validate_ranks
+        validate_ranks(programs)
     return Pipeline(s, tuple(RankPlan(r, mg, c)
-                             for r, (mg, c) in enumerate(zip(programs, compiled))))
+                             for r, (mg, c) in enumerate(zip(programs, compiled))),
+                    options.host_compute)
 
 
 def _slowest(compiled: list) -> tuple[float, int]:
@@ -294,9 +305,9 @@ def _slowest(compiled: list) -> tuple[float, int]:
 
 def _refine(cut: tuple[int, ...], chosen, compiled_split, stages: int):
     """Move one boundary a stage at a time toward the slowest rank while the slowest rank's
-    predicted pass shortens, spending at most REFINE_COMPILES new compiles' worth of tries."""
+    predicted pass shortens, for at most REFINE_ROUNDS rounds."""
     worst, at = _slowest(chosen[1])
-    for _ in range(REFINE_COMPILES):
+    for _ in range(REFINE_ROUNDS):
         tries = []
         if at > 0:      # the slowest rank gives its first stage to the rank before
             tries.append(cut[:at - 1] + (cut[at - 1] + 1,) + cut[at:])
@@ -354,7 +365,8 @@ def _with_peers(mg: MemGraph, rank: int, world: int, sends: list, recvs: list) -
             t = mg.tensors[n.tensor]
             if t.source is not None and t.source.input in by_input:
                 deps = tuple(i for i in by_input[t.source.input]
-                             if _meets(recvs[i][1], recvs[i][2], t.source.origin, t.shape)) + deps
+                             if boxes_meet(recvs[i][1], recvs[i][2], t.source.origin,
+                                           t.shape)) + deps
         nodes.append(replace(n, id=n.id + k, deps=deps))
     last_write: dict[int, int] = {}
     last_offload: dict[int, int] = {}
@@ -405,9 +417,6 @@ def _late_reloads(mg: MemGraph, received: set[str]) -> MemGraph:
     return replace(mg, nodes=nodes)
 
 
-def _meets(origin_a, shape_a, origin_b, shape_b) -> bool:
-    return all(a < b + m and b < a + n
-               for a, n, b, m in zip(origin_a, shape_a, origin_b, shape_b))
 
 
 # ------------------------------------------------------------------ the report
@@ -425,14 +434,12 @@ class RankFigures:
     pass_s: float                 # its pass alone, every message there at its start
     bound_s: float                # its problem's bound (`ProblemBound.seconds`)
     compute_s: float              # ... of which compute
-    after_arrival_s: float        # the least link time after its first message arrives
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "stages": list(self.stages), "weight_bytes": self.weight_bytes,
                 "resident_bytes": self.resident_bytes, "streamed_bytes": self.streamed_bytes,
                 "min_stream_bytes": self.min_stream_bytes, "sent_bytes": self.sent_bytes,
-                "pass_s": self.pass_s, "bound_s": self.bound_s, "compute_s": self.compute_s,
-                "after_arrival_s": self.after_arrival_s}
+                "pass_s": self.pass_s, "bound_s": self.bound_s, "compute_s": self.compute_s}
 
 
 @dataclass(frozen=True)
@@ -441,19 +448,11 @@ class RanksReport:
     the makespan, the bubble and the bound. No schedule of these rank problems beats any of:
 
     - M times the slowest rank's bound (each rank runs its M passes one after another);
-    - the *chain*: the sum over ranks of the link time each must spend after the first row of
-      its input is complete, `after_arrival_s` = (W_r - D) / link, W_r the weights and KV store
-      rank r reads in a pass and D its budget. Proof: rank r runs no task that reads a weight
-      before a whole row of its input has arrived (each layer begins with a norm over whole
-      rows, and reads weights only after it); the first whole row it sends depends on every
-      weight of its layers (a row of a layer's output depends on all of the layer's weights
-      and on the row of the layer before); when that first input row is complete the device
-      holds at most D bytes, so at least W_r - D bytes cross the link after it, before rank
-      r + 1's first row can be complete. Rank 0's first row is there at the start; the last
-      rank's chain ends with its pass. It holds for ranks whose applies all run on the device
-      (a weight read on the host crosses no link), so a rank with applies on the host adds 0.
-      Not a term: the compute of one micro-batch through every rank, since blocks of rows
-      flow on as each is done, so the ranks' compute overlaps even within one micro-batch.
+    - the *chain* (`chain_seconds`): what each rank must stream after its first message
+      arrives, before it can send on, summed along the ranks.
+
+    Not a term: the compute of one micro-batch through every rank, since blocks of rows flow on
+    as each is done, so the ranks' compute overlaps even within one micro-batch.
     """
     device: str
     device_bytes: int
@@ -463,24 +462,26 @@ class RanksReport:
     makespan_s: float
     bubble: float
     compile_seconds: float
+    chain_s: float = 0.0          # `chain_seconds`
     tokens: int | None = None     # tokens of all micro-batches together
     workload: tuple = ()
 
     @property
     def bound_s(self) -> float:
-        m = self.micro_batches
         slowest = max(r.bound_s for r in self.ranks)
-        return max(m * slowest, sum(r.after_arrival_s for r in self.ranks))
+        return max(self.micro_batches * slowest, self.chain_s)
 
     @property
     def efficiency(self) -> float:
         return self.bound_s / self.makespan_s if self.makespan_s > 0 else 1.0
 
     def to_json(self) -> dict:
-        out = {"device": self.device, "devices": len(self.ranks), "device_bytes": self.device_bytes,
+        out = {"device": self.device, "devices": len(self.ranks),
+               "device_bytes": self.device_bytes,
                "peer_bandwidth": self.peer_bandwidth, "micro_batches": self.micro_batches,
                "makespan_s": self.makespan_s, "bubble": self.bubble, "bound_s": self.bound_s,
                "efficiency": self.efficiency, "compile_seconds": self.compile_seconds,
+               "chain_s": self.chain_s,
                "ranks": [r.to_json() for r in self.ranks], **dict(self.workload)}
         if self.tokens:
             out["tokens_per_s"] = self.tokens / self.makespan_s
@@ -496,15 +497,93 @@ def ranks_report(pipeline: Pipeline, profile, micro_batches: int, compile_second
         report, mg = plan.compiled.report, plan.memgraph
         c = report.compiled
         sent = sum(mg.tensors[n.tensor].bytes for n in mg.nodes if isinstance(n, SendNode))
-        on_host = any(n.kind == "apply" and n.on_host for n in mg.nodes)
-        after = 0.0 if on_host else (max(0, c.weight_bytes + c.kv_bytes - mg.device_bytes)
-                                     / profile.h2d_bandwidth)
         figures.append(RankFigures(
             r, pipeline.split.stage_range(r), c.weight_bytes, c.resident_bytes,
             sim.alone[r].h2d_bytes, c.min_stream_bytes, sent, sim.alone[r].makespan_s,
             report.bound.seconds if report.bound else sim.alone[r].lower_bound_s,
-            report.bound.compute_s if report.bound else sim.alone[r].compute_s, after))
+            report.bound.compute_s if report.bound else sim.alone[r].compute_s))
+    chain = 0.0 if pipeline.host_compute else chain_seconds(pipeline.programs, profile)
     return RanksReport(profile.name, pipeline.ranks[0].memgraph.device_bytes, profile.peer_rate,
                        micro_batches, tuple(figures), sim.makespan_s, sim.bubble,
-                       compile_seconds, tokens, tuple(workload))
+                       compile_seconds, chain, tokens, tuple(workload))
+
+
+def chain_seconds(programs, profile) -> float:
+    """A lower bound on any run of these rank programs' graphs, device-only, from what each
+    rank must stream after its first message arrives.
+
+    For a rank r, call a task *late* if it depends (through the rank graph's edges) on a block
+    that rank r receives; on a rank that receives nothing, every task is late (its first
+    "message" is the start of the pass). A block's *need* is the set of weight and KV-store
+    blocks that late, unguarded tasks among its writers' ancestors read (a guarded task may
+    not run). Let T_r be the time rank r's first message arrives (T = 0 for a rank that
+    receives nothing). Every block in need(b) is read after T_r, by a task that must finish
+    before b is complete; at T_r the device holds at most D bytes, so at least
+    |need(b)| - D bytes cross its link after T_r before b exists. Hence a block b that rank q
+    sends to rank r arrives no earlier than T_q + max(0, |need(b)| - D) / link, so
+    T_r >= the least of these over the blocks r receives, and the pass ends no earlier than
+    T_r + max(0, |need(all of r's outputs)| - D) / link on every rank. The chain is the largest
+    of these ends. It assumes every apply runs on the device: a plan that may read weights on
+    the host (host compute) gets 0 (`ranks_report`). Counted in bytes as the link moves them
+    (a block's own bytes, not its aligned size)."""
+    world = len(programs)
+    arrival = [math.inf if any(isinstance(n, RecvNode) for n in mg.nodes) else 0.0
+               for mg in programs]
+    chain = 0.0
+    for q, mg in enumerate(programs):  # senders come before their receivers
+        tg = mg.graph
+        if tg is None or arrival[q] == math.inf:
+            return 0.0  # a plan that does not carry its graph: no claim
+        need, weight_bytes = _needs(tg)
+        link = profile.h2d_bandwidth
+
+        def lag(blocks) -> float:
+            mask = 0
+            for b in blocks:
+                mask |= need[b]
+            return max(0, _bytes_of(mask, weight_bytes) - mg.device_bytes) / link
+
+        for n in mg.nodes:
+            if isinstance(n, SendNode) and n.peer < world:
+                b = mg.tensors[n.tensor].block
+                arrival[n.peer] = min(arrival[n.peer], arrival[q] + lag([b]))
+        chain = max(chain, arrival[q] + lag([o.block for o in tg.outputs]))
+    return chain
+
+
+def _needs(tg) -> tuple[list[int], list[int]]:
+    """Per block, the bitmask (over the rank graph's weight and KV-store blocks) of those that
+    late, unguarded tasks among its writers' ancestors read; and each such block's bytes."""
+    from einpage.ir.ops import GuardedOp
+    from einpage.ir.tensors import PERSISTENT_ROLES
+    stored = {b.id: k for k, b in enumerate(b for b in tg.blocks if b.source is not None
+                                            and b.role in PERSISTENT_ROLES)}
+    weight_bytes = [0] * len(stored)
+    for b, k in stored.items():
+        weight_bytes[k] = tg.blocks[b].bytes
+    received = {b.id for b in tg.blocks if b.source is not None and is_boundary(b.source.input)}
+    late_block = [not received] * len(tg.blocks) if not received else [
+        b in received for b in range(len(tg.blocks))]
+    need = [0] * len(tg.blocks)
+    for t in tg.tasks:  # ids are a topological order
+        late = any(late_block[b] for b in t.reads) or late_block[t.write] and t.accumulate \
+            or not received
+        mask = 0
+        for b in t.reads:
+            mask |= need[b]
+            if late and b in stored and not isinstance(t.op, GuardedOp):
+                mask |= 1 << stored[b]
+        need[t.write] |= mask
+        late_block[t.write] = late_block[t.write] or late
+    return need, weight_bytes
+
+
+def _bytes_of(mask: int, sizes: list[int]) -> int:
+    total, k = 0, 0
+    while mask:
+        if mask & 1:
+            total += sizes[k]
+        mask >>= 1
+        k += 1
+    return total
 

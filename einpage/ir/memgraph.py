@@ -195,6 +195,12 @@ class RecvNode:
     kind = "recv"
 
 
+def boxes_meet(origin_a, shape_a, origin_b, shape_b) -> bool:
+    """Whether two boxes of one tensor share an element (a recv's box and an input block's)."""
+    return all(a < b + m and b < a + n
+               for a, n, b, m in zip(origin_a, shape_a, origin_b, shape_b))
+
+
 MemNode = Union[InputNode, ReadNode, ReloadNode, OffloadNode, FreeNode, ApplyNode, SendNode,
                 RecvNode]
 _NODE_TYPES = (InputNode, ReadNode, ReloadNode, OffloadNode, FreeNode, ApplyNode, SendNode,

@@ -25,6 +25,7 @@ all-reduces) needs a stronger rule than this one.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, Sequence
@@ -106,11 +107,23 @@ def _check_pair(sender: MemGraph, q: int, s: SendNode, receiver: MemGraph, r: in
                         f"box received {list(n.shape)} at {list(n.origin)}")
     if t.dtype != whole.dtype or t.storage is not None:
         raise PlanError(f"{where}: {t.dtype} sent, {whole.dtype} received")
-    expected = whole.dtype.itemsize
-    for v in n.shape:
-        expected *= v
+    expected = whole.dtype.itemsize * math.prod(n.shape)
     if t.bytes != expected:
         raise PlanError(f"{where}: {t.bytes} bytes sent, {expected} received")
+
+
+def messages_digest(programs: Sequence[MemGraph]) -> str:
+    """SHA-256 over every rank's sends and recvs (peer, tag, box or bytes): equal on two
+    processes exactly where their programs exchange the same messages."""
+    import hashlib
+    h = hashlib.sha256(str(len(programs)).encode())
+    for r, mg in enumerate(programs):
+        for n in mg.nodes:
+            if isinstance(n, SendNode):
+                h.update(f"{r} send {n.peer} {n.tag} {mg.tensors[n.tensor].bytes};".encode())
+            elif isinstance(n, RecvNode):
+                h.update(f"{r} recv {n.peer} {n.tag} {n.input} {n.origin} {n.shape};".encode())
+    return h.hexdigest()
 
 
 def save_programs(programs: Sequence[MemGraph], path: str | Path,

@@ -91,6 +91,7 @@ everything is found (see `_Ancestry`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Callable
@@ -98,7 +99,7 @@ from typing import Callable
 from einpage.errors import PlanError
 from einpage.ir.memgraph import (ALIGNMENT, HOST_ALIGNMENT, ApplyNode, FreeNode, InputNode,
                                  MemGraph, MemNode, OffloadNode, ReadNode, RecvNode, ReloadNode,
-                                 SendNode)
+                                 SendNode, boxes_meet)
 from einpage.ir.translation import check_ops, prove
 
 __all__ = ["ValidationReport", "validate", "checked", "vouch"]
@@ -173,10 +174,6 @@ def vouch(mg: MemGraph, report: ValidationReport) -> None:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _meets(a: tuple, b: tuple) -> bool:
-    """Whether boxes `(origin, shape)` a and b share an element."""
-    return all(p < q + m and q < p + n for p, n, q, m in zip(a[0], a[1], b[0], b[1]))
-
 
 class _Instance:
     """One device copy of a tensor while the checker replays the node order."""
@@ -519,7 +516,8 @@ class _Checker:
         source = self.tensors[t].source
         if source is not None and source.input in self.received:
             box = (source.origin, self.tensors[t].shape)
-            meets = [r.id for r in self.received[source.input] if _meets((r.origin, r.shape), box)]
+            meets = [r.id for r in self.received[source.input]
+                     if boxes_meet(r.origin, r.shape, *box)]
             missing = self.ancestry.missing(meets, node.id)
             if missing:
                 self._fail(node, f"input of {self._name(t)} reads {source.input!r}, which "
@@ -681,17 +679,12 @@ class _Checker:
                                  f"{self._kind(self.last_write[node.tensor])} writes it after")
         shapes = {t.name: t.shape for t in self.mg.inputs}
         for name, recvs in self.received.items():
-            total = 1
-            for v in shapes[name]:
-                total *= v
+            total = math.prod(shapes[name])
             got = 0
             for k, a in enumerate(recvs):
-                size = 1
-                for v in a.shape:
-                    size *= v
-                got += size
+                got += math.prod(a.shape)
                 for b in recvs[k + 1:]:
-                    if _meets((a.origin, a.shape), (b.origin, b.shape)):
+                    if boxes_meet(a.origin, a.shape, b.origin, b.shape):
                         self._fail(b, f"receives a box of {name!r} that {self._kind(a.id)} "
                                       "receives too")
             if got != total:

@@ -90,8 +90,8 @@ class KVStore:
         self.storage = kv_storage(cfg)
         if self.storage is not None:
             shape, dtype = self.storage.packed_shape(shape), np.uint8
-        kept = store_names(cfg) if names is None else [n for n in store_names(cfg) if n in
-                                                      set(names)]
+        wanted = None if names is None else set(names)
+        kept = [n for n in store_names(cfg) if wanted is None or n in wanted]
         self.arrays = {name: np.zeros(shape, dtype or cfg.dtype.numpy) for name in kept}
         self.pos = np.zeros(batch, np.int64)
 

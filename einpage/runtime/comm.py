@@ -34,8 +34,10 @@ import numpy as np
 
 from einpage.errors import EinpageError
 
-#: Seconds a `recv` or `barrier` waits when not told otherwise.
-DEFAULT_TIMEOUT = 60.0
+#: Seconds a `recv` or `barrier` waits when not told otherwise: a last resort against a bug (a
+#: rank that fails aborts the others at once); a rank's recv waits for every rank before it,
+#: first compiles and disk-tier passes included, so it is generous.
+DEFAULT_TIMEOUT = 600.0
 #: User tags lie in [0, MAX_TAG); MPI guarantees only 32767, MPICH gives 2**29 - 1 (checked).
 MAX_TAG = 2 ** 20
 #: The reserved MPI tag of abort messages: the failing rank's cause as UTF-8 bytes.
@@ -120,7 +122,8 @@ class Communicator:
         raise NotImplementedError
 
     def barrier(self, timeout: float | None = None) -> None:
-        """Wait until every rank reached the barrier (at most `timeout`, default `self.timeout`)."""
+        """Wait until every rank reached the barrier (at most `timeout`, default
+        `self.timeout`)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -344,6 +347,10 @@ class MpiCommunicator(Communicator):
         self.rank = self._comm.Get_rank()
         self.world = self._comm.Get_size()
         self.timeout = _check_timeout(timeout)
+        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:  # a rank's queues call MPI at once
+            raise CommError(f"rank {self.rank}: this MPI runs with thread level "
+                            f"{MPI.Query_thread()}, einpage needs MPI_THREAD_MULTIPLE "
+                            f"({MPI.THREAD_MULTIPLE}): its send and recv queues are threads")
         tag_ub = self._comm.Get_attr(MPI.TAG_UB)
         if tag_ub is not None and tag_ub < ABORT_TAG:
             raise CommError(f"rank {self.rank}: this MPI allows tags up to {tag_ub}, einpage "

@@ -175,7 +175,8 @@ class NumpyExecutor:
         self.host[n.tensor] = self._view(n.tensor, n.offset).copy()
 
     def _send(self, n: SendNode) -> None:
-        data = self._view(n.tensor, n.offset) if n.offset is not None else self._host_copy(n.tensor)
+        data = (self._view(n.tensor, n.offset) if n.offset is not None
+                else self._host_copy(n.tensor))
         self.comm.send(np.ascontiguousarray(data), n.peer, n.tag)
 
     def _recv(self, n: RecvNode) -> None:

@@ -14,16 +14,21 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from einpage.errors import CheckpointError, InputError, PlanError
+from einpage.errors import CheckpointError, InputError, Interrupted, PlanError
 from einpage.ir.memgraph import MemGraph
 from einpage.ir.peers import is_boundary, validate_ranks
 from einpage.ir.tensors import WeightSource
 from einpage.runtime import executor
-from einpage.runtime.comm import MAX_TAG, CommError, Communicator, LocalCommunicator
+from einpage.runtime.comm import (DEFAULT_TIMEOUT, MAX_TAG, CommError, Communicator,
+                                  LocalCommunicator)
 
 #: the tag a generation's driver sends the last rank's logits under, to every other rank (a
 #: plan's own tags count up from 0)
 RESULTS_TAG = MAX_TAG - 1
+#: the tag under which rank 0 tells the others a value all must agree on (`agree`)
+AGREE_TAG = MAX_TAG - 2
+#: how often the calling thread looks up from waiting on the ranks (Ctrl-C is seen between looks)
+_POLL_S = 0.05
 
 
 Inputs = Mapping[str, np.ndarray]
@@ -33,9 +38,11 @@ def rank_backend(name: str, rank: int):
     """The stream backend rank `rank` runs on: `threads`, or `cupy` on GPU `rank` modulo the
     GPUs this process sees (the ranks of one machine, one GPU each); `auto` is cupy where a
     GPU is usable."""
-    from einpage.runtime.backends import make_backend, resolve
+    from einpage.runtime.backends import cuda_usable, make_backend, resolve
     if resolve(name) != "cupy":
         return make_backend("threads")
+    if not cuda_usable():
+        return make_backend("cupy")  # raises the one-line BackendError saying why
     import cupy
     return make_backend("cupy", device=rank % cupy.cuda.runtime.getDeviceCount())
 
@@ -73,7 +80,8 @@ def run_rank(mg: MemGraph, comm: Communicator, inputs: Inputs | Sequence[Inputs]
 def run_ranks(programs: Sequence[MemGraph], inputs: Inputs | Sequence[Inputs] | None = None,
               weights: WeightSource | Sequence[WeightSource] | None = None,
               order: str | int = "sequential",
-              poison_freed: bool = True, timeout: float = 60.0, backend: str | None = None,
+              poison_freed: bool = True, timeout: float = DEFAULT_TIMEOUT,
+              backend: str | None = None,
               delays: int | None = None) -> dict[str, np.ndarray]:
     """Run every rank's program in this process, one thread each, and return all their results
     by name: on the NumPy executor (rank r in order `order`, or in the random order of seed
@@ -115,22 +123,35 @@ def run_together(jobs: Mapping[int, Callable[[], dict]], comms) -> dict[int, dic
     results: dict[int, dict] = {}
     errors: dict[int, BaseException] = {}
 
+    done = {r: threading.Event() for r in jobs}
+
     def work(r: int) -> None:
         try:
             results[r] = jobs[r]()
         except BaseException as exc:  # reported below, by rank
             errors[r] = exc
             comms[r].abort(f"{type(exc).__name__}: {_first_line(exc)}")
+        finally:
+            done[r].set()
 
     if len(jobs) == 1:
         (r,) = jobs
         work(r)
     else:
-        threads = [threading.Thread(target=work, args=(r,), name=f"rank-{r}") for r in jobs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for r in jobs:
+            threading.Thread(target=work, args=(r,), name=f"rank-{r}", daemon=True).start()
+        # waits on events, not joins: a join that Ctrl-C interrupts may later return while its
+        # thread still runs (CPython), and the ranks must have stopped before this returns
+        try:
+            for event in done.values():
+                while not event.wait(_POLL_S):  # Ctrl-C reaches this thread between waits
+                    pass
+        except BaseException:
+            for r in jobs:  # every rank stops at its next message; then the cause is raised
+                comms[r].abort("interrupted")
+            for event in done.values():
+                event.wait()
+            raise Interrupted("interrupted: every rank stopped") from None
     if errors:
         failed = sorted(errors)
         first = next((r for r in failed if not isinstance(errors[r], CommError)), failed[0])
@@ -140,6 +161,35 @@ def run_together(jobs: Mapping[int, Callable[[], dict]], comms) -> dict[int, dic
         cls = type(exc) if isinstance(exc, (InputError, CheckpointError)) else PlanError
         raise cls(f"rank {first}: {exc}") from exc
     return results
+
+
+def agree(comm: Communicator, value: int) -> int:
+    """Rank 0's `value`, on every rank (a budget each process would otherwise measure for
+    itself, so that every process compiles the same plans)."""
+    box = np.array([value], np.int64)
+    if comm.rank == 0:
+        for r in range(1, comm.world):
+            comm.send(box, r, AGREE_TAG)
+    else:
+        comm.recv(box, 0, AGREE_TAG)
+    return int(box[0])
+
+
+def check_same(comm: Communicator, digest: str) -> None:
+    """Raise `CommError` on every rank whose `digest` (of the programs it compiled) differs
+    from rank 0's: the processes would exchange messages of different shapes."""
+    mine = np.frombuffer(bytes.fromhex(digest), np.uint8).copy()
+    theirs = mine.copy()
+    if comm.rank == 0:
+        for r in range(1, comm.world):
+            comm.send(mine, r, AGREE_TAG)
+    else:
+        comm.recv(theirs, 0, AGREE_TAG)
+        if not np.array_equal(mine, theirs):
+            cause = (f"rank {comm.rank} compiled other programs than rank 0 (every process "
+                     "must be given the same model and options)")
+            comm.abort(cause)
+            raise CommError(cause, comm.rank)
 
 
 def _first_line(exc: BaseException) -> str:

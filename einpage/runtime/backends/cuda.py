@@ -68,7 +68,8 @@ import numpy as np
 
 from einpage.errors import BackendError, ExecutionError, InputError, PlanError
 from einpage.ir.memgraph import (HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph, OffloadNode,
-                                 OutputRef, ReadNode, RecvNode, ReloadNode, SendNode)
+                                 OutputRef, ReadNode, RecvNode, ReloadNode, SendNode,
+                                 boxes_meet)
 from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.runtime.backends import cublas_lib
 from einpage.runtime.backends.apply_plan import (STATUS_BYTES, aligned, plan_applies,
@@ -509,8 +510,7 @@ class CupyBackend(DeviceApplies, Backend):
         receive_into(whole, n, comm)
         for tid in self._received.get(n.input, ()):
             t = self.mg.tensors[tid]
-            if all(o < q + e and q < o + m for o, m, q, e in
-                   zip(t.source.origin, t.shape, n.origin, n.shape)):
+            if boxes_meet(t.source.origin, t.shape, n.origin, n.shape):
                 self.io.read_into(tid, host_view(self.host, self.mg, self.layout, tid))
 
     def begin_capture(self) -> None:
