@@ -14,6 +14,7 @@ from mpi_launch import mpiexec, needs_mpi
 from safetensors.numpy import load_file, save_file
 
 from einpage.cli import main
+from einpage.runtime.backends import cuda_usable
 
 TOKENS = "1,2,3,4,5"
 #: the console script beside this Python (pip installs it with the package)
@@ -219,3 +220,12 @@ def test_a_decode_plan_for_several_devices_is_run_by_generate(plans, tmp_path, c
     capsys.readouterr()
     one_line(capsys, cli("run", tmp_path / "dec.json", "--checkpoint", f32, "--tokens", TOKENS),
              "is a decode step")
+
+
+@pytest.mark.skipif(cuda_usable(), reason="a GPU is usable here")
+def test_cupy_ranks_without_a_gpu_are_one_line(plans, capsys):
+    f32, _ = plans
+    for argv in (("run", f32, "--tokens", TOKENS), ("generate", f32, "--tokens", TOKENS,
+                                                    "--max-new-tokens", 2)):
+        one_line(capsys, cli(*argv, "--devices", 2, "--gpu-mem", "200KB", "--backend", "cupy"),
+                 "--backend cupy: no usable CUDA GPU")
