@@ -86,9 +86,24 @@ def test_bad_pipeline_flags_are_one_line(plans, capsys, argv, message):
              message)
 
 
-def test_a_file_of_several_programs_is_named_where_one_is_expected(plans, capsys):
-    _, d = plans
-    one_line(capsys, cli("inspect", d / "two.json"), "a plan for 2 devices")
+def test_inspect_validates_and_prices_the_programs_together(plans, capsys):
+    f32, d = plans
+    assert cli("compile", f32, "--gpu-mem", "200KB", "--seq", 5, "--devices", 2, "--json",
+               "--quiet") == 0
+    compiled = json.loads(capsys.readouterr().out)
+    assert cli("inspect", d / "two.json", "--json") == 0
+    inspected = json.loads(capsys.readouterr().out)
+    for key in ("makespan_s", "bubble", "chain_s", "micro_batches", "devices"):
+        assert inspected[key] == pytest.approx(compiled[key]), key
+    assert [r["stages"] for r in inspected["ranks"]] == [r["stages"] for r in compiled["ranks"]]
+    assert cli("inspect", d / "three.json.gz") == 0
+    out = capsys.readouterr().out
+    assert "3 programs, validated together" in out and "bubble" in out
+    one_line(capsys, cli("inspect", d / "two.json", "--dot", d / "g.dot"), "holds 2")
+    from einpage.ir import MemGraph
+    from einpage.errors import PlanError
+    with pytest.raises(PlanError, match="a plan for 2 devices"):
+        MemGraph.load(d / "two.json")
 
 
 @needs_mpi

@@ -337,8 +337,13 @@ def _s(seconds: float) -> str:
 
 def cmd_inspect(args) -> None:
     from einpage.compiler import PlanReport
+    from einpage.ir.peers import load_programs
     from einpage.predict import PROFILES, simulate
-    mg, valid = load_plan(args.plan)
+    programs, meta = load_programs(args.plan)
+    if len(programs) > 1:
+        from einpage.cli.ranks import inspect_ranks
+        return inspect_ranks(args, programs, meta)
+    mg, valid = load_plan(args.plan, programs[0])
     saved = mg.meta.get("device")  # the plan's profile, when it is a registered one
     profile = profile_from_args(args, default=saved if saved in PROFILES else None)
     sim = simulate(mg, profile)

@@ -66,12 +66,46 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
     if over:
         notes.append(f"warning: {over}")
     if args.output:
-        save_programs(pipeline.programs, args.output, workload)
+        save_programs(pipeline.programs, args.output,
+                      {**workload, "cut": list(pipeline.split.cut),
+                       "stages": pipeline.split.stages, "host_compute": pipeline.host_compute,
+                       "peer_bandwidth": profile.peer_bandwidth})
         notes.append(f"plan: {args.output} ({devices} programs, one per rank)")
     if args.json:
         print(json.dumps({**report.to_json(), "notes": notes}, sort_keys=True))
     else:
         print_ranks(report, cfg.name, workload, notes)
+
+
+def inspect_ranks(args, programs, meta) -> None:
+    """`einpage inspect` of a file of several programs: validated together, simulated together
+    on the profile (the file's, unless --device), the report as `compile --devices` prints it."""
+    from einpage.compiler.pipeline import programs_report
+    from einpage.ir.peers import validate_ranks
+    from einpage.predict import PROFILES
+    from einpage.cli.common import profile_from_args
+    for flag in ("dot", "plot", "trace"):
+        if getattr(args, flag, None):
+            raise InputError(f"--{flag} shows one plan; {args.plan} holds {len(programs)}")
+    validate_ranks(programs)
+    saved = programs[0].meta.get("device")
+    profile = profile_from_args(args, default=saved if saved in PROFILES else None)
+    if meta.get("peer_bandwidth") is not None:
+        profile = replace(profile, peer_bandwidth=float(meta["peer_bandwidth"]))
+    bounds = (0, *meta.get("cut", ()), int(meta.get("stages", 0)))
+    stages = ([(bounds[r], bounds[r + 1] - 1) for r in range(len(programs))]
+              if len(bounds) == len(programs) + 1 else [(0, -1)] * len(programs))
+    m = int(meta.get("micro_batches", 1))
+    tokens = meta.get("tokens")
+    report = programs_report(programs, profile, m, stages, bool(meta.get("host_compute", True)),
+                             tokens=int(tokens) * m if tokens else None)
+    workload = {k: v for k, v in meta.items() if k in ("model", "phase", "batch")}
+    if args.json:
+        print(json.dumps({**report.to_json(), **workload, "plan": args.plan}, sort_keys=True))
+    else:
+        print_ranks(report, str(meta.get("model", args.plan)),
+                    {"phase": meta.get("phase", "?"), "batch": meta.get("batch", "?")},
+                    [f"plan: {args.plan} ({len(programs)} programs, validated together)"])
 
 
 def micro_batch_counts(text: str, batch: int) -> list[int]:
@@ -88,7 +122,8 @@ def micro_batch_counts(text: str, batch: int) -> list[int]:
     return [m]
 
 
-def print_ranks(r, model: str, workload: dict, notes: list[str], out=sys.stdout) -> None:
+def print_ranks(r, model: str, workload: dict, notes: list[str], out=None) -> None:
+    out = out or sys.stdout  # looked up at the call: a test's capture replaces it
     link = format_size(r.peer_bandwidth) + "/s"
     print(f"{model} {workload['phase']} batch {workload['batch']} on {len(r.ranks)} x "
           f"{format_size(r.device_bytes)} {r.device} (peer link {link}), "
@@ -102,9 +137,9 @@ def print_ranks(r, model: str, workload: dict, notes: list[str], out=sys.stdout)
               f"{format_size(f.sent_bytes):>9}  {_ms(f.pass_s):>9}  {_ms(f.bound_s):>9}",
               file=out)
     rate = f", {r.tokens / r.makespan_s:,.1f} tokens/s" if r.tokens else ""
+    compiled = f"; compiled in {r.compile_seconds:.1f} s" if r.compile_seconds else ""
     print(f"predicted: {_ms(r.makespan_s)} for the batch{rate}; bubble {r.bubble:.2f}; bound "
-          f"{_ms(r.bound_s)}, efficiency {r.efficiency:.3f}; compiled in "
-          f"{r.compile_seconds:.1f} s", file=out)
+          f"{_ms(r.bound_s)}, efficiency {r.efficiency:.3f}{compiled}", file=out)
     for note in notes:
         print(note, file=out)
 

@@ -490,20 +490,36 @@ class RanksReport:
 
 def ranks_report(pipeline: Pipeline, profile, micro_batches: int, compile_seconds: float,
                  tokens: int | None = None, workload=()) -> RanksReport:
+    """The report of a pipeline just compiled: each rank's problem bound as its compiler found
+    it."""
+    bounds = [plan.compiled.report.bound for plan in pipeline.ranks]
+    return programs_report(pipeline.programs, profile, micro_batches,
+                           [pipeline.split.stage_range(r) for r in range(pipeline.world)],
+                           pipeline.host_compute, bounds, compile_seconds, tokens, workload)
+
+
+def programs_report(programs, profile, micro_batches: int, stages, host_compute: bool,
+                    bounds=None, compile_seconds: float = 0.0, tokens: int | None = None,
+                    workload=()) -> RanksReport:
+    """The report of the programs of a pipeline (also one read from a file: `einpage inspect`):
+    simulated together on `profile`; each rank's figures from what its compiler recorded in
+    its meta, its bound the compiler's (`bounds`, a `ProblemBound` per rank) or, where not
+    given, the larger of its simulated compute and its unavoidable streaming over the link."""
     from einpage.predict.simulator import simulate_ranks
-    sim = simulate_ranks(pipeline.programs, [profile] * pipeline.world, micro_batches)
+    sim = simulate_ranks(programs, [profile] * len(programs), micro_batches)
     figures = []
-    for r, plan in enumerate(pipeline.ranks):
-        report, mg = plan.compiled.report, plan.memgraph
-        c = report.compiled
+    for r, mg in enumerate(programs):
+        alone, meta = sim.alone[r], mg.meta
+        least = int(meta.get("min_stream_bytes", 0))
+        bound = bounds[r] if bounds is not None else None
         sent = sum(mg.tensors[n.tensor].bytes for n in mg.nodes if isinstance(n, SendNode))
         figures.append(RankFigures(
-            r, pipeline.split.stage_range(r), c.weight_bytes, c.resident_bytes,
-            sim.alone[r].h2d_bytes, c.min_stream_bytes, sent, sim.alone[r].makespan_s,
-            report.bound.seconds if report.bound else sim.alone[r].lower_bound_s,
-            report.bound.compute_s if report.bound else sim.alone[r].compute_s))
-    chain = 0.0 if pipeline.host_compute else chain_seconds(pipeline.programs, profile)
-    return RanksReport(profile.name, pipeline.ranks[0].memgraph.device_bytes, profile.peer_rate,
+            r, tuple(stages[r]), int(meta.get("weight_bytes", 0)),
+            int(meta.get("resident_bytes", 0)), alone.h2d_bytes, least, sent, alone.makespan_s,
+            bound.seconds if bound else max(alone.compute_s, least / profile.h2d_bandwidth),
+            bound.compute_s if bound else alone.compute_s))
+    chain = 0.0 if host_compute else chain_seconds(programs, profile)
+    return RanksReport(profile.name, programs[0].device_bytes, profile.peer_rate,
                        micro_batches, tuple(figures), sim.makespan_s, sim.bubble,
                        compile_seconds, chain, tokens, tuple(workload))
 
