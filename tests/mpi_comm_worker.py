@@ -8,10 +8,13 @@ with a status that says how it ended:
               in a recv from rank 1, reports the CommError it got and exits 3.
     timeout   rank 0 receives from rank 1, which sends nothing; rank 0 reports the CommError,
               then both meet at a barrier and exit 0.
+    die       rank 1 exits at once (os._exit, as if killed) while rank 0 waits in a recv with a
+              60 s timeout: the launcher ends rank 0 too.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -91,7 +94,18 @@ def timeout(comm: MpiCommunicator) -> int:
     return 0
 
 
-SCENARIOS = {"pingpong": pingpong, "abort": abort, "timeout": timeout}
+def die(comm: MpiCommunicator) -> int:
+    """Rank 1 dies without a word (as a killed process would): the launcher must end rank 0,
+    blocked in a recv with a long timeout, at once."""
+    if comm.rank == 1:
+        time.sleep(0.3)
+        os._exit(9)
+    comm.recv(np.empty(4, np.float32), peer=1, tag=0, timeout=60.0)
+    result(rank=0, scenario="die", error=None)
+    return 0
+
+
+SCENARIOS = {"pingpong": pingpong, "abort": abort, "timeout": timeout, "die": die}
 
 
 def main(argv: list[str]) -> int:

@@ -269,3 +269,12 @@ def test_mpi_receive_without_sender_times_out():
     (rec,) = records
     assert rec["error"] == "rank 0: nothing from rank 1 (tag 7) within 0.3 s", output
     assert rec["failed_rank"] == 1 and 0.3 <= rec["seconds"] < 3.0, output
+
+
+@needs_mpi
+def test_mpi_a_rank_that_dies_ends_the_others():
+    """A process killed mid-run (no abort sent): the launcher ends the rest at once, far
+    inside the 60 s the waiting rank would give its peer."""
+    rc, records, output, took = mpirun("die", timeout=60.0)
+    assert rc != 0 and not records, output
+    assert took < 15.0, output
