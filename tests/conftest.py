@@ -68,8 +68,10 @@ def pytest_terminal_summary(terminalreporter):
 
 #: The only reasons a test may skip for (a skip for any other reason hides a broken test, as
 #: `fake_cupy.install()` once did): the machine has no GPU, or no CUDA compiler, or it has a GPU
-#: (a test of what happens without one).
-SKIP_REASONS = ("no GPU", "no CUDA compiler", "a GPU is usable here")
+#: (a test of what happens without one), or no MPI (the GPU machines have no package index to
+#: install the `mpi` extra from; CI installs it with `test`).
+SKIP_REASONS = ("no GPU", "no CUDA compiler", "a GPU is usable here",
+                "MPI tests need mpi4py and mpiexec")
 
 
 @pytest.hookimpl(hookwrapper=True)
