@@ -85,10 +85,6 @@ def _stateful(graph: Graph) -> list[bool]:
     return out
 
 
-def _operands(n: Node) -> tuple[int, ...]:
-    return n.inputs + ((n.guard.tensor,) if n.guard is not None else ())
-
-
 def node_ranks(graph: Graph, cut: tuple[int, ...]) -> list[frozenset[int]]:
     """The ranks each node is computed or loaded on: a stateful computed node on its stage's
     rank (an output on its operand's), a stateless one and an input on every rank that reads
