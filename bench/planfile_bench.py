@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import einpage.ir.memgraph as memgraph
+import einpage.ir.planfile as planfile
 from einpage.ir.memgraph import MemGraph
 from einpage.ir.ops import op_from_json
 
@@ -58,12 +58,12 @@ def _module_at(rev: str, directory: str):
 
 def _before_load(path: Path) -> MemGraph:
     """The load einpage had before: text, json.loads with the collector on, ops parsed anew."""
-    saved = memgraph._op_from
-    memgraph._op_from = op_from_json
+    saved = planfile._op_from
+    planfile._op_from = op_from_json
     try:
         return MemGraph.from_json(json.loads(path.read_text()))
     finally:
-        memgraph._op_from = saved
+        planfile._op_from = saved
 
 
 def _before_save(mg: MemGraph, path: Path) -> None:

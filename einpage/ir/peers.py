@@ -31,8 +31,8 @@ from types import MappingProxyType
 from typing import Mapping, Sequence
 
 from einpage.errors import PlanError
-from einpage.ir.memgraph import (MALFORMED, RANKS_FORMAT, VERSION, MemGraph, RecvNode, SendNode,
-                                 read_plan_json, write_plan_json)
+from einpage.ir.memgraph import VERSION, MemGraph, RecvNode, SendNode
+from einpage.ir.planfile import MALFORMED, RANKS_FORMAT, read_plan_json, write_plan_json
 from einpage.ir.validator import ValidationReport, checked
 
 #: the name a value crossing ranks has on both sides: the sender's output, the receiver's input
