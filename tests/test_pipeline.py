@@ -133,13 +133,15 @@ def test_programs_round_trip_through_json(two):
         MemGraph.from_json(data)
 
 
-def test_a_failing_rank_stops_every_rank_and_is_named(two, weights):
+@pytest.mark.parametrize("backend", [None, "threads"], ids=["numpy", "threads"])
+def test_a_failing_rank_stops_every_rank_and_is_named(two, weights, backend):
+    """Rank 1 cannot read a weight: both ranks stop, the error names rank 1 and its cause."""
     def broken(name):
-        if name.startswith("layers.3"):
+        if name.startswith("layers.3.w_down"):
             raise InputError(f"cannot read {name}")
         return weights(name)
-    with pytest.raises(InputError, match="rank 1: .*cannot read layers.3"):
-        run_ranks(two.programs, {"tokens": _tokens()}, broken, timeout=20)
+    with pytest.raises(InputError, match="rank 1: .*cannot read layers.3.w_down"):
+        run_ranks(two.programs, {"tokens": _tokens()}, broken, backend=backend, timeout=20)
 
 
 def test_priced_together_the_bubble_shrinks_with_micro_batches(two):
@@ -230,15 +232,6 @@ def test_ranks_on_the_threads_backend_with_random_delays(prefill, weights, two, 
     got = run_ranks(two.programs, {"tokens": _tokens()}, weights, backend="threads",
                     delays=delays)["logits"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
-
-
-def test_a_failing_queue_on_one_rank_stops_the_other(two, weights):
-    def broken(name):
-        if name.startswith("layers.3.w_down"):
-            raise InputError(f"cannot read {name}")
-        return weights(name)
-    with pytest.raises(InputError, match="rank 1: .*cannot read layers.3.w_down"):
-        run_ranks(two.programs, {"tokens": _tokens()}, broken, backend="threads", timeout=20)
 
 
 def test_received_blocks_reload_just_before_their_first_user(two):

@@ -12,26 +12,14 @@ import numpy as np
 import pytest
 from mpi_launch import mpiexec, needs_mpi
 from safetensors.numpy import load_file, save_file
+from test_cli import assert_one_line_error as one_line
+from test_cli import cli
 
-from einpage.cli import main
 from einpage.runtime.backends import cuda_usable
 
 TOKENS = "1,2,3,4,5"
 #: the console script beside this Python (pip installs it with the package)
 EINPAGE = Path(sys.executable).parent / "einpage"
-
-
-def cli(*argv) -> int:
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
-
-
-def one_line(capsys, code, message):
-    out, err = capsys.readouterr()
-    assert code == 2 and err.count("\n") == 1 and err.startswith("einpage: error: "), (out, err)
-    assert message in err, err
 
 
 @pytest.fixture(scope="module")

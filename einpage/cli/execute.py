@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -15,7 +14,8 @@ from einpage.cli.common import (POLICY_HELP, add_host_args, add_quantize_arg, ch
                                 check_context, host_budget, input_from_args, load_plan,
                                 report_logits, write_text)
 from einpage.cli.outputs import Deferred, OutputPath
-from einpage.errors import EinpageError, InputError
+from einpage.cli.ranks import quiet_rank
+from einpage.errors import InputError
 from einpage.ir.dtypes import DType, as_dtype
 from einpage.outputs import save_npy
 from einpage.units import format_size, parse_size
@@ -151,7 +151,8 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None):
     if args.gpu_mem and args.arena:
         raise InputError("--gpu-mem and --arena both size the plan: give one")
     if getattr(args, "devices", 1) != 1:
-        return _ranks_runner(args, weights)
+        from einpage.cli.ranks import ranks_runner
+        return ranks_runner(args, weights)
     whole = (parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else
              parse_size(args.arena, "--arena") if args.arena else None)
     if budget is None:
@@ -177,46 +178,6 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None):
     return runners.PlanRunner(weights, options, args.backend,
                               timing=bool(args.timing or args.trace), arena=bool(args.arena),
                               graphs=not args.trace)  # a trace shows every node of every pass
-
-
-def _ranks_runner(args, weights):
-    """`--devices N`: plans for N devices, every rank here or this process's under mpiexec."""
-    from einpage import runners
-    from einpage.compiler import CompileOptions
-    from einpage.runtime.comm import MpiCommunicator, mpi_world
-    devices = args.devices
-    if devices < 1:
-        raise InputError(f"--devices must be at least 1, got {devices}")
-    if not args.gpu_mem:
-        raise InputError("--devices N needs --gpu-mem: the budget of each device")
-    for flag, given in (("--arena", args.arena), ("--timing", args.timing),
-                        ("--trace", args.trace), ("--draft", getattr(args, "draft", None))):
-        if given:
-            raise InputError(f"{flag} is not taken with --devices yet")
-    if args.backend not in ("auto", "threads", "cupy"):
-        raise InputError(f"--backend {args.backend}: plans for several devices run on threads "
-                         "or cupy")
-    rank, size = mpi_world()
-    comm = None
-    host_bytes, _ = host_budget(args)
-    if size > 1:
-        if size != devices:
-            raise InputError(f"--devices {devices} but mpiexec started {size} processes")
-        comm = MpiCommunicator()
-        if getattr(args, "cpu_mem", None) is None and host_bytes is not None:
-            # the ranks share this machine's memory, measured by rank 0: the same plans on all
-            from einpage.runtime.ranks import agree
-            host_bytes = agree(comm, host_bytes // size)
-    options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
-                             policy=args.policy or "reuse-distance", device=_profile(args),
-                             host_bytes=host_bytes, host_compute=args.host_compute == "auto")
-    return runners.RanksRunner(weights, options, devices, args.backend, comm=comm)
-
-
-def _quiet_rank(runner) -> bool:
-    """Under mpiexec, every rank but 0 runs quietly (each rank picks the same tokens)."""
-    comm = getattr(runner, "comm", None)
-    return comm is not None and comm.rank != 0
 
 
 def _profile(args):
@@ -337,7 +298,7 @@ def cmd_run(args) -> None:
         out = prefill(cfg, given.tokens, runner, given.lengths, passes=passes)
     finally:
         getattr(runner, "close", lambda: None)()
-    if _quiet_rank(runner):
+    if quiet_rank(runner):
         return
     report_logits(out["logits"], args.out, given.lengths, given.codec if given.text else None)
     _after(args, runner, repeated=passes > 1)
@@ -425,7 +386,7 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
     check_context(cfg, int(given.lengths.max()), args.max_new_tokens)
     draft, draft_bytes = _draft_from_args(args, cfg, k, given)
     runner = _runner(args, weights, reserved=draft_bytes)
-    quiet = _quiet_rank(runner)
+    quiet = quiet_rank(runner)
     if quiet:
         import io
         out = io.StringIO()  # rank 0 prints and saves the generation; the others compute it
@@ -628,14 +589,17 @@ def run_plan(args) -> None:
                          "weights")
     from einpage.ir.peers import load_programs
     programs, _ = load_programs(args.model)
+    if programs[0].meta.get("phase") == "decode" or any(
+            t.role == "cache" for mg in programs for t in mg.inputs):
+        devices = " --devices N" if len(programs) > 1 else ""
+        raise InputError(f"{args.model} is a decode step: it runs inside a generation, from "
+                         f"the KV store a prefill fills; use einpage generate CHECKPOINT"
+                         f"{devices} --max-new-tokens N (it compiles its decode plans itself)")
     if len(programs) > 1:
-        return _run_ranks(args, programs)
+        from einpage.cli.ranks import run_ranks_plan
+        return run_ranks_plan(args, programs)
     mg, _ = load_plan(args.model, programs[0])
     want = {t.name: t for t in mg.inputs}
-    if mg.meta.get("phase") == "decode" or any(t.role == "cache" for t in mg.inputs):
-        raise InputError(f"{args.model} is a decode step: it runs inside a generation, from "
-                         "the KV store a prefill fills; use einpage generate CHECKPOINT "
-                         "--max-new-tokens N (it compiles its decode plans itself)")
     given, source = _plan_input(args, want)
     weights = plan_weights(mg, source)
     out = _run_plan_on_backend(args, mg, {"tokens": given.tokens}, weights, _passes(args))
@@ -662,59 +626,6 @@ def _plan_input(args, want: dict):
     if tokens.min() < 0 or tokens.max() >= vocab:
         raise InputError(f"token id out of range for a vocabulary of {vocab}")
     return given, source
-
-
-def _run_ranks(args, programs) -> None:
-    """A plan for several devices: under `mpiexec -n N`, this process runs its own rank's
-    program over MPI; otherwise every rank runs here, one thread each. The rank that makes the
-    logits reports them; a rank that fails stops every rank (one line each)."""
-    from einpage.ir.peers import validate_ranks
-    from einpage.runners import plan_weights
-    from einpage.runtime.comm import MpiCommunicator, mpi_world
-    from einpage.runtime.ranks import rank_backend, run_rank, run_ranks
-    world = len(programs)
-    for flag, given in (("--timing", args.timing), ("--trace", args.trace),
-                        ("--passes", _passes(args) != 1)):
-        if given:
-            raise InputError(f"{flag} is not measured for a plan of several devices yet")
-    if args.backend == "reference":
-        raise InputError("--backend reference runs graphs, not plan files")
-    backend = None if args.backend == "numpy" else args.backend
-    if programs[0].meta.get("phase") == "decode" or any(
-            t.role == "cache" for mg in programs for t in mg.inputs):
-        raise InputError(f"{args.model} is a decode step: it runs inside a generation, from "
-                         "the KV store a prefill fills; use einpage generate CHECKPOINT "
-                         "--devices N --max-new-tokens N")
-    validate_ranks(programs)
-    want = {t.name: t for mg in programs for t in mg.inputs}
-    passes = int(programs[0].meta.get("micro_batches", 1))
-    if passes > 1 and "tokens" in want:  # the plan runs a batch as passes of its micro-batch
-        t = want["tokens"]
-        want["tokens"] = replace(t, shape=(t.shape[0] * passes, *t.shape[1:]))
-    given, source = _plan_input(args, want)
-    per = given.tokens.shape[0] // passes
-    batches = [{"tokens": given.tokens[m * per:(m + 1) * per]} for m in range(passes)]
-    rank, size = mpi_world()
-    if size > 1:
-        if size != world:
-            raise InputError(f"{args.model} is a plan for {world} devices; mpiexec started "
-                             f"{size} processes (use mpiexec -n {world})")
-        mg = programs[rank]
-        with MpiCommunicator() as comm:
-            try:
-                weights = plan_weights(mg, source)
-            except EinpageError as exc:  # the peers would wait for this rank's messages
-                comm.abort(str(exc))
-                raise
-            out = run_rank(mg, comm, batches, weights,
-                           backend=rank_backend(backend, rank) if backend else None)
-    else:
-        weights = [plan_weights(mg, source) for mg in programs]
-        out = run_ranks(programs, batches, weights, backend=backend)
-    if "logits" in out:
-        report_logits(out["logits"], args.out, given.lengths,
-                      given.codec if given.text else None)
-
 
 
 def _run_plan_on_backend(args, mg, inputs, weights, passes: int = 1) -> dict:

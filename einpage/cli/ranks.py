@@ -1,5 +1,7 @@
-"""`einpage compile MODEL --devices N`: a plan for several devices (pipeline parallelism,
-`einpage.compiler.pipeline`): its report, and the programs of every rank in one file (`-o`)."""
+"""Several devices on the command line (pipeline parallelism, `einpage.compiler.pipeline`):
+`compile --devices N` (its report, every rank's program in one file with `-o`), `inspect` of
+that file, `run` of it (every rank here, or this process's under mpiexec), and the runner that
+`run` and `generate` with `--devices N` compile and run through."""
 from __future__ import annotations
 
 import json
@@ -8,8 +10,8 @@ import time
 from argparse import Namespace
 from dataclasses import replace
 
-from einpage.errors import InputError
-from einpage.units import format_size, parse_rate
+from einpage.errors import EinpageError, InputError
+from einpage.units import format_size, parse_rate, parse_size
 
 
 def peer_profile(profile, link: str):
@@ -146,3 +148,92 @@ def print_ranks(r, model: str, workload: dict, notes: list[str], out=None) -> No
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
+
+
+def ranks_runner(args, weights):
+    """`--devices N`: plans for N devices, every rank here or this process's under mpiexec."""
+    from einpage import runners
+    from einpage.cli.common import host_budget
+    from einpage.cli.execute import _profile
+    from einpage.compiler import CompileOptions
+    from einpage.runtime.comm import MpiCommunicator, mpi_world
+    devices = args.devices
+    if devices < 1:
+        raise InputError(f"--devices must be at least 1, got {devices}")
+    if not args.gpu_mem:
+        raise InputError("--devices N needs --gpu-mem: the budget of each device")
+    for flag, given in (("--arena", args.arena), ("--timing", args.timing),
+                        ("--trace", args.trace), ("--draft", getattr(args, "draft", None))):
+        if given:
+            raise InputError(f"{flag} is not taken with --devices yet")
+    if args.backend not in ("auto", "threads", "cupy"):
+        raise InputError(f"--backend {args.backend}: plans for several devices run on threads "
+                         "or cupy")
+    rank, size = mpi_world()
+    comm = None
+    host_bytes, _ = host_budget(args)
+    if size > 1:
+        if size != devices:
+            raise InputError(f"--devices {devices} but mpiexec started {size} processes")
+        comm = MpiCommunicator()
+        if getattr(args, "cpu_mem", None) is None and host_bytes is not None:
+            # the ranks share this machine's memory, measured by rank 0: the same plans on all
+            from einpage.runtime.ranks import agree
+            host_bytes = agree(comm, host_bytes // size)
+    options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
+                             policy=args.policy or "reuse-distance", device=_profile(args),
+                             host_bytes=host_bytes, host_compute=args.host_compute == "auto")
+    return runners.RanksRunner(weights, options, devices, args.backend, comm=comm)
+
+
+def quiet_rank(runner) -> bool:
+    """Under mpiexec, every rank but 0 runs quietly (each rank picks the same tokens)."""
+    comm = getattr(runner, "comm", None)
+    return comm is not None and comm.rank != 0
+
+
+def run_ranks_plan(args, programs) -> None:
+    """A plan for several devices: under `mpiexec -n N`, this process runs its own rank's
+    program over MPI; otherwise every rank runs here, one thread each. The rank that makes the
+    logits reports them; a rank that fails stops every rank (one line each)."""
+    from einpage.cli.common import report_logits
+    from einpage.cli.execute import _passes, _plan_input
+    from einpage.ir.peers import validate_ranks
+    from einpage.runners import plan_weights
+    from einpage.runtime.comm import MpiCommunicator, mpi_world
+    from einpage.runtime.ranks import rank_backend, run_rank, run_ranks
+    world = len(programs)
+    for flag, given in (("--timing", args.timing), ("--trace", args.trace),
+                        ("--passes", _passes(args) != 1)):
+        if given:
+            raise InputError(f"{flag} is not measured for a plan of several devices yet")
+    backend = None if args.backend == "numpy" else args.backend
+    validate_ranks(programs)
+    want = {t.name: t for mg in programs for t in mg.inputs}
+    passes = int(programs[0].meta.get("micro_batches", 1))
+    if passes > 1 and "tokens" in want:  # the plan runs a batch as passes of its micro-batch
+        t = want["tokens"]
+        want["tokens"] = replace(t, shape=(t.shape[0] * passes, *t.shape[1:]))
+    given, source = _plan_input(args, want)
+    per = given.tokens.shape[0] // passes
+    batches = [{"tokens": given.tokens[m * per:(m + 1) * per]} for m in range(passes)]
+    rank, size = mpi_world()
+    if size > 1:
+        if size != world:
+            raise InputError(f"{args.model} is a plan for {world} devices; mpiexec started "
+                             f"{size} processes (use mpiexec -n {world})")
+        mg = programs[rank]
+        with MpiCommunicator() as comm:
+            try:
+                weights = plan_weights(mg, source)
+            except EinpageError as exc:  # the peers would wait for this rank's messages
+                comm.abort(str(exc))
+                raise
+            out = run_rank(mg, comm, batches, weights,
+                           backend=rank_backend(backend, rank) if backend else None)
+    else:
+        weights = [plan_weights(mg, source) for mg in programs]
+        out = run_ranks(programs, batches, weights, backend=backend)
+    if "logits" in out:
+        report_logits(out["logits"], args.out, given.lengths,
+                      given.codec if given.text else None)

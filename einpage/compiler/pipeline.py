@@ -574,12 +574,11 @@ def _needs(tg) -> tuple[list[int], list[int]]:
     for b, k in stored.items():
         weight_bytes[k] = tg.blocks[b].bytes
     received = {b.id for b in tg.blocks if b.source is not None and is_boundary(b.source.input)}
-    late_block = [not received] * len(tg.blocks) if not received else [
-        b in received for b in range(len(tg.blocks))]
+    late_block = [not received or b in received for b in range(len(tg.blocks))]
     need = [0] * len(tg.blocks)
     for t in tg.tasks:  # ids are a topological order
-        late = any(late_block[b] for b in t.reads) or late_block[t.write] and t.accumulate \
-            or not received
+        late = (not received or any(late_block[b] for b in t.reads)
+                or (t.accumulate and late_block[t.write]))
         mask = 0
         for b in t.reads:
             mask |= need[b]

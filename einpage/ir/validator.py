@@ -86,13 +86,12 @@ writer and the reads since; the ender has every access as an ancestor, so 5 chec
 of the most recent occupant of each byte (a sorted segment map, bisect). A query first looks at
 the direct deps and a pre-numbered spanning forest of the DAG, then runs one backward search
 pruned below the smallest id sought (an ancestor always has a smaller id), stopping when
-everything is found (see `_Ancestry`).
+everything is found (see `einpage.ir.ancestry.Ancestry`).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Callable
 
@@ -100,6 +99,8 @@ from einpage.errors import PlanError
 from einpage.ir.memgraph import (ALIGNMENT, HOST_ALIGNMENT, ApplyNode, FreeNode, InputNode,
                                  MemGraph, MemNode, OffloadNode, ReadNode, RecvNode, ReloadNode,
                                  SendNode, boxes_meet)
+from einpage.ir.ancestry import Ancestry, Arena, LiveInstance
+from einpage.ir.ancestry import at_offset as _at
 from einpage.ir.translation import check_ops, prove
 
 __all__ = ["ValidationReport", "validate", "checked", "vouch"]
@@ -173,151 +174,15 @@ def vouch(mg: MemGraph, report: ValidationReport) -> None:
     mg.__dict__[_REPORT] = report
 
 
-# ---------------------------------------------------------------------------------- helpers
-
-class _Instance:
-    """One device copy of a tensor while the checker replays the node order."""
-    __slots__ = ("serial", "tensor", "offset", "nbytes", "creator", "last_writer", "readers",
-                 "ender", "guard")
-
-    def __init__(self, serial: int, tensor: int, offset: int, nbytes: int, creator: int):
-        self.serial = serial
-        self.tensor = tensor
-        self.offset = offset
-        self.nbytes = nbytes
-        self.creator = creator
-        self.last_writer = creator
-        self.readers: list[int] = []  # reads and offloads since the last writer
-        self.ender: int | None = None
-        #: made by a guarded reload: (guard tensor, its version then, index, share) (rule 11)
-        self.guard: tuple[int, int, int, float] | None = None
-
-
-class _Ancestry:
-    """Ancestor queries on the dep DAG (whose deps `_check_structure` has checked).
-
-    A spanning forest of the DAG, in which each node's parent is its latest dep, is numbered in
-    pre-order; a forest ancestor is a DAG ancestor, found in O(1). A query first tries the
-    direct deps and the forest, then searches backwards from `v` over ids >= the smallest one
-    sought (an ancestor always has a smaller id), checking each node it meets against the forest,
-    and stops once everything is found. On chain-like plans the forest answers almost every query;
-    only a "no" (an error) pays for a whole search."""
-
-    def __init__(self, nodes: tuple[MemNode, ...]):
-        n = len(nodes)
-        self.deps = [node.deps for node in nodes]
-        children: list[list[int]] = [[] for _ in range(n)]
-        roots = []
-        for v, deps in enumerate(self.deps):
-            (children[max(deps)] if deps else roots).append(v)
-        self.first = [0] * n  # pre-order number
-        self.last = [0] * n   # the largest pre-order number in its subtree
-        count = 0
-        for root in roots:
-            stack = [root]
-            while stack:
-                v = stack.pop()
-                if v < 0:
-                    self.last[~v] = count - 1
-                    continue
-                self.first[v] = count
-                count += 1
-                stack.append(~v)
-                stack.extend(reversed(children[v]))
-        self.mark = [0] * n
-        self.stamp = 0
-
-    def _in_tree(self, u: int, d: int) -> bool:
-        """Whether `u` is `d` or its ancestor in the forest."""
-        return self.first[u] <= self.first[d] <= self.last[u]
-
-    def missing(self, targets: list[int], v: int) -> list[int]:
-        """The targets (other than `v` itself) that are not ancestors of `v`, sorted."""
-        need = {u for u in targets if u != v}
-        if need:
-            need.difference_update(self.deps[v])
-        if need:
-            late = sorted(u for u in need if u > v)
-            if late:
-                return late
-            need = {u for u in need if not self._in_tree(u, v)}
-        return self._search(need, v, find_all=True) if need else []
-
-    def any_of(self, targets: list[int], v: int) -> bool:
-        """Whether some target is `v` or an ancestor of `v`."""
-        need = {u for u in targets if u <= v}
-        if not need:
-            return False
-        if any(self._in_tree(u, v) for u in need) or not need.isdisjoint(self.deps[v]):
-            return True
-        count = len(need)
-        return len(self._search(need, v, find_all=False)) < count
-
-    def _search(self, need: set[int], v: int, find_all: bool) -> list[int]:
-        """Backward search from `v` over ids >= min(need); returns what stayed unfound (stops at
-        the first find unless `find_all`). Mutates `need`."""
-        deps, mark, first, last = self.deps, self.mark, self.first, self.last
-        self.stamp += 1
-        stamp = self.stamp
-        lo = min(need)
-        stack = [v]
-        while stack:
-            for d in deps[stack.pop()]:
-                if d < lo or mark[d] == stamp:
-                    continue
-                mark[d] = stamp
-                here = first[d]
-                hits = [u for u in need if first[u] <= here <= last[u]]
-                if hits:
-                    need.difference_update(hits)
-                    if not need or not find_all:
-                        return sorted(need)
-                    lo = min(need)
-                stack.append(d)
-        return sorted(need)
-
-
-class _Arena:
-    """The most recent occupant of every byte: sorted segment starts with their owners."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.starts = [0]
-        self.owners: list[_Instance | None] = [None]
-
-    def _split(self, x: int) -> int:
-        i = bisect_right(self.starts, x) - 1
-        if self.starts[i] != x:
-            i += 1
-            self.starts.insert(i, x)
-            self.owners.insert(i, self.owners[i - 1])
-        return i
-
-    def claim(self, lo: int, hi: int, inst: _Instance) -> list[_Instance]:
-        """Make `inst` the occupant of [lo, hi); return the distinct previous occupants."""
-        if lo >= hi:
-            return []
-        i = self._split(lo)
-        j = self._split(hi) if hi < self.size else len(self.starts)
-        previous = {o.serial: o for o in self.owners[i:j] if o is not None}
-        self.starts[i:j] = [lo]
-        self.owners[i:j] = [inst]
-        return list(previous.values())
-
-
-def _at(offset: int) -> str:
-    return f"@0x{offset:08x}"
-
-
 # ---------------------------------------------------------------------------------- checker
 class _Checker:
     def __init__(self, mg: MemGraph):
         self.mg = mg
         self.nodes = mg.nodes
         self.tensors = mg.tensors
-        self.ancestry = _Ancestry(mg.nodes)
-        self.arena = _Arena(mg.device_bytes)
-        self.live: dict[int, _Instance] = {}        # tensor -> its live instance
+        self.ancestry = Ancestry(mg.nodes)
+        self.arena = Arena(mg.device_bytes)
+        self.live: dict[int, LiveInstance] = {}        # tensor -> its live instance
         self.last_end: dict[int, int] = {}          # tensor -> ender of its last instance
         self.version: dict[int, int] = {}           # tensor -> apply writes so far
         self.last_write: dict[int, int] = {}        # tensor -> the apply that last wrote it
@@ -328,8 +193,8 @@ class _Checker:
         self.host_inputs: dict[int, list[int]] = {}  # tensor -> its inputs at host
         self.instances = 0
         self.traffic = {"reload": [0, 0], "offload": [0, 0], "read": [0, 0]}
-        self.host_arena = _Arena(max(mg.host_arena_bytes, 1))
-        self.staged: dict[int, _Instance] = {}      # tensor -> its live staging buffer
+        self.host_arena = Arena(max(mg.host_arena_bytes, 1))
+        self.staged: dict[int, LiveInstance] = {}      # tensor -> its live staging buffer
         self.disk_inputs: dict[int, list[int]] = {}  # tensor -> its inputs at disk
         self.buffers = 0
         self.received: dict[str, list[RecvNode]] = {}  # input -> the recvs that fill it
@@ -361,8 +226,8 @@ class _Checker:
             host_arena_bytes=self.mg.host_arena_bytes, host_applies=self.host_applies)
 
     # ------------------------------------------------------------ messages
-    def _occupy(self, arena: _Arena, node, inst: _Instance, doing: Callable[[], str],
-                live: Callable[[_Instance], str], held: Callable[[_Instance], str],
+    def _occupy(self, arena: Arena, node, inst: LiveInstance, doing: Callable[[], str],
+                live: Callable[[LiveInstance], str], held: Callable[[LiveInstance], str],
                 ended: str, edge: str) -> None:
         """Make `inst` the occupant of its bytes in `arena` (the device arena or host staging):
         each previous occupant must have ended, and the node that ended it (`ended` its bytes)
@@ -412,7 +277,7 @@ class _Checker:
                              f"arena [0, {self.mg.device_bytes})")
         return nbytes
 
-    def _live(self, node: MemNode, t: int, offset: int, verb: str) -> _Instance:
+    def _live(self, node: MemNode, t: int, offset: int, verb: str) -> LiveInstance:
         """The live instance of `t`, which must be at `offset` (rules 3 and 8)."""
         self._offset(node, t, offset)
         inst = self.live.get(t)
@@ -426,13 +291,13 @@ class _Checker:
                              f"{_at(inst.offset)} (created by {self._kind(inst.creator)})")
         return inst
 
-    def _check_written(self, node: MemNode, inst: _Instance, verb: str) -> None:
+    def _check_written(self, node: MemNode, inst: LiveInstance, verb: str) -> None:
         """Rule 3: the last writer (hence every writer, by rule 4) is an ancestor."""
         if self.ancestry.missing([inst.last_writer], node.id):
             self._fail(node, f"{verb} {self._name(inst.tensor)} {_at(inst.offset)}, but its writer "
                              f"{self._kind(inst.last_writer)} is not an ancestor")
 
-    def _check_after_uses(self, node: MemNode, inst: _Instance, verb: str) -> None:
+    def _check_after_uses(self, node: MemNode, inst: LiveInstance, verb: str) -> None:
         """Rule 4: every earlier access is an ancestor (the last writer and the reads since)."""
         missing = self.ancestry.missing([inst.last_writer, *inst.readers], node.id)
         if missing:
@@ -441,12 +306,12 @@ class _Checker:
             self._fail(node, f"{verb} {self._name(inst.tensor)} {_at(inst.offset)}, but its "
                              f"earlier {role} {self._kind(u)} is not an ancestor")
 
-    def _end(self, node: MemNode, inst: _Instance) -> None:
+    def _end(self, node: MemNode, inst: LiveInstance) -> None:
         inst.ender = node.id
         del self.live[inst.tensor]
         self.last_end[inst.tensor] = node.id
 
-    def _create(self, node: MemNode, t: int, offset: object) -> _Instance:
+    def _create(self, node: MemNode, t: int, offset: object) -> LiveInstance:
         """Rules 2, 5 and 8 for a new instance of `t` created by `node`."""
         nbytes = self._placed(node, t, offset)
         old = self.live.get(t)
@@ -458,7 +323,7 @@ class _Checker:
         if ended is not None and self.ancestry.missing([ended], node.id):
             self._fail(node, f"creates a new instance of {self._name(t)}, but the end of its "
                              f"previous instance, {self._kind(ended)}, is not an ancestor")
-        inst = _Instance(self.instances, t, offset, nbytes, node.id)
+        inst = LiveInstance(self.instances, t, offset, nbytes, node.id)
         self._occupy(self.arena, node, inst,
                      lambda: f"writes {self._name(t)} at [{offset}, {offset + nbytes})",
                      lambda o: f"live {self._name(o.tensor)} at [{o.offset}, "
@@ -565,7 +430,7 @@ class _Checker:
             self._fail(node, f"reads {self._name(t)} while its staging buffer at host "
                              f"{_at(old.offset)} (filled by {self._kind(old.creator)}) is not "
                              "yet consumed")
-        inst = _Instance(self.buffers, t, at, nbytes, node.id)
+        inst = LiveInstance(self.buffers, t, at, nbytes, node.id)
         self.buffers += 1
         self._occupy(self.host_arena, node, inst,
                      lambda: f"reads {self._name(t)} into host [{at}, {at + nbytes})",
@@ -607,7 +472,7 @@ class _Checker:
         inst.readers.append(node.id)
         return gt, self.version.get(gt, 0), g.index, g.share
 
-    def _check_guarded(self, node: ApplyNode, inst: _Instance, verb: str) -> None:
+    def _check_guarded(self, node: ApplyNode, inst: LiveInstance, verb: str) -> None:
         """Rule 11 at an apply: an instance a guarded reload made is touched only under the
         same guard (the same element of the same version of the guard tensor)."""
         gt, version, index, share = inst.guard
