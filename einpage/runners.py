@@ -232,6 +232,8 @@ def plan_weights(mg: MemGraph, checkpoint) -> WeightSource:
     model = schema.weight_shapes(checkpoint.config)
     made_for = mg.meta.get("weights_dtype")
     where = checkpoint.directory
+    from einpage.runtime.shards import whole_shape  # a tensor-parallel rank reads a slice
+    shapes = {name: whole_shape(mg, name, t.shape) for name, t in planned.items()}
     for name, want in planned.items():  # in the plan's order: the first that differs is named
         hf = sources.get(name)
         if not hf:
@@ -241,17 +243,17 @@ def plan_weights(mg: MemGraph, checkpoint) -> WeightSource:
         if ref is None:
             raise CheckpointError(f"{where}: no tensor {hf!r}, which the plan reads: it was "
                                   "compiled for another model")
-        count = int(np.prod(want.shape, dtype=np.int64))
-        if model.get(name) != tuple(want.shape) or int(np.prod(ref.shape)) != count:
+        count = int(np.prod(shapes[name], dtype=np.int64))
+        if model.get(name) != shapes[name] or int(np.prod(ref.shape)) != count:
             raise CheckpointError(f"{where}: tensor {hf!r} has shape {tuple(ref.shape)}, but the "
-                                  f"plan reads it as {tuple(want.shape)}: it was compiled for "
+                                  f"plan reads it as {shapes[name]}: it was compiled for "
                                   "another model")
         if made_for is not None and ref.dtype.value != made_for:
             raise CheckpointError(f"{where}: tensor {hf!r} is {ref.dtype}, but the plan was "
                                   f"compiled from a checkpoint of {made_for}: compile it from "
                                   "this one")
 
-    return _PlanWeights(checkpoint, sources, {name: tuple(t.shape) for name, t in planned.items()})
+    return _PlanWeights(checkpoint, sources, shapes)
 
 
 def _source_plan_weights(mg: MemGraph, weights) -> WeightSource:
@@ -266,12 +268,14 @@ def _source_plan_weights(mg: MemGraph, weights) -> WeightSource:
     model = schema.weight_shapes(weights.config)
     stored = {t.source.input: t.storage for t in mg.tensors
               if t.source is not None and t.role == "weight"}
+    from einpage.runtime.shards import whole_shape
     for t in mg.inputs:
         if t.role != "weight":
             continue
-        if model.get(t.name) != tuple(t.shape):
+        shape = whole_shape(mg, t.name, t.shape)
+        if model.get(t.name) != shape:
             raise CheckpointError(f"{where}: the plan reads weight {t.name!r} as "
-                                  f"{tuple(t.shape)}, which the file's model "
+                                  f"{shape}, which the file's model "
                                   f"{'lacks' if t.name not in model else 'has as ' + str(model[t.name])}"
                                   ": it was compiled for another model")
         held, want = weights.storage(t.name), stored.get(t.name)
@@ -326,13 +330,18 @@ class RanksRunner:
     those (`KVStore(names=...)`)."""
 
     def __init__(self, weights: WeightSource, options: CompileOptions, world: int,
-                 backend: str = "threads", comm=None):
+                 backend: str = "threads", comm=None, parallel: str = "pipeline"):
         from einpage.runtime.backends import resolve
         if backend not in ("threads", "cupy", "auto"):
             from einpage.errors import InputError
             raise InputError(f"--backend {backend}: plans for several devices run on threads "
                              "or cupy")
+        from einpage.compiler.parallel import PARALLEL
+        if parallel not in PARALLEL:
+            from einpage.errors import InputError
+            raise InputError(f"parallel {parallel!r}: one of {', '.join(PARALLEL)}")
         self.weights, self.options, self.world, self.comm = weights, options, world, comm
+        self.parallel = parallel
         self.backend = resolve(backend)
         self._plans: dict[Graph, object] = {}
         self.cut: tuple[int, ...] | None = None
@@ -347,15 +356,17 @@ class RanksRunner:
         of the first (a generation's prefill): a layer's KV rows stay on the rank that made
         them."""
         if graph not in self._plans:
-            from einpage.compiler.pipeline import compile_pipeline
+            from einpage.compiler.parallel import compile_parallel
             t0 = time.perf_counter()
-            pipeline = compile_pipeline(graph, self.world, self.options, cut=self.cut)
+            pipeline = compile_parallel(graph, self.world, self.options, self.parallel,
+                                        cut=self.cut)
             if self.comm is not None:  # every process compiles: the same programs, or stop
                 from einpage.ir.peers import messages_digest
                 from einpage.runtime.ranks import check_same
                 check_same(self.comm, messages_digest(pipeline.programs))
             self._plans[graph] = pipeline
-            self.cut = pipeline.split.cut
+            self.parallel = pipeline.programs[0].meta.get("parallel", "pipeline")
+            self.cut = getattr(pipeline.split, "cut", None)
             self.compile_s += time.perf_counter() - t0
         return self._plans[graph]
 
@@ -391,6 +402,7 @@ class RanksSession:
     def __init__(self, runner: RanksRunner, programs):
         from einpage.runtime.comm import LocalCommunicator
         from einpage.runtime.ranks import rank_backend
+        from einpage.runtime.shards import rank_weights
         from einpage.runtime.stream_executor import StreamSession
         self.runner, self.programs = runner, programs
         world = len(programs)
@@ -404,7 +416,8 @@ class RanksSession:
         self.sessions = {}
         try:
             for r in mine:
-                self.sessions[r] = StreamSession(programs[r], runner.weights,
+                self.sessions[r] = StreamSession(programs[r],
+                                                 rank_weights(runner.weights, programs[r]),
                                                  rank_backend(runner.backend, r), timing=False,
                                                  comm=comms[r])
         except BaseException as exc:  # the peers would wait for this rank's messages
@@ -420,28 +433,32 @@ class RanksSession:
         self.close()
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from einpage.ir.peers import is_boundary
-        from einpage.runtime.ranks import RESULTS_TAG, run_together
-        outs = run_together({r: (lambda s=s: s.run(inputs).outputs)
+        from einpage.runtime.ranks import RESULTS_TAG, gather_results, run_together
+        from einpage.runtime.shards import assemble, gathered_of
+        from einpage.runtime.shards import rank_inputs
+        outs = run_together({r: (lambda r=r, s=s: s.run(rank_inputs(self.programs[r],
+                                                                    inputs)).outputs)
                              for r, s in self.sessions.items()}, self.comms)
-        merged = {name: value for out in outs.values() for name, value in out.items()
-                  if not is_boundary(name)}
         comm = self.runner.comm
-        if comm is not None:
+        if comm is not None and gathered_of(self.programs[comm.rank]):
+            outs = gather_results(comm, self.programs, outs[comm.rank])
+        merged = assemble(self.programs, outs)
+        if comm is not None and "logits" not in merged:  # a pipeline: the last rank has them
             last = len(self.programs) - 1
-            if comm.rank == last:
-                for r in range(last):
-                    comm.send(np.ascontiguousarray(merged["logits"]), r, RESULTS_TAG)
-            else:
-                t = next(t for t in self.programs[last].results if t.name == "logits")
-                merged["logits"] = np.empty(t.shape, t.dtype.numpy)
-                comm.recv(merged["logits"], last, RESULTS_TAG)
+            t = next(t for t in self.programs[last].results if t.name == "logits")
+            merged["logits"] = np.empty(t.shape, t.dtype.numpy)
+            comm.recv(merged["logits"], last, RESULTS_TAG)
+        elif comm is not None and comm.rank == len(self.programs) - 1 and not gathered_of(
+                self.programs[comm.rank]):
+            for r in range(comm.rank):
+                comm.send(np.ascontiguousarray(merged["logits"]), r, RESULTS_TAG)
         return merged
 
     def write(self, name: str, lead: tuple[int, ...], values: np.ndarray) -> None:
+        from einpage.runtime.shards import rank_rows
         for r, session in self.sessions.items():
             if any(t.name == name for t in self.programs[r].inputs):
-                session.write(name, lead, values)
+                session.write(name, lead, rank_rows(self.programs[r], name, lead, values))
 
     def close(self) -> None:
         for session in self.sessions.values():

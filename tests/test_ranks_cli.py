@@ -198,10 +198,10 @@ def test_micro_batches_auto_keeps_the_fastest_count(plans, capsys):
     assert cli("compile", f32, "--gpu-mem", "200KB", "--seq", 4, "--batch", 4, "--devices", 2,
                "--micro-batches", "auto", "--json", "--quiet") == 0
     r = json.loads(capsys.readouterr().out)
-    (note,) = [n for n in r["notes"] if n.startswith("micro-batches tried: ")]
-    tried = dict(part.split(": ") for part in note.split("; ")[0][len("micro-batches tried: "):]
-                 .split(", "))
-    assert set(tried) == {"1", "2", "4"} and f"kept {r['micro_batches']}" in note
+    (note,) = [n for n in r["notes"] if n.startswith("tried: ")]
+    tried = dict(part.split(": ") for part in note.split("; ")[0][len("tried: "):].split(", "))
+    assert set(tried) == {"pipeline x 1", "pipeline x 2", "pipeline x 4"}
+    assert f"kept pipeline x {r['micro_batches']}" in note
     one_line(capsys, cli("compile", f32, "--gpu-mem", "200KB", "--devices", 2,
                          "--micro-batches", "many"), "--micro-batches 'many': a count or auto")
 

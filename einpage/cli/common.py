@@ -318,3 +318,11 @@ def load_plan(path: str, mg=None):
               "and order were checked but not that it computes its model; compile it again for a "
               "plan that proves it", file=sys.stderr)
     return mg, report
+
+
+def add_parallel_arg(p) -> None:
+    """`--parallel`: how `--devices N` spreads the model (`einpage.compiler.parallel`)."""
+    p.add_argument("--parallel", choices=("pipeline", "tensor", "auto"), default="pipeline",
+                   help="with --devices: pipeline (consecutive layers per device; default), "
+                        "tensor (every layer's heads and FFN columns split over the devices, "
+                        "all-reduced), or auto: the one predicted faster")

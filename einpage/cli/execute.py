@@ -10,9 +10,9 @@ from typing import TextIO
 
 import numpy as np
 
-from einpage.cli.common import (POLICY_HELP, add_host_args, add_quantize_arg, check_budget,
-                                check_context, host_budget, input_from_args, load_plan,
-                                report_logits, write_text)
+from einpage.cli.common import (POLICY_HELP, add_host_args, add_parallel_arg, add_quantize_arg,
+                                check_budget, check_context, host_budget, input_from_args,
+                                load_plan, report_logits, write_text)
 from einpage.cli.outputs import Deferred, OutputPath
 from einpage.cli.ranks import quiet_rank
 from einpage.errors import InputError
@@ -52,9 +52,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="allow a --gpu-mem above the memory of --device (a warning)")
     p.add_argument("--devices", type=int, default=1,
-                   help="run the model over N devices of --gpu-mem each (pipeline parallelism, "
-                        "threads backend): every rank in this process, or one per process "
-                        "under mpiexec -n N")
+                   help="run the model over N devices of --gpu-mem each (threads or cupy "
+                        "backend): every rank in this process, or one per process under "
+                        "mpiexec -n N")
+    add_parallel_arg(p)
     add_host_args(p)
     add_quantize_arg(p)
     p.add_argument("--policy", help=POLICY_HELP + "; needs --gpu-mem")
@@ -150,7 +151,7 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None):
     from einpage.compiler import CompileOptions
     if args.gpu_mem and args.arena:
         raise InputError("--gpu-mem and --arena both size the plan: give one")
-    if getattr(args, "devices", 1) != 1:
+    if getattr(args, "devices", 1) != 1 or getattr(args, "parallel", "pipeline") != "pipeline":
         from einpage.cli.ranks import ranks_runner
         return ranks_runner(args, weights)
     whole = (parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else

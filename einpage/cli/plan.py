@@ -5,9 +5,9 @@ import json
 import re
 import sys
 
-from einpage.cli.common import (POLICY_HELP, add_device_args, add_host_args, add_quantize_arg,
-                                check_budget, host_budget, load_plan, profile_from_args,
-                                write_text)
+from einpage.cli.common import (POLICY_HELP, add_device_args, add_host_args, add_parallel_arg,
+                                add_quantize_arg, check_budget, host_budget, load_plan,
+                                profile_from_args, write_text)
 from einpage.cli.outputs import Deferred, OutputPath
 from einpage.cli.report import print_report
 from einpage.errors import EinpageError, InputError
@@ -79,6 +79,7 @@ def add_commands(sub) -> None:
                    help="plan for this many devices of --gpu-mem each: consecutive layers per "
                         "device (pipeline parallelism), run by `einpage run` or "
                         "`mpiexec -n N einpage run`")
+    add_parallel_arg(c)
     c.add_argument("--micro-batches", default="1",
                    help="with --devices: split --batch into this many passes that follow each "
                         "other through the devices (default 1), or auto: the count (a divisor "
@@ -171,7 +172,7 @@ def cmd_compile(args) -> None:
     profile = profile_from_args(args)
     device_bytes = parse_size(args.gpu_mem, "--gpu-mem")
     over = check_budget(device_bytes, profile, args.force)
-    if args.devices != 1 or args.micro_batches != "1":
+    if args.devices != 1 or args.micro_batches != "1" or args.parallel != "pipeline":
         from einpage.cli.ranks import compile_ranks
         return compile_ranks(args, profile, device_bytes, over)
     if args.peer_link != "pcie":

@@ -29,13 +29,17 @@ def peer_profile(profile, link: str):
 def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
     from einpage.cli.plan import graph_from_args
     from einpage.compiler import CompileOptions
-    from einpage.compiler.pipeline import compile_pipeline, ranks_report
+    from einpage.compiler.parallel import compile_parallel
+    from einpage.compiler.pipeline import ranks_report
     from einpage.ir.peers import save_programs
     devices = args.devices
     if devices < 2:
-        raise InputError(f"--devices must be at least 2 for a pipeline (got {devices}); "
-                         "--micro-batches needs it")
+        raise InputError(f"--devices must be at least 2 for several devices (got {devices}); "
+                         "--micro-batches and --parallel need it")
     counts = micro_batch_counts(args.micro_batches, args.batch)
+    if args.parallel == "tensor" and counts != [1]:
+        raise InputError("--micro-batches pipelines a batch through the devices; tensor "
+                         "parallelism runs it whole (drop it, or --parallel pipeline or auto)")
     for flag, value in (("--trace", args.trace), ("--lookahead", args.lookahead),
                         ("--block-bytes", args.block_bytes), ("--plot", args.plot),
                         ("--max-new-tokens", args.max_new_tokens), ("--draft", args.draft)):
@@ -54,22 +58,31 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
         options = CompileOptions(device_bytes=device_bytes, policy=args.policy,
                                  device=profile, sources=sources, workload=workload,
                                  host_bytes=host_bytes, host_compute=args.host_compute == "auto")
-        t0 = time.perf_counter()
-        pipeline = compile_pipeline(graph, devices, options)
-        report = ranks_report(pipeline, profile, m, time.perf_counter() - t0, tokens * m,
-                              tuple(workload.items()))
-        tried.append((report.makespan_s, m, pipeline, report, workload))
+        kinds = [args.parallel] if args.parallel != "auto" else (
+            ["pipeline", "tensor"] if m == 1 else ["pipeline"])
+        for kind in kinds:
+            t0 = time.perf_counter()
+            try:
+                plan = compile_parallel(graph, devices, options, kind)
+            except EinpageError:
+                if args.parallel == "auto" and kind == "tensor":
+                    continue  # a graph tensor parallelism cannot split: the pipeline alone
+                raise
+            kept = {**workload, "parallel": kind}
+            report = ranks_report(plan, profile, m, time.perf_counter() - t0, tokens * m,
+                                  tuple(kept.items()))
+            tried.append((report.makespan_s, m, plan, report, kept))
     _, m, pipeline, report, workload = min(tried, key=lambda t: (t[0], t[1]))
     notes = []
     if len(tried) > 1:
-        notes.append("micro-batches tried: " + ", ".join(
-            f"{k}: {_ms(t)}" for t, k, *_ in sorted(tried, key=lambda t: t[1]))
-            + f"; kept {m}")
+        notes.append("tried: " + ", ".join(
+            f"{w['parallel']} x {k}: {_ms(t)}" for t, k, _, _, w in tried)
+            + f"; kept {workload['parallel']} x {m}")
     if over:
         notes.append(f"warning: {over}")
     if args.output:
         save_programs(pipeline.programs, args.output,
-                      {**workload, "cut": list(pipeline.split.cut),
+                      {**workload, "cut": list(getattr(pipeline.split, "cut", ())),
                        "stages": pipeline.split.stages, "host_compute": pipeline.host_compute,
                        "peer_bandwidth": profile.peer_bandwidth})
         notes.append(f"plan: {args.output} ({devices} programs, one per rank)")
@@ -95,18 +108,23 @@ def inspect_ranks(args, programs, meta) -> None:
     if meta.get("peer_bandwidth") is not None:
         profile = replace(profile, peer_bandwidth=float(meta["peer_bandwidth"]))
     bounds = (0, *meta.get("cut", ()), int(meta.get("stages", 0)))
-    stages = ([(bounds[r], bounds[r + 1] - 1) for r in range(len(programs))]
-              if len(bounds) == len(programs) + 1 else [(0, -1)] * len(programs))
+    if meta.get("parallel") == "tensor":  # every rank runs every stage
+        stages = [(0, int(meta.get("stages", 0)) - 1)] * len(programs)
+    elif len(bounds) == len(programs) + 1:
+        stages = [(bounds[r], bounds[r + 1] - 1) for r in range(len(programs))]
+    else:
+        stages = [(0, -1)] * len(programs)
     m = int(meta.get("micro_batches", 1))
     tokens = meta.get("tokens")
     report = programs_report(programs, profile, m, stages, bool(meta.get("host_compute", True)),
                              tokens=int(tokens) * m if tokens else None)
-    workload = {k: v for k, v in meta.items() if k in ("model", "phase", "batch")}
+    workload = {k: v for k, v in meta.items() if k in ("model", "phase", "batch", "parallel")}
     if args.json:
         print(json.dumps({**report.to_json(), **workload, "plan": args.plan}, sort_keys=True))
     else:
         print_ranks(report, str(meta.get("model", args.plan)),
-                    {"phase": meta.get("phase", "?"), "batch": meta.get("batch", "?")},
+                    {"phase": meta.get("phase", "?"), "batch": meta.get("batch", "?"),
+                     "parallel": meta.get("parallel", "pipeline")},
                     [f"plan: {args.plan} ({len(programs)} programs, validated together)"])
 
 
@@ -129,6 +147,7 @@ def print_ranks(r, model: str, workload: dict, notes: list[str], out=None) -> No
     link = format_size(r.peer_bandwidth) + "/s"
     print(f"{model} {workload['phase']} batch {workload['batch']} on {len(r.ranks)} x "
           f"{format_size(r.device_bytes)} {r.device} (peer link {link}), "
+          f"{workload.get('parallel', 'pipeline')} parallel, "
           f"{r.micro_batches} micro-batch{'es' if r.micro_batches > 1 else ''}", file=out)
     print(f"{'rank':>4}  {'stages':>7}  {'weights':>9}  {'resident':>9}  {'streamed':>9}  "
           f"{'least':>9}  {'sent':>9}  {'pass':>9}  {'bound':>9}", file=out)
@@ -183,7 +202,8 @@ def ranks_runner(args, weights):
     options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
                              policy=args.policy or "reuse-distance", device=_profile(args),
                              host_bytes=host_bytes, host_compute=args.host_compute == "auto")
-    return runners.RanksRunner(weights, options, devices, args.backend, comm=comm)
+    return runners.RanksRunner(weights, options, devices, args.backend, comm=comm,
+                               parallel=getattr(args, "parallel", "pipeline"))
 
 
 def quiet_rank(runner) -> bool:
@@ -201,7 +221,8 @@ def run_ranks_plan(args, programs) -> None:
     from einpage.ir.peers import validate_ranks
     from einpage.runners import plan_weights
     from einpage.runtime.comm import MpiCommunicator, mpi_world
-    from einpage.runtime.ranks import rank_backend, run_rank, run_ranks
+    from einpage.runtime.ranks import gather_results, rank_backend, run_rank, run_ranks
+    from einpage.runtime.shards import assemble, gathered_of
     world = len(programs)
     for flag, given in (("--timing", args.timing), ("--trace", args.trace),
                         ("--passes", _passes(args) != 1)):
@@ -231,6 +252,10 @@ def run_ranks_plan(args, programs) -> None:
                 raise
             out = run_rank(mg, comm, batches, weights,
                            backend=rank_backend(backend, rank) if backend else None)
+            if gathered_of(mg):  # tensor parallel: every rank holds a slice; rank 0 reports
+                out = assemble(programs, gather_results(comm, programs, out))
+                if rank != 0:
+                    return
     else:
         weights = [plan_weights(mg, source) for mg in programs]
         out = run_ranks(programs, batches, weights, backend=backend)

@@ -233,10 +233,12 @@ class RankPlan:
 
 
 @dataclass(frozen=True)
-class Pipeline:
-    """A plan for `world` devices: one program per rank, the cut and the boundaries;
-    `host_compute`: whether the ranks were planned with applies allowed on the host."""
-    split: Split
+class ParallelPlan:
+    """A plan for `world` devices: one program per rank and how the graph was split (a
+    pipeline's `Split`: the cut and the boundaries; tensor parallelism's
+    `tensor_parallel.TensorSplit`); `host_compute`: whether the ranks were planned with applies
+    allowed on the host."""
+    split: object
     ranks: tuple[RankPlan, ...]
     host_compute: bool = False
 
@@ -251,7 +253,7 @@ class Pipeline:
 
 def compile_pipeline(graph: Graph, world: int, options,
                      compile_fn: Callable | None = None,
-                     cut: tuple[int, ...] | None = None) -> Pipeline:
+                     cut: tuple[int, ...] | None = None) -> ParallelPlan:
     """Compile `graph` for `world` devices of `options.device_bytes` each: the stage cut (the
     model's, refined with the compiler unless `cut` is given), each rank graph compiled with
     `options`, and the programs joined by sends and recvs."""
@@ -289,7 +291,7 @@ def compile_pipeline(graph: Graph, world: int, options,
     if options.validate:  # the joined programs, each and together (remembered: runs check once)
         from einpage.ir.peers import validate_ranks
         validate_ranks(programs)
-    return Pipeline(s, tuple(RankPlan(r, mg, c)
+    return ParallelPlan(s, tuple(RankPlan(r, mg, c)
                              for r, (mg, c) in enumerate(zip(programs, compiled))),
                     options.host_compute)
 
@@ -347,8 +349,8 @@ def join(s: Split, plans: list[MemGraph]) -> list[MemGraph]:
 def _with_peers(mg: MemGraph, rank: int, world: int, sends: list, recvs: list) -> MemGraph:
     """`mg` with its recvs first (each input node of a block of a received input depends on the
     recvs that meet its box), the reloads of received blocks moved down the list to just before
-    their first user (`_late_reloads`), and its sends last."""
-    mg = _late_reloads(mg, {r[0] for r in recvs})
+    their first user (`late_reloads`), and its sends last."""
+    mg = late_reloads(mg, {r[0] for r in recvs})
     k = len(recvs)
     nodes: list = [RecvNode(i, name, origin, shape, src, tag, ())
                    for i, (name, origin, shape, src, tag) in enumerate(recvs)]
@@ -364,26 +366,37 @@ def _with_peers(mg: MemGraph, rank: int, world: int, sends: list, recvs: list) -
                              if boxes_meet(recvs[i][1], recvs[i][2], t.source.origin,
                                            t.shape)) + deps
         nodes.append(replace(n, id=n.id + k, deps=deps))
+    sources = send_sources(replace(mg, nodes=tuple(nodes)), [o for o, _, _ in sends], rank)
+    for (o, dst, tag), (dep, offset) in zip(sends, sources):
+        nodes.append(SendNode(len(nodes), o.tensor, offset, dst, tag, (dep,)))
+    return replace(mg, nodes=tuple(nodes), rank=rank, world=world)
+
+
+def send_sources(mg: MemGraph, blocks, rank: int) -> list[tuple[int, int | None]]:
+    """What a send of each output block reads, once final: (the node it waits for, the device
+    offset or None): the block's last write where the output is at the device, else its last
+    offload (the host copy)."""
     last_write: dict[int, int] = {}
     last_offload: dict[int, int] = {}
-    for n in nodes:
+    for n in mg.nodes:
         if n.kind == "apply":
             last_write[n.write.tensor] = n.id
         elif isinstance(n, OffloadNode):
             last_offload[n.tensor] = n.id
-    for o, dst, tag in sends:
+    out = []
+    for o in blocks:
         if o.at == "device":
             dep, offset = last_write.get(o.tensor), o.offset
         else:
             dep, offset = last_offload.get(o.tensor), None
         if dep is None:
-            raise PlanError(f"rank {rank}: boundary block %t{o.tensor} of {o.name!r} is never "
-                            "made on this rank")
-        nodes.append(SendNode(len(nodes), o.tensor, offset, dst, tag, (dep,)))
-    return replace(mg, nodes=tuple(nodes), rank=rank, world=world)
+            raise PlanError(f"rank {rank}: block %t{o.tensor} of {o.name!r}, sent to other "
+                            "ranks, is never made on this rank")
+        out.append((dep, offset))
+    return out
 
 
-def _late_reloads(mg: MemGraph, received: set[str]) -> MemGraph:
+def late_reloads(mg: MemGraph, received: set[str]) -> MemGraph:
     """`mg` with each reload of a block of a `received` input moved down the node list to just
     before the first node that depends on it, every node renumbered. A copy queue runs its
     nodes in list order, so a reload that waits for a message would otherwise hold back every
@@ -484,7 +497,7 @@ class RanksReport:
         return out
 
 
-def ranks_report(pipeline: Pipeline, profile, micro_batches: int, compile_seconds: float,
+def ranks_report(pipeline: ParallelPlan, profile, micro_batches: int, compile_seconds: float,
                  tokens: int | None = None, workload=()) -> RanksReport:
     """The report of a pipeline just compiled: each rank's problem bound as its compiler found
     it."""

@@ -9,7 +9,10 @@ and recvs, and that it computes its rank graph). Across ranks:
   with no recv, a recv with no send, or a tag used twice, is refused); the pair agrees on the
   value (the sender's output name is the receiver's input name), the box (the output block's
   origin and shape are the recv's), the dtype and the bytes;
-- every send goes to a higher rank.
+- every send goes to a higher rank (a pipeline), or every message belongs to an *exchange* (a
+  tensor-parallel all-reduce, `einpage.compiler.tensor_parallel`) and each rank keeps the
+  exchanges' order: a recv of exchange k depends on every send of exchange k of its own rank,
+  and a send of exchange k depends on every recv of the exchange before k on its rank.
 
 A file holds the programs of every rank (`save_programs`, `load_programs`): `{"format":
 "einpage.ranks", "version": 2, "world": N, "meta": {...}, "programs": [plan, ...]}`, each plan
@@ -20,8 +23,20 @@ Why the last rule is enough for deadlock freedom, whatever order each rank runs 
 however long its sends wait to be matched: rank 0 receives nothing, so it runs to the end; by
 induction, when ranks 0..r-1 run to the end, every send to rank r is posted, so each recv of
 rank r is eventually matched and rank r runs to the end too. A pipeline's stages send only
-forward, so this costs nothing; a plan that needs messages both ways (tensor parallelism's
-all-reduces) needs a stronger rule than this one.
+forward, so this costs nothing.
+
+Why the exchange rule is enough, when messages go both ways (sends never wait to be matched:
+they are posted and the rank goes on). Exchanges are numbered in the order every rank keeps.
+Suppose the ranks could stop for good with some recv unmatched; each stopped rank waits at a
+recv. Take, among the recvs the ranks wait at, one of the lowest exchange j: rank r waits for
+rank q's send of exchange j. Rank q waits at a recv of some exchange i >= j. That recv depends
+on q's own sends of exchange i, which depend on q's recvs of exchange i - 1, which depend on q's
+sends of exchange i - 1, and so on down to q's sends of exchange j: q has posted them all, the
+one r waits for among them. So r's recv is matched, a contradiction; every run ends. This holds
+whatever order each rank runs its nodes in. A stream runtime runs each queue in the order of
+the node list: its constraints (the deps, each queue's order, each send before its recv) are a
+subset of those of running every rank in list order, one node at a time, which the argument
+covers; so they are acyclic and some queue's head can always run.
 """
 from __future__ import annotations
 
@@ -35,8 +50,12 @@ from einpage.ir.memgraph import VERSION, MemGraph, RecvNode, SendNode
 from einpage.ir.planfile import MALFORMED, RANKS_FORMAT, read_plan_json, write_plan_json
 from einpage.ir.validator import ValidationReport, checked
 
-#: the name a value crossing ranks has on both sides: the sender's output, the receiver's input
+#: the name a value crossing ranks of a pipeline has on both sides: the sender's output, the
+#: receiver's input
 BOUNDARY_PREFIX = "pipe."
+#: the name a partial sum of a tensor-parallel all-reduce leaves its rank under; rank r receives
+#: rank q's as `<name>.<q>`
+EXCHANGE_PREFIX = "tp."
 
 
 def boundary_name(node: int) -> str:
@@ -44,8 +63,31 @@ def boundary_name(node: int) -> str:
     return f"{BOUNDARY_PREFIX}{node}"
 
 
+def exchange_name(node: int) -> str:
+    """The name graph node `node`'s partial sum leaves each rank under (an all-reduce)."""
+    return f"{EXCHANGE_PREFIX}{node}"
+
+
+def exchange_input(node: int, src: int) -> str:
+    """The name rank `src`'s partial sum of graph node `node` has on the ranks it reaches."""
+    return f"{EXCHANGE_PREFIX}{node}.{src}"
+
+
+def exchange_of(name: str) -> tuple[int, int | None] | None:
+    """(node, source rank) of an exchange's input name, (node, None) of its output name, None
+    for any other name."""
+    if not name.startswith(EXCHANGE_PREFIX):
+        return None
+    parts = name[len(EXCHANGE_PREFIX):].split(".")
+    if not all(p.isdigit() for p in parts) or len(parts) not in (1, 2):
+        return None
+    return int(parts[0]), (int(parts[1]) if len(parts) == 2 else None)
+
+
 def is_boundary(name: str) -> bool:
-    return name.startswith(BOUNDARY_PREFIX)
+    """Whether `name` is a value that crosses ranks (a pipeline's boundary or a partial sum of
+    an all-reduce): no result of the model."""
+    return name.startswith(BOUNDARY_PREFIX) or name.startswith(EXCHANGE_PREFIX)
 
 
 def validate_ranks(programs: Sequence[MemGraph]) -> tuple[ValidationReport, ...]:
@@ -72,11 +114,8 @@ def validate_ranks(programs: Sequence[MemGraph]) -> tuple[ValidationReport, ...]
                 if key in sends:
                     raise PlanError(f"rank {q}: node %{n.id} (send) and node %{sends[key][1].id} "
                                     f"both send to rank {n.peer} under tag {n.tag}")
-                if n.peer <= q:
-                    raise PlanError(f"rank {q}: node %{n.id} (send) sends to rank {n.peer}; a "
-                                    "pipeline sends only to later ranks (freedom from deadlock "
-                                    "rests on it)")
                 sends[key] = (q, n)
+    backward = [(q, s) for q, s in sends.values() if s.peer <= q]
     for r, mg in enumerate(programs):
         inputs = {t.name: t for t in mg.inputs}
         for n in mg.nodes:
@@ -91,7 +130,73 @@ def validate_ranks(programs: Sequence[MemGraph]) -> tuple[ValidationReport, ...]
     for (q, r, tag), (_, s) in sorted(sends.items()):
         raise PlanError(f"rank {q}: node %{s.id} (send) sends tag {tag} to rank {r}, which "
                         "receives no such message")
+    if backward:
+        _check_exchanges(programs, backward[0])
     return tuple(reports)
+
+
+def _exchange(mg: MemGraph, n) -> tuple[int, tuple[int, ...]] | None:
+    """The exchange a send or recv belongs to, (graph node, block origin); None for a pipeline's
+    message."""
+    if isinstance(n, RecvNode):
+        found, origin = exchange_of(n.input), tuple(n.origin)
+    else:
+        out = next((o for o in mg.outputs if o.tensor == n.tensor), None)
+        found = exchange_of(out.name) if out is not None else None
+        origin = tuple(out.origin) if out is not None else ()
+    return (found[0], origin) if found else None
+
+
+def _check_exchanges(programs: Sequence[MemGraph], backward: tuple[int, SendNode]) -> None:
+    """The exchange rule (the module's docstring): each rank's exchanges, in the order of its
+    first send of each, are the same sequence on every rank, and each rank's program keeps it."""
+    orders = [_check_exchange_order(mg, backward) for mg in programs]
+    for r, got in enumerate(orders):
+        if got != orders[0]:
+            at = next((i for i, (a, b) in enumerate(zip(got, orders[0])) if a != b),
+                      min(len(got), len(orders[0])))
+            raise PlanError(f"rank {r} takes part in the exchanges in another order than rank 0 "
+                            f"(they differ at position {at}): the ranks could deadlock")
+
+
+def _check_exchange_order(mg: MemGraph, backward: tuple[int, SendNode]) -> list:
+    """One rank's exchanges in order, checked: a recv of an exchange waits for every send of
+    it on this rank, a send for every recv of the exchange before."""
+    from einpage.ir.ancestry import Ancestry
+    r = mg.rank
+    sends: dict[tuple, list[int]] = {}
+    recvs: dict[tuple, list[int]] = {}
+    for n in mg.nodes:
+        if isinstance(n, (SendNode, RecvNode)):
+            e = _exchange(mg, n)
+            if e is None:
+                q, s = backward
+                raise PlanError(f"rank {r}: node %{n.id} ({n.kind}) is a pipeline's message, "
+                                f"but rank {q}'s node %{s.id} sends back to rank {s.peer}: "
+                                "messages go both ways only within all-reduces")
+            (sends if isinstance(n, SendNode) else recvs).setdefault(e, []).append(n.id)
+    for e, ids in recvs.items():
+        if e not in sends:
+            raise PlanError(f"rank {r}: node %{ids[0]} (recv) is of an exchange this rank sends "
+                            "nothing of: the ranks could deadlock")
+    order = sorted(sends, key=lambda e: min(sends[e]))
+    ancestry = Ancestry(mg.nodes)
+    before: list[int] = []
+    for e in order:
+        for s in sends[e]:
+            lost = ancestry.missing(before, s)
+            if lost:
+                raise PlanError(f"rank {r}: node %{s} (send of exchange {e[0]} at {list(e[1])}) "
+                                f"does not wait for node %{lost[0]} (recv of the exchange "
+                                "before): the ranks could deadlock")
+        for v in recvs.get(e, ()):
+            lost = ancestry.missing(sends[e], v)
+            if lost:
+                raise PlanError(f"rank {r}: node %{v} (recv of exchange {e[0]} at {list(e[1])}) "
+                                f"does not wait for node %{lost[0]} (this rank's send of it): "
+                                "the ranks could deadlock")
+        before = recvs.get(e, [])
+    return order
 
 
 def _check_pair(sender: MemGraph, q: int, s: SendNode, receiver: MemGraph, r: int,
@@ -99,7 +204,10 @@ def _check_pair(sender: MemGraph, q: int, s: SendNode, receiver: MemGraph, r: in
     t = sender.tensors[s.tensor]
     out = next((o for o in sender.outputs if o.tensor == s.tensor), None)
     where = f"rank {q} node %{s.id} (send) and rank {r} node %{n.id} (recv), tag {n.tag}"
-    if out is None or out.name != n.input:
+    pair = exchange_of(n.input)
+    same = out is not None and (out.name == n.input or (
+        pair is not None and pair[1] == q and out.name == exchange_name(pair[0])))
+    if not same:
         raise PlanError(f"{where}: rank {q} sends {out.name if out else t.name!r}, rank {r} "
                         f"receives {n.input!r}")
     if tuple(out.origin) != tuple(n.origin) or tuple(t.shape) != tuple(n.shape):

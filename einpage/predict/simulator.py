@@ -134,59 +134,86 @@ def min_disk_bytes(mg: MemGraph) -> int:
 def simulate(mg: MemGraph, profile: DeviceProfile, durations: list[float] | None = None,
              arrivals: Mapping[int, float] | None = None, start_at: float = 0.0) -> Simulation:
     """`mg` run once from `start_at`: `arrivals` gives when each recv's message arrives."""
-    mg.verify()
-    dur = durations if durations is not None else node_seconds(mg, profile)
-    n_nodes = len(mg.nodes)
-    if len(dur) != n_nodes:
-        raise ValueError(f"{len(dur)} durations for {n_nodes} nodes")
-    start = [0.0] * n_nodes
-    end = [0.0] * n_nodes
-    engine: list[str | None] = [None] * n_nodes
-    origin = start_at
-    free_at = dict.fromkeys(ENGINES, origin)
-    busy = dict.fromkeys(ENGINES, 0.0)
-    stall = stall_h2d = 0.0
-    late: set[int] = set()
-    h2d_bytes = d2h_bytes = disk_bytes = 0
-    for k, n in enumerate(mg.nodes):
-        ready, last = origin, None
+    run = _Run(mg, profile, durations, start_at)
+    for n in mg.nodes:
+        run.step(arrivals.get(n.id, 0.0) if arrivals is not None and isinstance(n, RecvNode)
+                 else 0.0)
+    return run.finish()
+
+
+class _Run:
+    """One pass of a program, simulated node by node in list order (`step`), so that the
+    passes of several ranks can advance together (`simulate_ranks`)."""
+
+    def __init__(self, mg: MemGraph, profile: DeviceProfile, durations: list[float] | None,
+                 start_at: float):
+        mg.verify()
+        dur = durations if durations is not None else node_seconds(mg, profile)
+        n_nodes = len(mg.nodes)
+        if len(dur) != n_nodes:
+            raise ValueError(f"{len(dur)} durations for {n_nodes} nodes")
+        self.mg, self.profile, self.dur = mg, profile, dur
+        self.start = [0.0] * n_nodes
+        self.end = [0.0] * n_nodes
+        self.engine: list[str | None] = [None] * n_nodes
+        self.origin = start_at
+        self.free_at = dict.fromkeys(ENGINES, start_at)
+        self.busy = dict.fromkeys(ENGINES, 0.0)
+        self.stall = self.stall_h2d = 0.0
+        self.late: set[int] = set()
+        self.h2d_bytes = self.d2h_bytes = self.disk_bytes = 0
+        self.next = 0  # the next node to step
+
+    @property
+    def done(self) -> bool:
+        return self.next == len(self.mg.nodes)
+
+    def step(self, arrival: float = 0.0) -> None:
+        """Run the next node; a recv's message arrives at `arrival`."""
+        mg, end, free_at = self.mg, self.end, self.free_at
+        n = mg.nodes[self.next]
+        self.next += 1
+        ready, last = self.origin, None
         for d in n.deps:
             if end[d] > ready:
                 ready, last = end[d], d
-        if arrivals is not None and isinstance(n, RecvNode):
-            ready = max(ready, arrivals.get(n.id, 0.0))
+        if isinstance(n, RecvNode):
+            ready = max(ready, arrival)
         eng = engine_of(n)
         if eng is None:
-            start[n.id] = end[n.id] = ready
-            continue
-        engine[n.id] = eng
+            self.start[n.id] = end[n.id] = ready
+            return
+        self.engine[n.id] = eng
         t0 = ready if ready > free_at[eng] else free_at[eng]
         if eng == "compute":
             wait = t0 - free_at[eng]
             if wait > 0:
-                stall += wait
-                if last is not None and engine[last] == "h2d":
-                    stall_h2d += wait
-                    late.add(last)
+                self.stall += wait
+                if last is not None and self.engine[last] == "h2d":
+                    self.stall_h2d += wait
+                    self.late.add(last)
         elif eng == "h2d":
-            h2d_bytes += moved_bytes(mg, n)
+            self.h2d_bytes += moved_bytes(mg, n)
         elif eng == "d2h":
-            d2h_bytes += mg.tensors[n.tensor].bytes
+            self.d2h_bytes += mg.tensors[n.tensor].bytes
         elif eng == "disk":
-            disk_bytes += mg.tensors[n.tensor].bytes
-        start[n.id], end[n.id] = t0, t0 + dur[n.id]
+            self.disk_bytes += mg.tensors[n.tensor].bytes
+        self.start[n.id], end[n.id] = t0, t0 + self.dur[n.id]
         free_at[eng] = end[n.id]
-        busy[eng] += dur[n.id]
-    makespan = max(end, default=origin) - origin
-    h2d_min = min_h2d_bytes(mg)
-    disk_min = min_disk_bytes(mg)
-    lower = max(busy["compute"], busy["host"], h2d_min / profile.h2d_bandwidth,
-                d2h_bytes / profile.d2h_bandwidth, disk_min / profile.disk_bandwidth)
-    return Simulation(profile.name, tuple(start), tuple(end), tuple(engine), makespan,
-                      busy["compute"], busy["h2d"], busy["d2h"], stall, stall_h2d, len(late),
-                      round(h2d_bytes), h2d_min,
-                      d2h_bytes, lower, busy["disk"], disk_bytes, disk_min, busy["host"],
-                      busy["peer"], origin)
+        self.busy[eng] += self.dur[n.id]
+
+    def finish(self) -> Simulation:
+        mg, profile, busy, origin = self.mg, self.profile, self.busy, self.origin
+        makespan = max(self.end, default=origin) - origin
+        h2d_min = min_h2d_bytes(mg)
+        disk_min = min_disk_bytes(mg)
+        lower = max(busy["compute"], busy["host"], h2d_min / profile.h2d_bandwidth,
+                    self.d2h_bytes / profile.d2h_bandwidth, disk_min / profile.disk_bandwidth)
+        return Simulation(profile.name, tuple(self.start), tuple(self.end), tuple(self.engine),
+                          makespan, busy["compute"], busy["h2d"], busy["d2h"], self.stall,
+                          self.stall_h2d, len(self.late), round(self.h2d_bytes), h2d_min,
+                          self.d2h_bytes, lower, busy["disk"], self.disk_bytes, disk_min,
+                          busy["host"], busy["peer"], origin)
 
 
 @dataclass(frozen=True)
@@ -205,25 +232,51 @@ class RankedSimulation:
 
 def simulate_ranks(programs: Sequence[MemGraph], profiles: Sequence[DeviceProfile],
                    micro_batches: int = 1) -> RankedSimulation:
-    """Rank by rank (sends go only to later ranks, so a rank's arrivals are known once the ranks
-    before it ran), each `micro_batches` passes in a row; pass m's recvs meet pass m's sends."""
+    """The ranks advanced together, each `micro_batches` passes in a row (pass m's recvs meet
+    pass m's sends): each rank steps through its node list while its next node is not a recv
+    whose message is unsent, then the next rank; messages may go both ways (a tensor-parallel
+    plan's all-reduces). A state where every unfinished rank waits is a deadlock of the list
+    orders, refused (`PlanError`)."""
+    from einpage.errors import PlanError
+    world = len(programs)
     sent: dict[tuple[int, int, int, int], float] = {}  # (src, dst, tag, pass) -> arrival
-    passes = []
-    for r, mg in enumerate(programs):
-        durations = node_seconds(mg, profiles[r])
-        runs, at = [], 0.0
-        for m in range(micro_batches):
-            arrivals = {n.id: sent.get((n.peer, r, n.tag, m), 0.0) for n in mg.nodes
-                        if isinstance(n, RecvNode)}
-            sim = simulate(mg, profiles[r], durations, arrivals, at)
-            at = sim.start_s + sim.makespan_s
-            for n in mg.nodes:
+    durations = [node_seconds(mg, profiles[r]) for r, mg in enumerate(programs)]
+    runs: list[_Run | None] = [_Run(mg, profiles[r], durations[r], 0.0)
+                               for r, mg in enumerate(programs)]
+    passes: list[list[Simulation]] = [[] for _ in programs]
+    while any(run is not None for run in runs):
+        moved = False
+        for r in range(world):
+            run, m = runs[r], len(passes[r])
+            if run is None:
+                continue
+            nodes = run.mg.nodes
+            while not run.done:
+                n = nodes[run.next]
+                arrival = 0.0
+                if isinstance(n, RecvNode):
+                    key = (n.peer, r, n.tag, m)
+                    if key not in sent:
+                        break
+                    arrival = sent[key]
+                run.step(arrival)
+                moved = True
                 if isinstance(n, SendNode):
-                    sent[(r, n.peer, n.tag, m)] = sim.end[n.id]
-            runs.append(sim)
-        passes.append(tuple(runs))
-    makespan = max((max(run.end, default=0.0) for runs in passes for run in runs), default=0.0)
+                    sent[(r, n.peer, n.tag, m)] = run.end[n.id]
+            if run.done:
+                sim = run.finish()
+                passes[r].append(sim)
+                runs[r] = (_Run(programs[r], profiles[r], durations[r],
+                                sim.start_s + sim.makespan_s)
+                           if len(passes[r]) < micro_batches else None)
+                moved = True
+        if not moved:
+            stuck = [r for r in range(world) if runs[r] is not None]
+            raise PlanError(f"ranks {stuck} all wait for messages no rank has sent: the "
+                            "programs deadlock in the order of their node lists")
+    makespan = max((max(run.end, default=0.0) for runs_ in passes for run in runs_),
+                   default=0.0)
     alone = tuple(simulate(mg, profiles[r]) for r, mg in enumerate(programs))
     work = micro_batches * sum(s.makespan_s for s in alone)
     bubble = max(0.0, 1 - work / (len(programs) * makespan)) if makespan > 0 else 0.0
-    return RankedSimulation(tuple(passes), makespan, bubble, alone)
+    return RankedSimulation(tuple(tuple(p) for p in passes), makespan, bubble, alone)

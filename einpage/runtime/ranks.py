@@ -27,6 +27,9 @@ from einpage.runtime.comm import (DEFAULT_TIMEOUT, MAX_TAG, CommError, Communica
 RESULTS_TAG = MAX_TAG - 1
 #: the tag under which rank 0 tells the others a value all must agree on (`agree`)
 AGREE_TAG = MAX_TAG - 2
+#: the tag under which each rank of a tensor-parallel plan sends its slices of the results to
+#: the others (`gather_results`)
+GATHER_TAG = MAX_TAG - 3
 #: how often the calling thread looks up from waiting on the ranks (Ctrl-C is seen between looks)
 _POLL_S = 0.05
 
@@ -56,7 +59,10 @@ def run_rank(mg: MemGraph, comm: Communicator, inputs: Inputs | Sequence[Inputs]
     a batch, in order: pass m's messages meet the peers' pass m), the results then joined along
     their first axis (the batch). A failure here aborts the group first, so the peers stop
     too."""
-    passes = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    from einpage.runtime.shards import rank_inputs, rank_weights
+    passes = [rank_inputs(mg, given) for given in
+              (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
+    weights = rank_weights(weights, mg)
     outs = []
     try:
         if backend is None:
@@ -109,10 +115,37 @@ def run_ranks(programs: Sequence[MemGraph], inputs: Inputs | Sequence[Inputs] | 
     finally:
         for c in comms:
             c.close()
-    out: dict[str, np.ndarray] = {}
-    for res in results.values():
-        out.update(res)
-    return out
+    from einpage.runtime.shards import assemble
+    return assemble(programs, results)
+
+
+def gather_results(comm: Communicator, programs: Sequence[MemGraph],
+                   mine: Mapping[str, np.ndarray]) -> dict[int, Mapping[str, np.ndarray]]:
+    """Under MPI, every rank's results of a tensor-parallel plan on every process (for
+    `shards.assemble`): each rank sends the slices of the gathered outputs it holds, packed in
+    one message, to every other rank; the replicated ones are equal everywhere. A plan that
+    gathers nothing (a pipeline's) gives this rank's alone."""
+    from einpage.runtime.shards import gathered_of
+    names = sorted(n for n in gathered_of(programs[comm.rank]) if n in mine)
+    if not names:
+        return {comm.rank: mine}
+    parts = [np.ascontiguousarray(mine[n]) for n in names]
+    packed = np.concatenate([p.reshape(-1).view(np.uint8) for p in parts])
+    for q in range(comm.world):
+        if q != comm.rank:
+            comm.send(packed, q, GATHER_TAG)
+    outs: dict[int, Mapping[str, np.ndarray]] = {comm.rank: mine}
+    for q in range(comm.world):
+        if q == comm.rank:
+            continue
+        got = np.empty_like(packed)
+        comm.recv(got, q, GATHER_TAG)
+        theirs, at = dict(mine), 0
+        for n, p in zip(names, parts):  # every rank's slice has the shape of this rank's
+            theirs[n] = got[at:at + p.nbytes].view(p.dtype).reshape(p.shape)
+            at += p.nbytes
+        outs[q] = theirs
+    return outs
 
 
 def run_together(jobs: Mapping[int, Callable[[], dict]], comms) -> dict[int, dict]:

@@ -1,0 +1,124 @@
+"""What a tensor-parallel program's rank reads and gives back, in the model's whole tensors
+(`einpage.compiler.tensor_parallel`): its plan's meta says which inputs it holds a slice of
+(`shards`: name -> [axis, start, stop]) and which outputs leave it as slices (`gathered`: name ->
+axis). A pipeline's programs, and a plan for one device, have neither: every function here
+passes their tensors through unchanged."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from einpage.ir.memgraph import MemGraph
+from einpage.ir.peers import is_boundary
+from einpage.ir.tensors import WeightSource
+
+
+def shards_of(mg: MemGraph) -> dict[str, tuple[int, int, int]]:
+    return {name: tuple(int(v) for v in box)
+            for name, box in dict(mg.meta.get("shards") or {}).items()}
+
+
+def gathered_of(mg: MemGraph) -> dict[str, int]:
+    return {name: int(axis) for name, axis in dict(mg.meta.get("gathered") or {}).items()}
+
+
+def _cut(axis: int, start: int, stop: int) -> tuple[slice, ...]:
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+class ShardedWeights:
+    """A rank's weights: each sharded weight is its slice of the whole one `source` gives (a
+    view: a memory map is read only where the rank's blocks lie). `locate` (the disk tier)
+    points into the file where the slice is one run of bytes (a cut of the first axis); `storage`
+    passes through."""
+
+    def __init__(self, source: WeightSource, shards: Mapping[str, tuple[int, int, int]]):
+        self.source, self.shards = source, dict(shards)
+
+    def __call__(self, name: str):
+        whole = self.source(name)
+        if name not in self.shards:
+            return whole
+        return whole[_cut(*self.shards[name])]
+
+    def locate(self, name: str):
+        find = getattr(self.source, "locate", None)
+        where = find(name) if find is not None else None
+        if where is None or name not in self.shards:
+            return where
+        axis, start, stop = self.shards[name]
+        if axis != 0 or where.storage is not None:
+            return None
+        row = int(np.prod(where.shape[1:], dtype=np.int64)) * where.dtype.itemsize
+        return replace(where, offset=where.offset + start * row,
+                       shape=(stop - start, *where.shape[1:]))
+
+    def __getattr__(self, attr: str):  # `storage`, `config`, ... of the source
+        return getattr(self.source, attr)
+
+
+def rank_weights(weights: WeightSource | None, mg: MemGraph) -> WeightSource | None:
+    """`weights` as rank `mg.rank` reads them: sliced where its plan holds a shard."""
+    shards = shards_of(mg)
+    if weights is None or not shards:
+        return weights
+    return ShardedWeights(weights, shards)
+
+
+def rank_inputs(mg: MemGraph, inputs: Mapping[str, np.ndarray] | None
+                ) -> Mapping[str, np.ndarray] | None:
+    """The caller's inputs (whole tensors: a KV store) as rank `mg.rank` reads them: views of
+    its slices, so a store the caller updates in place stays seen."""
+    shards = shards_of(mg)
+    if not inputs or not any(name in shards for name in inputs):
+        return inputs
+    return {name: (value[_cut(*shards[name])] if name in shards else value)
+            for name, value in inputs.items()}
+
+
+def whole_shape(mg: MemGraph, name: str, shape: Sequence[int]) -> tuple[int, ...]:
+    """The whole tensor's shape of input `name`, which this rank reads as `shape`."""
+    box = shards_of(mg).get(name)
+    if box is None:
+        return tuple(shape)
+    axis, start, stop = box
+    return tuple(s * mg.world if a == axis else s for a, s in enumerate(shape))
+
+
+def assemble(programs: Sequence[MemGraph], outs: Mapping[int, Mapping[str, np.ndarray]]
+             ) -> dict[str, np.ndarray]:
+    """The model's results from each rank's (`outs[r]`): a gathered output is its ranks' slices
+    joined along its axis, in rank order; any other is taken from the lowest rank that has it
+    (a tensor-parallel rank's replicated outputs are equal on every rank; a pipeline's are made
+    on one). Values that only cross ranks are left out."""
+    merged: dict[str, np.ndarray] = {}
+    ranks = sorted(outs)
+    for r in ranks:
+        gathered = gathered_of(programs[r])
+        for name, value in outs[r].items():
+            if is_boundary(name) or name in merged:
+                continue
+            if name in gathered:
+                if len(ranks) != len(programs):
+                    raise ValueError(f"{name!r} is gathered from every rank; the results of "
+                                     f"{len(ranks)} of {len(programs)} are here")
+                merged[name] = np.concatenate([outs[q][name] for q in ranks],
+                                              axis=gathered[name])
+            else:
+                merged[name] = value
+    return merged
+
+
+def rank_rows(mg: MemGraph, name: str, lead: tuple[int, ...], values: np.ndarray) -> np.ndarray:
+    """The part of `values` (rows written at `lead` into input `name`, in the whole tensor's
+    shape) that rank `mg.rank` holds."""
+    box = shards_of(mg).get(name)
+    if box is None:
+        return values
+    axis, start, stop = box
+    if axis < len(lead):
+        raise ValueError(f"{name!r} is split along axis {axis}, which the write at {lead} "
+                         "indexes")
+    return values[_cut(axis - len(lead), start, stop)]
