@@ -3,13 +3,15 @@ budget each, on the threads backend.
 
 LLaMA-7B shapes with `--layers` layers and random f16 weights (made once per process from one
 seed, so every rank holds the same model), a prefill of `--batch` rows of `--seq` tokens. The
-one-rank plan is compiled for `--fraction` of the weights; the N-rank plan (`compile_pipeline`)
-gives each rank that budget too. The batch runs as `--micro-batches` passes in a row (each rank's
+one-rank plan is compiled for `--fraction` of the weights; the N-rank plan (`--parallel
+pipeline`: `compile_pipeline`; `tensor`: `compile_tensor_parallel`, every rank a 1/N slice of
+every layer) gives each rank that budget too. The batch runs as `--micro-batches` passes in a row (each rank's
 session held open, pass m's messages meeting pass m's), after one warm-up pass, `--reps` times;
 printed: the median wall time of the whole batch, from a barrier to the last rank's end, and the
 logits' largest difference from the one-rank run's.
 
     python bench/ranks_bench.py [--layers 4] [--ranks 2] [--micro-batches 1]
+                                [--parallel pipeline|tensor]
     (it starts `mpiexec -bind-to core -n N` on itself for the ranks: the mpich wheel's
     mpiexec, each rank's threads on cores of its own)
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from einpage.compiler import CompileOptions, compile_graph
-from einpage.compiler.pipeline import compile_pipeline
+from einpage.compiler.parallel import compile_parallel
 from einpage.models import config, llama
 from einpage.runtime.stream_executor import StreamSession
 
@@ -66,15 +68,17 @@ def rank_main(args) -> None:
     """One MPI rank: its program of the pipeline, `reps` batches; rank 0 prints the time."""
     from einpage.runtime.comm import MpiCommunicator
     cfg, weights, graph, batches, options = setup(args)
-    pipeline = compile_pipeline(graph, args.ranks, options)
+    from einpage.runtime.shards import rank_weights
+    pipeline = compile_parallel(graph, args.ranks, options, args.parallel)
     with MpiCommunicator(timeout=600) as comm:
         mg = pipeline.programs[comm.rank]
-        with StreamSession(mg, weights, "threads", comm=comm) as session:
+        with StreamSession(mg, rank_weights(weights, mg), "threads", comm=comm) as session:
             seconds, out = timed(session, batches, args.reps, lambda: comm.barrier(600))
-        if out[0] is not None:
-            np.save(args.logits, np.concatenate(out))
+        if out[0] is not None:  # a pipeline's last rank, or each tensor-parallel rank's slice
+            np.save(f"{args.logits}.{comm.rank}.npy", np.concatenate(out))
         if comm.rank == 0:
-            print(json.dumps({"seconds": seconds, "cut": list(pipeline.split.cut),
+            print(json.dumps({"seconds": seconds,
+                              "cut": list(getattr(pipeline.split, "cut", ())),
                               "predicted": [r.compiled.simulation.makespan_s
                                             for r in pipeline.ranks]}))
 
@@ -86,6 +90,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--fraction", type=float, default=1 / 4,
                     help="each rank's budget, as a share of the whole model's weights")
@@ -108,16 +113,21 @@ def main() -> None:
     if done.returncode:
         sys.exit(f"the ranks failed:\n{done.stdout}{done.stderr}")
     ranks = json.loads(done.stdout.strip().splitlines()[-1])
-    got = np.load(args.logits)
+    parts = [f"{args.logits}.{r}.npy" for r in range(args.ranks)]
+    if args.parallel == "tensor":  # each rank's slice of the vocabulary
+        got = np.concatenate([np.load(p) for p in parts], axis=-1)
+    else:
+        got = np.load(parts[-1])
     diff = float(np.abs(got.astype(np.float32) - want.astype(np.float32)).max()
                  / np.abs(want.astype(np.float32)).max())
     print(f"llama-7b shapes, {args.layers} layers, prefill B={args.batch} S={args.seq} in "
           f"{args.micro_batches} micro-batch(es), budget {options.device_bytes / 1e9:.3f} GB per "
           f"rank ({args.fraction:g} of the weights), threads backend, median of {args.reps}")
     print(f"1 rank:  {alone:.3f} s  (predicted on h100-pcie {one.simulation.makespan_s:.4f} s)")
+    how = (f"cut at stages {ranks['cut']}" if args.parallel == "pipeline"
+           else "tensor parallel")
     print(f"{args.ranks} ranks: {ranks['seconds']:.3f} s  ({alone / ranks['seconds']:.2f}x; "
-          f"cut at stages {ranks['cut']}; logits differ by {diff:.1e} of the largest: f16, "
-          "blocks cut otherwise)")
+          f"{how}; logits differ by {diff:.1e} of the largest: f16, blocks cut otherwise)")
 
 
 if __name__ == "__main__":

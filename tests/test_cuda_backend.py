@@ -187,16 +187,19 @@ def test_paged_llama_equals_the_numpy_executor(device, dtype, fraction):
     assert backend.arena is None
 
 
-def test_a_pipelines_ranks_on_the_cupy_backend(device):
+@pytest.mark.parametrize("parallel", ["pipeline", "tensor"])
+def test_a_pipelines_ranks_on_the_cupy_backend(device, parallel):
     """Two ranks, each on a backend of its own (two threads of one process, a local group):
     sends copy their blocks out on the send stream, recvs refill the pinned copies the reloads
-    read, and nothing is captured; the logits equal one device's NumPy executor."""
-    from einpage.compiler.pipeline import compile_pipeline
+    read, and nothing is captured; the logits equal one device's NumPy executor (a pipeline's
+    from its last rank; tensor parallelism's, every rank's slice of the vocabulary joined)."""
+    from einpage.compiler.parallel import compile_parallel
     from einpage.runtime.comm import LocalCommunicator
     from einpage.runtime.ranks import run_rank, run_together
+    from einpage.runtime.shards import assemble
     cfg, weights, tokens, compiled = _paged_llama(DType.f32, 6)
     graph = llama.prefill_graph(cfg).bind(B=tokens.shape[0], S=tokens.shape[1])
-    pipeline = compile_pipeline(graph, 2, CompileOptions(cfg.weight_bytes() // 6))
+    pipeline = compile_parallel(graph, 2, CompileOptions(cfg.weight_bytes() // 6), parallel)
     for src in kernel_sources(pipeline.programs):  # both ranks' kernels in one build
         cuda_apply.compiled(src)
     passes = [tokens, (tokens * 7 + 1) % cfg.vocab]  # a stale pinned copy shows in pass 2
@@ -207,12 +210,12 @@ def test_a_pipelines_ranks_on_the_cupy_backend(device):
                                                      [{"tokens": t} for t in passes], weights,
                                                      backend=backends[r]))
                             for r in range(2)}, comms)
-    got = results[1]["logits"]
+    got = assemble(pipeline.programs, results)["logits"]
     n = tokens.shape[0]
     assert got.shape[0] == 2 * n  # two passes: the second not captured
     for k in range(2):
         _close({"logits": got[k * n:(k + 1) * n]}, {"logits": want[k]}, DType.f32,
-               f"{device.kind} pipeline, pass {k + 1}")
+               f"{device.kind} {parallel}, pass {k + 1}")
     assert all(b.arena is None for b in backends)
 
 
