@@ -21,9 +21,17 @@ from einpage.outputs import save_npy
 from einpage.units import format_size, parse_size
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, prompt: bool = True):
+    """The model and how it runs; with `prompt`, also what it is given: one flag of a group,
+    returned (`generate` adds its own to it)."""
     p.add_argument("model", help="checkpoint directory, preset name (with --random-weights), "
                                  "or a plan file (run)")
+    group = _add_prompt_args(p) if prompt else None
+    _add_run_args(p)
+    return group
+
+
+def _add_prompt_args(p: argparse.ArgumentParser):
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", action="append",
                        help="text, tokenized with the checkpoint's tokenizer.json (BOS as its "
@@ -32,6 +40,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                              "rows of different lengths are padded and masked")
     group.add_argument("--tokens", help="comma-separated token ids (one row)")
     group.add_argument("--tokens-file", help=".npy integer array of shape (batch, length)")
+    return group
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-weights", action="store_true",
                    help="make deterministic random weights for a preset")
     p.add_argument("--seed", type=int,
@@ -86,6 +98,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "right; generate: the new ids (batch, N))")
 
 
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """How tokens are picked (`generate`, `chat`)."""
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (the default): greedy; above 0: sample from softmax(logits / T)")
+    p.add_argument("--top-p", type=float,
+                   help="sample from the nucleus: the most likely tokens up to mass P, "
+                        "0 < P <= 1 (needs --temperature > 0)")
+    p.add_argument("--top-k", type=int,
+                   help="sample from the K most likely tokens, K >= 1 (needs --temperature > 0)")
+    p.add_argument("--kv-granule", type=int, default=256,
+                   help="KV-store capacities come in multiples of this (coarser past 2048: "
+                        "at most 1/8 of a bucket is unused); one decode plan per bucket")
+
+
 def add_commands(sub) -> None:
     run = sub.add_parser("run", help="prefill: logits or each row's next token")
     _add_model_args(run)
@@ -97,22 +123,20 @@ def add_commands(sub) -> None:
                           "the others")
     gen = sub.add_parser("generate", help="decoding with the KV cache: greedy (or sampled on "
                                           "request) until EOS or --max-new-tokens")
-    _add_model_args(gen)
+    prompts = _add_model_args(gen)
     gen.add_argument("--max-new-tokens", type=int, required=True,
                      help="the most new tokens per row (fewer where a row reaches EOS)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="do not stop a row at the checkpoint's end-of-sequence id(s) "
                           "(generation_config.json, else config.json, else the tokenizer's)")
-    gen.add_argument("--temperature", type=float, default=0.0,
-                     help="0 (the default): greedy; above 0: sample from softmax(logits / T)")
-    gen.add_argument("--top-p", type=float,
-                     help="sample from the nucleus: the most likely tokens up to mass P, "
-                          "0 < P <= 1 (needs --temperature > 0)")
-    gen.add_argument("--top-k", type=int,
-                     help="sample from the K most likely tokens, K >= 1 (needs --temperature > 0)")
-    gen.add_argument("--kv-granule", type=int, default=256,
-                     help="KV-store capacities come in multiples of this (coarser past 2048: "
-                          "at most 1/8 of a bucket is unused); one decode plan per bucket")
+    add_sampling_args(gen)
+    prompts.add_argument(
+        "--chat", help="one exchange with a chat model: this user message, rendered with the "
+                       "checkpoint's chat template (with --system); prints the reply")
+    prompts.add_argument(
+        "--messages", help="one exchange: a JSON file of the conversation so far (a list of "
+                           "{role, content}), rendered with the chat template; prints the reply")
+    gen.add_argument("--system", help="with --chat: the system message before it")
     gen.add_argument("--draft",
                      help="speculative decoding: 'ngram' proposes each row's next tokens from "
                           "its own text (prompt lookup); a checkpoint directory, a smaller "
@@ -371,6 +395,11 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
     from einpage.models.generation import check_special, generate
     from einpage.models.text import end_of_sequence
     out = out or sys.stdout
+    if args.chat is not None or args.messages is not None:
+        from einpage.cli.chat import generate_chat
+        return generate_chat(args, out)
+    if args.system is not None:
+        raise InputError("--system is the system message of --chat")
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.kv_granule < 1:

@@ -6,12 +6,12 @@ import argparse
 import sys
 
 from einpage import __version__
-from einpage.cli import catalog, execute, plan
+from einpage.cli import catalog, chat, execute, plan
 from einpage.cli.outputs import check_outputs
 from einpage.errors import EinpageError, Interrupted
 from einpage.outputs import ignore_file_size_signal
 
-GROUPS = (catalog, plan, execute)
+GROUPS = (catalog, plan, execute, chat)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -127,6 +127,13 @@ class TextCodec:
         add_bos, add_eos = self._add
         return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
 
+    def encode_plain(self, text: str) -> list[int]:
+        """The ids of `text` with no special token added (a chat template's rendering, which
+        writes its own): special tokens written in the text are read as such."""
+        if not isinstance(text, str):
+            raise InputError(f"a prompt must be text, got {type(text).__name__}")
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
     def decode(self, ids: Iterable[int]) -> str:
         """The text of `ids`, all decoded at once (a character may span several tokens)."""
         ids = [int(i) for i in ids]
