@@ -26,9 +26,9 @@ from einpage.models.text import TextCodec, end_of_sequence
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat" / "templates"
 
 
-@pytest.fixture(scope="module")
-def chat_model(hf_fixture, tmp_path_factory):
-    """The Llama 3.1 fixture with Qwen2.5's chat template in its tokenizer_config.json."""
+def chat_checkpoint(hf_fixture, tmp_path_factory):
+    """The Llama 3.1 fixture with Qwen2.5's chat template in its tokenizer_config.json: (its
+    directory, config, weights, codec, template)."""
     src = hf_fixture("tiny-llama31")
     d = tmp_path_factory.mktemp("chat") / "tiny-chat"
     shutil.copytree(src, d)
@@ -37,6 +37,11 @@ def chat_model(hf_fixture, tmp_path_factory):
     (d / "tokenizer_config.json").write_text(json.dumps(config))
     cfg, weights = resolve(str(d))
     return d, cfg, weights, TextCodec.from_checkpoint(d), ChatTemplate.from_checkpoint(d)
+
+
+@pytest.fixture(scope="module")
+def chat_model(hf_fixture, tmp_path_factory):
+    return chat_checkpoint(hf_fixture, tmp_path_factory)
 
 
 def _conversation(chat_model, run, eos_ids=None, capacity=1024):

@@ -21,13 +21,15 @@ from einpage.outputs import save_npy
 from einpage.units import format_size, parse_size
 
 
-def _add_model_args(p: argparse.ArgumentParser, prompt: bool = True):
+def _add_model_args(p: argparse.ArgumentParser, prompt: bool = True,
+                    host_profile: bool = True):
     """The model and how it runs; with `prompt`, also what it is given: one flag of a group,
-    returned (`generate` adds its own to it)."""
+    returned (`generate` adds its own to it); without `host_profile`, no --host / --host-file
+    (`serve`'s --host is the address it listens on)."""
     p.add_argument("model", help="checkpoint directory, preset name (with --random-weights), "
                                  "or a plan file (run)")
     group = _add_prompt_args(p) if prompt else None
-    _add_run_args(p)
+    _add_run_args(p, host_profile)
     return group
 
 
@@ -43,7 +45,7 @@ def _add_prompt_args(p: argparse.ArgumentParser):
     return group
 
 
-def _add_run_args(p: argparse.ArgumentParser) -> None:
+def _add_run_args(p: argparse.ArgumentParser, host_profile: bool = True) -> None:
     p.add_argument("--random-weights", action="store_true",
                    help="make deterministic random weights for a preset")
     p.add_argument("--seed", type=int,
@@ -86,9 +88,13 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                                     "einpage devices); with --device-file, the one of that name")
     p.add_argument("--device-file", help="device profile(s) as JSON (einpage calibrate -o, "
                                          "einpage devices --json) for --timing")
-    p.add_argument("--host", help="host profile the plans are priced with (default "
-                                  "server-16c; see einpage devices)")
-    p.add_argument("--host-file", help="host profile as JSON (einpage calibrate --host-out)")
+    if host_profile:
+        p.add_argument("--host", help="host profile the plans are priced with (default "
+                                      "server-16c; see einpage devices)")
+        p.add_argument("--host-file", help="host profile as JSON (einpage calibrate "
+                                           "--host-out)")
+    else:
+        p.set_defaults(host=None, host_file=None)
     p.add_argument("--host-compute", choices=("auto", "off"), default="auto",
                    help="auto (default): run applies on the host where the plan's simulated "
                         "pass is faster; off: every apply on the device")

@@ -6,12 +6,12 @@ import argparse
 import sys
 
 from einpage import __version__
-from einpage.cli import catalog, chat, execute, plan
+from einpage.cli import catalog, chat, execute, plan, serve
 from einpage.cli.outputs import check_outputs
 from einpage.errors import EinpageError, Interrupted
 from einpage.outputs import ignore_file_size_signal
 
-GROUPS = (catalog, plan, execute, chat)
+GROUPS = (catalog, plan, execute, chat, serve)
 
 
 class _Parser(argparse.ArgumentParser):

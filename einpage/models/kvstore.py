@@ -121,6 +121,47 @@ class KVStore:
                     array[b, :n] = rows[b, :n]
         self.pos = lengths.astype(np.int64).copy()
 
+    def fill_row(self, b: int, cache: Mapping[str, np.ndarray], length: int) -> None:
+        """Row b's past from a one-row prefill's `cache.<l>.k|v` [1, S, ...]: its first
+        `length` positions (a request joining a running batch)."""
+        limit = self.capacity if not self.wraps else None
+        if length < 1 or (limit is not None and length > limit):
+            raise InputError(f"{length} positions do not fit a store of {self.capacity} slots")
+        for name, array in self.arrays.items():
+            rows = self._packed(cache[name])[0]
+            if self.wraps:
+                for q in range(max(0, length - self.capacity), length):
+                    array[b, q % self.capacity] = rows[q]
+            else:
+                array[b, :length] = rows[:length]
+        self.pos[b] = length
+
+    def write_slots(self, step: Mapping[str, np.ndarray], rows) -> list:
+        """Write a decode step's `new.<l>.k|v` [B', 1, ...] (B' <= batch: the first rows of the
+        store) for the rows `rows` only, each at its position, and advance their positions;
+        returns the rows written, as `write` does."""
+        rows = [int(b) for b in rows]
+        if any(not self.wraps and int(self.pos[b]) >= self.capacity for b in rows):
+            raise InputError(f"the KV store is full: {self.capacity} slots")
+        written = []
+        for name, array in self.arrays.items():
+            new = step["new." + name[len("cache."):]]
+            packed = self._packed(new)
+            for b in rows:
+                slot = self.slot(int(self.pos[b]))
+                array[b, slot] = packed[b, 0]
+                written.append((name, (b, slot), new[b, 0] if self.storage is not None
+                                else array[b, slot]))
+        self.pos[rows] += 1
+        return written
+
+    def view_rows(self, batch: int, capacity: int) -> dict[str, np.ndarray]:
+        """The first `capacity` slots of the first `batch` rows (views)."""
+        if capacity > self.capacity or batch > self.batch:
+            raise InputError(f"a plan of {batch} rows and capacity {capacity} reads a store of "
+                             f"{self.batch} rows and {self.capacity} slots")
+        return {name: array[:batch, :capacity] for name, array in self.arrays.items()}
+
     @property
     def wraps(self) -> bool:
         """Whether positions past the capacity wrap around (a full-size ring)."""

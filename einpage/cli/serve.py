@@ -1,0 +1,83 @@
+"""`einpage serve MODEL`: an OpenAI-compatible server (`einpage.serving`) on one plan runner,
+requests batched continuously. Needs the `serve` extra (Starlette, uvicorn)."""
+from __future__ import annotations
+
+import sys
+
+from einpage.errors import InputError
+
+
+def add_commands(sub) -> None:
+    from einpage.cli.chat import add_context_arg
+    from einpage.cli.execute import _add_model_args
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, "
+                                     "/v1/completions), requests batched continuously")
+    _add_model_args(p, prompt=False, host_profile=False)
+    p.add_argument("--host", dest="listen", default="127.0.0.1",
+                   help="the address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="default 8080")
+    p.add_argument("--api-key", help="requests must carry Authorization: Bearer <key>")
+    p.add_argument("--name", help="the model's name in the API (default: the directory's)")
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="the most requests decoded at once (default 16); more wait their turn")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="a request's max_tokens where it gives none (default 256)")
+    p.add_argument("--kv-granule", type=int, default=256,
+                   help="KV and prompt buckets come in multiples of this (one plan each)")
+    add_context_arg(p)
+
+
+def build_service(args):
+    """The engine and its `Service` as the flags say (no server started)."""
+    from pathlib import Path
+
+    from einpage.cli.chat import DEFAULT_CONTEXT
+    from einpage.cli.execute import _checkpoint_dir, _resolve, _runner
+    from einpage.errors import CheckpointError
+    from einpage.models.chat import ChatTemplate
+    from einpage.models.text import TextCodec, end_of_sequence
+    from einpage.serving.app import Service
+    from einpage.serving.engine import Engine
+    if getattr(args, "devices", 1) != 1:
+        raise InputError("--devices is not taken by serve yet")
+    for flag, value, least in (("--max-batch", args.max_batch, 1), ("--port", args.port, 0),
+                               ("--max-tokens", args.max_tokens, 1),
+                               ("--kv-granule", args.kv_granule, 1)):
+        if value < least:
+            raise InputError(f"{flag} must be at least {least}, got {value}")
+    directory = _checkpoint_dir(args.model)
+    if directory is None:
+        raise InputError(f"{args.model}: serve needs a checkpoint (its tokenizer and template)")
+    cfg, weights = _resolve(args)
+    codec = TextCodec.from_checkpoint(directory)
+    template = ChatTemplate.from_checkpoint(directory)
+    eos = end_of_sequence(directory)
+    if not eos.ids:
+        raise CheckpointError(f"{args.model} names no end-of-sequence id: a reply would never "
+                              "end before max_tokens")
+    context = args.context if args.context is not None else min(cfg.context or DEFAULT_CONTEXT,
+                                                                DEFAULT_CONTEXT)
+    engine = Engine(cfg, _runner(args, weights), codec, args.max_batch, context,
+                    args.kv_granule)
+    return Service(engine, args.name or Path(args.model).name, codec, template, eos.ids,
+                   args.api_key, args.max_tokens)
+
+
+def cmd_serve(args) -> None:
+    try:
+        import uvicorn
+
+        from einpage.serving.app import create_app
+    except ImportError as exc:
+        raise InputError(f"einpage serve needs the serve extra ({exc.name} is missing): "
+                         "pip install 'einpage[serve]'") from None
+    service = build_service(args)
+    print(f"einpage: serving {service.name} on http://{args.listen}:{args.port}/v1 (batches of "
+          f"up to {args.max_batch}, {service.engine.context} tokens of context"
+          f"{', chat template' if service.template else ', no chat template'}"
+          f"{', API key required' if args.api_key else ''}); Ctrl-C stops", file=sys.stderr)
+    uvicorn.run(create_app(service), host=args.listen, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=10)
+
+
+HANDLERS = {"serve": cmd_serve}
