@@ -1,9 +1,10 @@
 """Continuous batching: many requests on one model, the weights streamed once per step for all.
 
 The engine holds one KV store of `max_batch` rows (slots) and runs a loop on a thread of its
-own. At each step boundary it admits waiting requests into free slots, lowest first: each is
-prefilled alone (a one-row prefill padded to a bucket of `granule` tokens, its logits picking
-the request's first token, its rows written into its slot: `KVStore.fill_row`), then one decode
+own. At each step boundary it admits waiting requests into free slots, lowest first, and prefills
+them together (one pass of their prompts padded to a bucket of `granule` tokens, each row's
+logits picking its request's first token, its rows written into its slot: `KVStore.fill_row`;
+rows padded on the right see no padding, as a generation's rows do), then one decode
 step runs for every active row at once (`decode_step_graph` of the smallest batch bucket, a
 power of two, that covers the highest active slot, over the smallest KV bucket that covers the
 longest row; rows at their own positions). A row leaves when it stops (an end-of-turn id, a
@@ -221,8 +222,9 @@ class Engine:
                         self.rows[slot] = _Row(req, self.codec)
                         admitted.append(slot)
                 self._drop_cancelled()
-                for slot in admitted:
-                    self._prefill(slot)
+                admitted = [slot for slot in admitted if self.rows[slot] is not None]
+                if admitted:
+                    self._prefill(admitted)
                 if self.active:
                     self._step()
         except Exception as exc:  # every request hears why; new ones are refused
@@ -256,18 +258,29 @@ class Engine:
             if r is not None and r.req.cancelled:
                 self._finish(slot, "cancelled")
 
-    def _prefill(self, slot: int) -> None:
-        """The request in `slot` alone: its prompt's rows into the slot, its first token."""
-        row = self.rows[slot]
-        n = len(row.req.prompt)
-        width = min(capacity_for(n, self.granule), self.context)
-        tokens = np.zeros((1, width), np.int64)
-        tokens[0, :n] = row.req.prompt
-        out = prefill(self.cfg, tokens, self.run, np.array([n]))
-        self.store.fill_row(slot, out, n)
-        self._close_session()  # the open step session has not seen this slot's rows
-        logits = np.asarray(out["logits"][0, n - 1], np.float32)
-        self._take(slot, logits)
+    def _prefill(self, slots: list[int]) -> None:
+        """The requests just admitted, together: one prefill pass of their prompts (rows
+        padded on the right to a bucket of `granule` tokens, the batch to a power of two: a
+        pass streams the weights once for all), each row's positions into its slot, each
+        request's first token from its own last position."""
+        prompts = [self.rows[s].req.prompt for s in slots]
+        longest = max(len(p) for p in prompts)
+        width = min(capacity_for(longest, self.granule), self.context)
+        batch = 1
+        while batch < len(slots):
+            batch *= 2
+        tokens = np.zeros((batch, width), np.int64)
+        lengths = np.ones(batch, np.int64)
+        for k, p in enumerate(prompts):
+            tokens[k, :len(p)] = p
+            lengths[k] = len(p)
+        self._close_session()  # one plan's arena at a time; and it has not seen these rows
+        out = prefill(self.cfg, tokens, self.run, lengths)
+        for k, slot in enumerate(slots):
+            n = int(lengths[k])
+            self.store.fill_row(slot, {name: value[k:k + 1] for name, value in out.items()
+                                       if name.startswith("cache.")}, n)
+            self._take(slot, np.asarray(out["logits"][k, n - 1], np.float32))
 
     def _take(self, slot: int, logits: np.ndarray) -> None:
         row = self.rows[slot]
