@@ -17,8 +17,9 @@
         chat template), all weights resident: each turn's prefill (tokens computed, tokens kept,
         seconds) against a fresh conversation that prefills the whole history at once.
     python bench/serve_bench.py predict [--model llama3.1-70b] [--gpu-mem 24GB]
-        the predicted decode step (`einpage compile --phase decode --batch B`, h100-pcie) at
-        1, 8, 32 and 64 concurrent requests: tokens/s of the server at each load.
+        the served load predicted (`einpage compile --max-new-tokens N --concurrent
+        1,8,32,64`, h100-pcie): tokens/s of the server at each load, per request, and the
+        time to the first token.
 """
 from __future__ import annotations
 
@@ -245,19 +246,24 @@ def turns(args) -> None:
 
 
 def predict(args) -> None:
+    """`einpage compile --max-new-tokens N --concurrent ...` (each count a cohort of requests
+    prefilled together, then decoded in one batch), as a Markdown table."""
     einpage = Path(sys.executable).parent / "einpage"
-    print("| concurrent requests | decode step (ms) | tokens/s | per request |")
-    print("|---:|---:|---:|---:|")
-    for b in args.loads:
-        done = subprocess.run([str(einpage), "compile", args.model, "--phase", "decode",
-                               "--batch", str(b), "--gpu-mem", args.gpu_mem, "--json",
-                               "--quiet", *args.extra], capture_output=True, text=True,
-                              check=False)
-        if done.returncode:
-            sys.exit(done.stderr)
-        r = json.loads(done.stdout)
-        step = r["predicted_s"] if "predicted_s" in r else r["makespan_s"]
-        print(f"| {b} | {step * 1e3:.1f} | {b / step:.1f} | {1 / step:.2f} |", flush=True)
+    done = subprocess.run([str(einpage), "compile", args.model, "--gpu-mem", args.gpu_mem,
+                           "--seq", str(args.seq), "--max-new-tokens", str(args.new),
+                           "--concurrent", ",".join(str(b) for b in args.loads), "--json",
+                           "--quiet", *args.extra], capture_output=True, text=True, check=False)
+    if done.returncode:
+        sys.exit(done.stderr)
+    r = json.loads(done.stdout)
+    print(f"{r['model']}, prompts of {r['prompt']} tokens, {r['new_tokens']} new tokens, "
+          f"{r['device_bytes'] / 1e9:g} GB on {r['device']}")
+    print("| concurrent requests | tokens/s | per request | first token (s) | decode step (s) |")
+    print("|---:|---:|---:|---:|---:|")
+    for x in r["loads"]:
+        print(f"| {x['concurrent']} | {x['tokens_per_s']:.2f} | "
+              f"{x['per_request_tokens_per_s']:.3f} | {x['first_token_s']:.2f} | "
+              f"{', '.join(f'{s:.3f}' for s in x['step_s'])} |")
 
 
 def main() -> None:
@@ -284,6 +290,8 @@ def main() -> None:
     pr.add_argument("--model", default="llama3.1-70b")
     pr.add_argument("--gpu-mem", default="24GB")
     pr.add_argument("--loads", type=int, nargs="+", default=[1, 8, 32, 64])
+    pr.add_argument("--seq", type=int, default=512)
+    pr.add_argument("--new", type=int, default=128)
     pr.add_argument("--extra", nargs="*", default=["--cpu-mem", "unlimited"])
     args = ap.parse_args()
     {"throughput": throughput, "load": load, "turns": turns, "predict": predict}[args.what](args)

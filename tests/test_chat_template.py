@@ -107,3 +107,18 @@ def test_a_broken_template_in_a_checkpoint_is_a_checkpoint_error(tmp_path, confi
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=message):
         ChatTemplate.from_checkpoint(tmp_path)
+
+
+def test_a_gguf_file_carries_its_template_and_special_tokens(hf_fixture, tmp_path):
+    from gguf_files import gguf_spec
+    src = hf_fixture("tiny-llama31")
+    spec = gguf_spec(src, "f32")
+    path = tmp_path / "model.gguf"
+    assert ChatTemplate.from_checkpoint(spec.write(path)) is None  # none written: none read
+    spec.set("tokenizer.chat_template", "{{ bos_token }}{% for m in messages %}[{{ m.role }}]"
+                                        "{{ m.content }}{% endfor %}{{ eos_token }}")
+    spec.write(path)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    t = ChatTemplate.from_checkpoint(path)
+    assert t.render([{"role": "user", "content": "hi"}]) == \
+        f"{config['bos_token']}[user]hi{config['eos_token']}"

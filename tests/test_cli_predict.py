@@ -157,3 +157,26 @@ def test_progress_bar_only_on_a_terminal_after_a_delay():
     off = _Tty()
     Progress(enabled=False, stream=off, delay=0)("lowering", 1, 2)
     assert off.getvalue() == ""
+
+
+def test_a_served_load_is_a_generation_per_count_of_concurrent_requests(capsys):
+    from einpage.compiler import CompileOptions
+    from einpage.forecast import forecast_generation
+    from einpage.models import resolve
+    from einpage.predict.devices import get_device
+    r = _json(capsys, "compile", "tiny", "--gpu-mem", "1MB", "--seq", 16, "--max-new-tokens", 8,
+              "--concurrent", "1,4")
+    assert [x["concurrent"] for x in r["loads"]] == [1, 4]
+    cfg, _ = resolve("tiny")
+    for load in r["loads"]:
+        f = forecast_generation(cfg, load["concurrent"], 16, 8,
+                                CompileOptions(1_000_000, device=get_device("h100-pcie")))
+        assert load["tokens_per_s"] == pytest.approx(f.tokens_per_s)
+        assert load["per_request_tokens_per_s"] == pytest.approx(f.tokens_per_s / f.batch)
+        assert load["first_token_s"] == pytest.approx(f.prefill_s)
+    assert r["loads"][1]["tokens_per_s"] > r["loads"][0]["tokens_per_s"]
+    code, _, err = _main(capsys, "compile", "tiny", "--gpu-mem", "1MB", "--concurrent", "2")
+    assert code == 2 and "add --max-new-tokens" in err
+    code, _, err = _main(capsys, "compile", "tiny", "--gpu-mem", "1MB", "--max-new-tokens", 2,
+                         "--concurrent", "0,2")
+    assert code == 2 and "every count at least 1" in err

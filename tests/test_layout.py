@@ -39,8 +39,9 @@ ALLOWED = {
     "runners": {"compiler", "runtime", "ir", "models"},
     "calibrate": {"compiler", "runtime", "ir", "predict"},
     "forecast": {"compiler", "models", "ir", "predict"},
+    "serving": {"ir", "models"},
     "cli": {"ir", "predict", "compiler", "runtime", "models", "runners", "calibrate",
-            "forecast"},
+            "forecast", "serving"},
 }
 ROOT = Path(einpage.__file__).parent
 

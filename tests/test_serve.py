@@ -26,7 +26,8 @@ from test_chat import chat_checkpoint  # noqa: E402
 from einpage import runners  # noqa: E402
 from einpage.compiler import CompileOptions  # noqa: E402
 from einpage.models.generation import generate  # noqa: E402
-from einpage.models.text import end_of_sequence  # noqa: E402
+from einpage.models import resolve  # noqa: E402
+from einpage.models.text import TextCodec, end_of_sequence  # noqa: E402
 from einpage.serving.app import Service, create_app  # noqa: E402
 from einpage.serving.engine import Done, Engine, Request, wait_for  # noqa: E402
 
@@ -269,6 +270,7 @@ class _Letters:
     (("cd",), [0, 1, 2, 3, 4], ["a", "b", "", ""], "ab", "stop"),      # held, then cut
     (("cx",), [0, 2, 3], ["a", "", "cd"], "acd", "length"),             # held, then let go
     (("bcd", "b"), [0, 1], ["a", ""], "a", "stop"),                      # "b" ends it at once
+    (("d", "bc"), [0, 1, 2, 3], ["a", "", ""], "a", "stop"),             # the earliest in the text
     (("c",), [0, 1], ["a", "b"], "ab", "length"),                        # the end shows all
 ])
 def test_a_stop_string_is_never_shown_even_across_tokens(stop, tokens, shown, text, finish):
@@ -283,3 +285,48 @@ def test_a_stop_string_is_never_shown_even_across_tokens(stop, tokens, shown, te
             break
     assert [e.text for e in events] == shown
     assert row.text == text and got == finish
+
+
+def test_a_failing_request_fails_alone_and_a_stopped_engine_is_unavailable(model):
+    from einpage.serving.engine import Failed, Unavailable
+    _, cfg, weights, codec, _ = model
+    engine = Engine(cfg, runners.dense_runner(weights), codec, max_batch=4, context=256,
+                    granule=64)
+    engine.start()
+    with pytest.raises(Exception, match="outside|out of range|vocabulary"):
+        wait_for(engine, Request([cfg.vocab + 5], 3), timeout=60)  # its prefill fails
+    tokens, done = wait_for(engine, Request(codec.encode("hello"), 3), timeout=60)
+    assert done.completion_tokens == 3 and not engine.failure
+    engine.stop()
+    with pytest.raises(Unavailable, match="shutting down"):
+        engine.submit(Request(codec.encode("again"), 2))
+    assert Failed  # the event a failing row's request gets
+
+
+def test_a_ring_store_serves_past_its_slots(hf_fixture):
+    """Mistral's window keeps a ring of 5 slots: rows run past them, the engine's KV bucket
+    never outgrows the store."""
+    d = hf_fixture("tiny-mistral")
+    cfg, weights = resolve(str(d))
+    codec = TextCodec.from_checkpoint(d)
+    engine = Engine(cfg, runners.dense_runner(weights), codec, max_batch=2, context=256,
+                    granule=64)
+    assert engine.store.capacity == cfg.kv_ring < 12
+    engine.start()
+    try:
+        prompt = codec.encode("one two")
+        tokens, done = wait_for(engine, Request(prompt, 12), timeout=60)
+        want = generate(cfg, np.array([prompt]), 12, runners.dense_runner(weights)).tokens[0]
+        assert [t.id for t in tokens] == want.tolist() and done.finish == "length"
+    finally:
+        engine.stop()
+
+
+def test_greedy_takes_a_seed_and_a_key_of_any_text_is_checked(server):
+    client, _, port = server
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                       temperature=0, seed=3, top_p=0.5, max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+    r = httpx.get(f"http://127.0.0.1:{port}/v1/models",
+                  headers={"Authorization": "Bearer clé".encode("utf-8")})
+    assert r.status_code == 401

@@ -133,6 +133,31 @@ def test_linearity_decides_what_stays_a_partial_sum():
     assert not _linear_in(sympy.exp(x0), [0], 1)
 
 
+def test_a_partial_sum_read_reduced_elsewhere_is_not_summed_again():
+    """X = 2 P is linear in the partial sum P, so it would stay partial; but exp(P) reads P
+    reduced, which makes X a function of the reduced P: X must not be all-reduced too (the
+    ranks would add N copies of it)."""
+    from einpage.ir.builder import GraphBuilder
+    g = GraphBuilder()
+    x = g.input("x", (4, 8), "f32")
+    up = g.input("up", (8, 8), "f32", role="weight")
+    down = g.input("down", (8, 8), "f32", role="weight")
+    h = g.einsum("sm,fm->sf", x, up)
+    p = g.einsum("sf,mf->sm", h, down)
+    two_p = g.einsum("sm->sm", p, join=lambda a: 2 * a)
+    g.output("y", g.einsum("sm->sm", two_p, join=lambda a: sympy.exp(a)))
+    g.output("z", g.einsum("sm->sm", p, join=lambda a: sympy.exp(a)))
+    graph = g.build()
+    s = shard_graph(graph, 2, letters=("f",))
+    assert [graph.nodes[k].op.spec for k in s.exchanges] == [graph.nodes[p.id].op.spec]
+    rng = np.random.default_rng(0)
+    weights = {n: rng.standard_normal((8, 8)).astype(np.float32) * 0.3 for n in ("up", "down")}
+    inputs = {"x": rng.standard_normal((4, 8)).astype(np.float32)}
+    tp = compile_tensor_parallel(graph, 2, CompileOptions(1 << 20))
+    _close(run_ranks(tp.programs, inputs, weights.__getitem__, order=1),
+           evaluate(graph, inputs, weights.__getitem__))
+
+
 def test_nothing_to_split_and_quantized_weights_are_refused(prefill):
     with pytest.raises(PlanError, match="nothing in this graph splits over 3"):
         shard_graph(prefill, 3)  # 2 kv heads, 4 of a group, FFN 352, vocab 256: none by 3

@@ -35,23 +35,24 @@ def add_context_arg(p) -> None:
                         f"at most {DEFAULT_CONTEXT}); the KV store is allocated at it")
 
 
-def conversation(args):
-    """The `Conversation` the flags describe, and its runner (to close)."""
-    from einpage.cli.execute import _checkpoint_dir, _resolve, _runner, _sampling_from_args
+def chat_model(args, need_template: bool = True):
+    """What `chat`, `generate --chat` and `serve` need of the checkpoint the flags name: (cfg,
+    weights, codec, template (None, where it has none and `need_template` is false), end-of-turn
+    ids, the runner)."""
+    from einpage.cli.execute import _checkpoint_dir, _resolve, _runner
     from einpage.models.chat import ChatTemplate
-    from einpage.models.conversation import Conversation
     from einpage.models.generation import check_special
     from einpage.models.text import TextCodec, end_of_sequence
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if getattr(args, "devices", 1) != 1 or getattr(args, "parallel", "pipeline") != "pipeline":
+        raise InputError(f"--devices and --parallel are not taken by {args.command} yet")
     if args.kv_granule < 1:
         raise InputError(f"--kv-granule must be at least 1, got {args.kv_granule}")
-    if getattr(args, "devices", 1) != 1:
-        raise InputError("--devices is not taken by chat yet")
-    sampling = _sampling_from_args(args)
     directory = _checkpoint_dir(args.model)
-    template = ChatTemplate.from_checkpoint(directory) if directory is not None else None
-    if template is None:
+    if directory is None:
+        raise InputError(f"{args.model}: {args.command} needs a checkpoint (its tokenizer and "
+                         "chat template), not a preset")
+    template = ChatTemplate.from_checkpoint(directory)
+    if template is None and need_template:
         raise InputError(f"{args.model} carries no chat template (chat_template in "
                          "tokenizer_config.json, chat_template.jinja, or a GGUF file's "
                          "tokenizer.chat_template): give it text with --prompt instead")
@@ -64,13 +65,33 @@ def conversation(args):
         raise CheckpointError(f"{eos.source or args.model}: {exc}") from None
     if not eos.ids:
         raise CheckpointError(f"{args.model} names no end-of-sequence id: a reply would never "
-                              "end before --max-new-tokens")
+                              "end before the most tokens asked")
+    return cfg, weights, codec, template, eos.ids, _runner(args, weights)
+
+
+def context_of(args, cfg) -> int:
+    """--context, else the model's context (at most `DEFAULT_CONTEXT`)."""
     context = args.context if args.context is not None else min(cfg.context or DEFAULT_CONTEXT,
                                                                 DEFAULT_CONTEXT)
     if context < 2:
         raise InputError(f"--context must be at least 2, got {context}")
-    runner = _runner(args, weights)
-    return Conversation(cfg, runner, codec, template, eos.ids, context, args.kv_granule,
+    return context
+
+
+def conversation(args, messages=None):
+    """The `Conversation` the flags describe, and its runner (to close); with `messages` (one
+    exchange), a store just large enough for them and the reply."""
+    from einpage.cli.execute import _sampling_from_args
+    from einpage.models.conversation import Conversation
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    sampling = _sampling_from_args(args)
+    cfg, weights, codec, template, eos_ids, runner = chat_model(args)
+    if messages is None:
+        context = context_of(args, cfg)
+    else:
+        context = len(codec.encode_plain(template.render(messages))) + args.max_new_tokens + 1
+    return Conversation(cfg, runner, codec, template, eos_ids, context, args.kv_granule,
                         sampling), runner
 
 
@@ -150,8 +171,7 @@ def generate_chat(args, out: TextIO) -> None:
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.chat}]
-    args.context = None  # the model's: one exchange holds the conversation given
-    conv, runner = conversation(args)
+    conv, runner = conversation(args, messages)
     tty = bool(getattr(out, "isatty", lambda: False)()) and not args.json
     printer = _Streamer(conv, out) if tty else None
     try:

@@ -40,6 +40,11 @@ def add_commands(sub) -> None:
     c.add_argument("--max-new-tokens", type=int,
                    help="report the whole generation: the prefill of --seq tokens, then the "
                         "decode steps, one plan per KV bucket")
+    c.add_argument("--concurrent",
+                   help="with --max-new-tokens: a served load (einpage serve), for each count "
+                        "of concurrent requests (1,8,32,64): requests that join together are "
+                        "prefilled together, then decoded in one batch; aggregate and "
+                        "per-request tokens/s, time to first token")
     c.add_argument("--draft",
                    help="decode: forecast speculative decoding (verify passes of 1..8 "
                         "proposals, or --draft-tokens K) against the plain step, and pick k: "
@@ -181,6 +186,8 @@ def cmd_compile(args) -> None:
         if over:
             print(f"einpage: warning: {over}", file=sys.stderr)
         return _generation_report(args, profile, device_bytes)
+    if args.concurrent is not None:
+        raise InputError("--concurrent forecasts a served load: add --max-new-tokens N")
     if args.draft is not None:
         return _speculation_report(args, profile, device_bytes, over)
     for flag, value in (("--draft-tokens", args.draft_tokens),
@@ -313,6 +320,8 @@ def _generation_report(args, profile, device_bytes: int) -> None:
         host_compute=args.host_compute == "auto", block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         **lookahead_options(args.lookahead))
     seq = DEFAULT_SEQ if args.seq is None else args.seq
+    if args.concurrent is not None:
+        return _served_load(args, cfg, seq, options, profile, device_bytes)
     f = forecast_generation(cfg, args.batch, seq, args.max_new_tokens, options)
     if args.json:
         print(json.dumps(f.to_json(), sort_keys=True))
@@ -330,6 +339,41 @@ def _generation_report(args, profile, device_bytes: int) -> None:
               f"{format_size(b.step_bytes)} moved per step (at least "
               f"{format_size(c.min_stream_bytes)}); KV {format_size(c.kv_bytes)}, "
               f"{format_size(c.kv_resident_bytes)} resident; efficiency {b.efficiency:.3f}")
+
+
+def _served_load(args, cfg, seq: int, options, profile, device_bytes: int) -> None:
+    """`--concurrent 1,8,...`: each count c of requests as one cohort of a served load (the
+    server prefills the requests that join together, then decodes them in one batch): a
+    generation of batch c, its tokens/s over all requests and per request."""
+    from einpage.forecast import forecast_generation
+    try:
+        counts = [int(v) for v in args.concurrent.split(",")]
+    except ValueError:
+        raise InputError(f"--concurrent {args.concurrent!r}: counts such as 1,8,32,64") from None
+    if not counts or min(counts) < 1:
+        raise InputError(f"--concurrent {args.concurrent!r}: every count at least 1")
+    if args.batch != 1:
+        raise InputError("--concurrent sets the batch: drop --batch")
+    rows = []
+    for c in counts:
+        f = forecast_generation(cfg, c, seq, args.max_new_tokens, options)
+        rows.append({"concurrent": c, "tokens_per_s": f.tokens_per_s,
+                     "per_request_tokens_per_s": f.tokens_per_s / c, "first_token_s": f.prefill_s,
+                     "decode_tokens_per_s": f.decode_tokens_per_s, "total_s": f.total_s,
+                     "step_s": [b.step_s for b in f.buckets]})
+    if args.json:
+        print(json.dumps({"model": cfg.name, "prompt": seq, "new_tokens": args.max_new_tokens,
+                          "device": profile.name, "device_bytes": device_bytes,
+                          "loads": rows}, sort_keys=True))
+        return
+    print(f"einpage served load: {cfg.name}, prompts of {seq} tokens, {args.max_new_tokens} new "
+          f"tokens a request, budget {format_size(device_bytes)}, predicted on {profile.name}")
+    print(f"  {'requests':>8}  {'tokens/s':>10}  {'per request':>11}  {'first token':>11}  "
+          f"{'all done':>10}")
+    for r in rows:
+        print(f"  {r['concurrent']:>8}  {r['tokens_per_s']:>10.2f}  "
+              f"{r['per_request_tokens_per_s']:>11.3f}  {_s(r['first_token_s']):>11}  "
+              f"{_s(r['total_s']):>10}")
 
 
 def _s(seconds: float) -> str:

@@ -31,35 +31,16 @@ def build_service(args):
     """The engine and its `Service` as the flags say (no server started)."""
     from pathlib import Path
 
-    from einpage.cli.chat import DEFAULT_CONTEXT
-    from einpage.cli.execute import _checkpoint_dir, _resolve, _runner
-    from einpage.errors import CheckpointError
-    from einpage.models.chat import ChatTemplate
-    from einpage.models.text import TextCodec, end_of_sequence
+    from einpage.cli.chat import chat_model, context_of
     from einpage.serving.app import Service
     from einpage.serving.engine import Engine
-    if getattr(args, "devices", 1) != 1:
-        raise InputError("--devices is not taken by serve yet")
     for flag, value, least in (("--max-batch", args.max_batch, 1), ("--port", args.port, 0),
-                               ("--max-tokens", args.max_tokens, 1),
-                               ("--kv-granule", args.kv_granule, 1)):
+                               ("--max-tokens", args.max_tokens, 1)):
         if value < least:
             raise InputError(f"{flag} must be at least {least}, got {value}")
-    directory = _checkpoint_dir(args.model)
-    if directory is None:
-        raise InputError(f"{args.model}: serve needs a checkpoint (its tokenizer and template)")
-    cfg, weights = _resolve(args)
-    codec = TextCodec.from_checkpoint(directory)
-    template = ChatTemplate.from_checkpoint(directory)
-    eos = end_of_sequence(directory)
-    if not eos.ids:
-        raise CheckpointError(f"{args.model} names no end-of-sequence id: a reply would never "
-                              "end before max_tokens")
-    context = args.context if args.context is not None else min(cfg.context or DEFAULT_CONTEXT,
-                                                                DEFAULT_CONTEXT)
-    engine = Engine(cfg, _runner(args, weights), codec, args.max_batch, context,
-                    args.kv_granule)
-    return Service(engine, args.name or Path(args.model).name, codec, template, eos.ids,
+    cfg, _, codec, template, eos_ids, runner = chat_model(args, need_template=False)
+    engine = Engine(cfg, runner, codec, args.max_batch, context_of(args, cfg), args.kv_granule)
+    return Service(engine, args.name or Path(args.model).name, codec, template, eos_ids,
                    args.api_key, args.max_tokens)
 
 

@@ -36,11 +36,12 @@ input `tp.<node>.<q>`; the reduced value is one einsum adding all N in the order
 ways, so a pipeline's rule for freedom from deadlock (sends only forward) no longer holds; its
 replacement (`einpage.ir.peers`) is an order on the exchanges that every rank keeps: each
 exchange's recvs wait for the rank's own sends of it, and its sends for the rank's recvs of the
-exchange before it. Each rank sends its partial to the N - 1 others: (N - 1) / N of a ring
-all-reduce's bytes per rank for N = 2, 1.5 times them for N = 4.
+exchange before it. Each rank sends its partial to the N - 1 others: (N - 1) x its bytes, where
+a ring all-reduce sends 2 (N - 1) / N x: the same for N = 2, twice as much for N = 4.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from types import MappingProxyType
 import math
@@ -107,9 +108,14 @@ def split_letters(graph: Graph, world: int) -> tuple[str, ...]:
     return tuple(c for c in ((attention,) if attention else ()) + OTHER_LETTERS if ok(c))
 
 
-def _linear_in(join: sympy.Expr, positions: list[int], n: int) -> bool:
+def _linear_in(join: sympy.Expr, positions, n: int) -> bool:
     """Whether `join` (of operands x0..x{n-1}) adds up over the operands at `positions` taken
     together: J(a + b) = J(a) + J(b), the others held fixed."""
+    return _linear(join, tuple(positions), n)
+
+
+@functools.lru_cache(maxsize=256)
+def _linear(join: sympy.Expr, positions: tuple[int, ...], n: int) -> bool:
     xs = [scalar.x(k) for k in range(n)]
     a = {xs[k]: sympy.Symbol(f"_a{k}") for k in positions}
     b = {xs[k]: sympy.Symbol(f"_b{k}") for k in positions}
@@ -122,8 +128,8 @@ class _States:
     """Each node's state (None: replicated; an axis: sharded along it; PARTIAL) and the partial
     nodes read all-reduced (`reduced`), found to a fixed point."""
 
-    def __init__(self, graph: Graph, letters: tuple[str, ...]):
-        self.g, self.letters = graph, letters
+    def __init__(self, graph: Graph, letters: tuple[str, ...], world: int):
+        self.g, self.letters, self.world = graph, letters, world
         self.reduced: set[int] = set()
         self.letter: dict[int, str | None] = {}  # einsum -> the letter it is split along
         while True:
@@ -131,6 +137,9 @@ class _States:
             self.state = self._propagate()
             if len(self.reduced) == before:
                 break
+        # a node marked in an earlier round may have become replicated since (its operand
+        # now read reduced): only what is still a partial sum is all-reduced
+        self.reduced = {i for i in self.reduced if self.state[i] == PARTIAL}
 
     def read(self, i: int):
         """The state a consumer sees of node i (an all-reduced partial is replicated)."""
@@ -242,7 +251,11 @@ class _States:
         if not world_ok:
             raise PlanError(f"node %{n.id} (reshape) merges the axis its operand is split on "
                             "for tensor parallelism into another")
-        return world_ok[-1] if int(n.shape[world_ok[-1]]) == 1 else world_ok[0]
+        fits = [b for b in world_ok if int(n.shape[b]) > 1]  # a size-1 axis holds no slice
+        if not fits or int(n.shape[fits[0]]) % self.world != 0:
+            raise PlanError(f"node %{n.id} (reshape) moves the axis its operand is split on "
+                            "for tensor parallelism to one the devices do not divide")
+        return fits[0]
 
 
 def _conflict(n: Node):
@@ -259,7 +272,7 @@ def shard_graph(graph: Graph, world: int, letters: tuple[str, ...] | None = None
         raise PlanError("tensor parallelism of weights kept in a block format (quantized) is "
                         "not supported yet: use a pipeline (--parallel pipeline)")
     letters = split_letters(graph, world) if letters is None else tuple(letters)
-    states = _States(graph, letters)
+    states = _States(graph, letters, world)
     if not any(s not in (None,) for s in states.state):
         raise PlanError(f"nothing in this graph splits over {world} devices (no head count, FFN "
                         f"width or vocabulary that {world} divides): use a pipeline")
@@ -346,7 +359,7 @@ def _rank_graph(graph: Graph, states: _States, world: int, r: int, gathered: dic
             if st == PARTIAL:
                 dtype = nodes[inputs[0]].dtype
             new[n.id] = add(replace(n, inputs=inputs, shape=shape, dtype=dtype, guard=guard))
-        if n.id in states.reduced:
+        if st == PARTIAL and n.id in states.reduced:
             new[n.id] = _all_reduce(nodes, add, new[n.id], n, world, r)
     g = Graph(tuple(nodes))
     g.verify()

@@ -234,6 +234,6 @@ class ChatTemplate:
                                    add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"{self.where}: {exc}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a template is someone else's code
             raise ChatTemplateError(f"{self.where} failed on this conversation: "
-                                    f"{type(exc).__name__}: {exc}") from None
+                                    f"{type(exc).__name__}: {str(exc)[:200]}") from None

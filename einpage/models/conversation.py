@@ -111,6 +111,8 @@ class Conversation:
                 break
             keep += 1
         keep = min(keep, len(ids) - 1)  # the last token is fed again: its logits pick the reply
+        if self.store.wraps and len(self.held) > self.store.capacity and keep < len(self.held):
+            keep = 0  # a ring past its capacity has overwritten the rows a cut would go back to
         self.store.pos[:] = keep
         self.held = self.held[:keep]
         new = ids[keep:]

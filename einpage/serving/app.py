@@ -2,8 +2,8 @@
 uvicorn: `einpage serve`).
 
 Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
-(the conversation rendered with the model's chat template), each answering as OpenAI's API
-does, `stream: true` as server-sent events (`data: {chunk}` lines, then `data: [DONE]`). With
+(the conversation rendered with the model's chat template), each answering in the shapes of
+OpenAI's API (replies are text: tool calls in them are not parsed into `tool_calls`), `stream: true` as server-sent events (`data: {chunk}` lines, then `data: [DONE]`). With
 an API key every route but `/health` wants `Authorization: Bearer <key>` (else 401). A bad
 request is a 400 with `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`
 and touches nothing else. A client that goes away (a closed stream, a dropped connection) has its
@@ -20,7 +20,7 @@ from typing import Any
 
 from einpage.errors import EinpageError
 from einpage.models.generation import Sampling
-from einpage.serving.engine import Done, Engine, Failed, Request, Token
+from einpage.serving.engine import Done, Engine, Failed, Request, Token, Unavailable
 from einpage.serving.protocol import (BadRequest, chat_messages, common, completion_prompt)
 
 #: how often a non-streaming request looks whether its client is still there
@@ -50,7 +50,8 @@ class Service:
             return True
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode("utf-8", "surrogateescape"), self.api_key.encode("utf-8"))
 
     def token_text(self, token: int) -> str:
         return self.codec.decode([token])
@@ -123,8 +124,8 @@ async def _generate(service: Service, request, chat: bool):
         return _unauthorized()
     try:
         body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as exc:
-        return _error(400, f"the body is not JSON: {exc}")
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        return _error(400, f"the body is not JSON einpage reads: {str(exc)[:200]}")
     try:
         params = common(body, chat)
         if chat:
@@ -138,11 +139,13 @@ async def _generate(service: Service, request, chat: bool):
         else:
             given = completion_prompt(body)
             prompt = service.codec.encode(given) if isinstance(given, str) else list(given)
-            if max(prompt) >= service.engine.cfg.vocab:
-                raise BadRequest(f"token id {max(prompt)} is outside the vocabulary of "
-                                 f"{service.engine.cfg.vocab}", "prompt")
-        req = Request(prompt, params.max_tokens or service.default_max_tokens,
-                      Sampling(params.temperature, params.top_p, 0, params.seed),
+        if prompt and max(prompt) >= service.engine.cfg.vocab:
+            raise BadRequest(f"token id {max(prompt)} is outside the model's vocabulary of "
+                             f"{service.engine.cfg.vocab}", "messages" if chat else "prompt")
+        # temperature 0 is greedy: top_p and seed change nothing then (OpenAI takes them)
+        sampling = (Sampling() if params.temperature == 0 else
+                    Sampling(params.temperature, params.top_p, 0, params.seed))
+        req = Request(prompt, params.max_tokens or service.default_max_tokens, sampling,
                       service.eos_ids, params.stop, params.logprobs)
     except BadRequest as exc:
         return _error(400, exc.message, param=exc.param)
@@ -153,6 +156,8 @@ async def _generate(service: Service, request, chat: bool):
     req.sink = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
     try:
         service.engine.submit(req)
+    except Unavailable as exc:
+        return _error(503, str(exc).splitlines()[0], "server_error")
     except EinpageError as exc:
         return _error(400, str(exc).splitlines()[0], param="messages" if chat else "prompt")
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -217,14 +222,16 @@ def _streaming(service: Service, request, req: Request, events, ident: str, chat
         return f"data: {json.dumps(out)}\n\n"
 
     async def body():
+        offset = 0  # of the completion's text so far (the legacy logprobs' text_offset)
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""}, None)
             while True:
                 event = await _next(events, request, req, service.engine)
                 if isinstance(event, Token):
-                    if event.text or req.logprobs is not None:
-                        lp = _logprobs(service, [event], chat, req.logprobs)
+                    if event.text or (req.logprobs is not None and not event.end):
+                        lp = _logprobs(service, [event], chat, req.logprobs, offset)
+                        offset += len(event.text)
                         yield chunk({"content": event.text}, event.text, logprobs=lp)
                 elif isinstance(event, Failed):
                     yield f"data: {json.dumps({'error': {'message': event.message, 'type': 'server_error'}})}\n\n"
@@ -251,10 +258,13 @@ def _usage(done: Done) -> dict:
             "total_tokens": done.prompt_tokens + done.completion_tokens}
 
 
-def _logprobs(service: Service, tokens: list[Token], chat: bool, k: int | None):
-    """OpenAI's logprobs object of these tokens (None where none were asked)."""
+def _logprobs(service: Service, tokens: list[Token], chat: bool, k: int | None,
+              offset: int = 0):
+    """OpenAI's logprobs object of these tokens (None where none were asked), an end id left
+    out; `offset`: where the completion's text stood before them."""
     if k is None:
         return None
+    tokens = [t for t in tokens if not t.end]
     if chat:
         def entry(token, logprob):
             text = service.token_text(token)
@@ -263,7 +273,7 @@ def _logprobs(service: Service, tokens: list[Token], chat: bool, k: int | None):
                              "top_logprobs": [entry(i, lp) for i, lp in t.top]}
                             for t in tokens]}
     texts = [service.token_text(t.id) for t in tokens]
-    offsets, at = [], 0
+    offsets, at = [], offset
     for text in texts:
         offsets.append(at)
         at += len(text)

@@ -1,13 +1,13 @@
 """Continuous batching: many requests on one model, the weights streamed once per step for all.
 
 The engine holds one KV store of `max_batch` rows (slots) and runs a loop on a thread of its
-own. At each step boundary it admits waiting requests into free slots, lowest first, and prefills
-them together (one pass of their prompts padded to a bucket of `granule` tokens, each row's
+own. At each step boundary it admits waiting requests into free slots, lowest first (as many as
+keep the pass within `prefill_tokens` rows x padded width), and prefills them together (one pass of their prompts padded to a bucket of `granule` tokens, each row's
 logits picking its request's first token, its rows written into its slot: `KVStore.fill_row`;
 rows padded on the right see no padding, as a generation's rows do), then one decode
 step runs for every active row at once (`decode_step_graph` of the smallest batch bucket, a
 power of two, that covers the highest active slot, over the smallest KV bucket that covers the
-longest row; rows at their own positions). A row leaves when it stops (an end-of-turn id, a
+longest row; rows at their own positions; the batch at most `max_batch`). A row leaves when it stops (an end-of-turn id, a
 stop string, `max_tokens`, its KV slots used up) or is cancelled (its client went away): its
 slot is free at the next step. Each (batch, KV) bucket's plan is compiled once by the runner
 and kept (`PlanRunner` caches plans by graph); the step's session is held open while the
@@ -21,18 +21,19 @@ samples with its own `Sampling` (its seed) from its own row's logits.
 Events go to each request's `sink` (called on the engine's thread): `Token(id, text, logprob,
 top)` as tokens come (text: what can be shown now, a character held back until complete; a
 stop string is never shown), then one `Done(finish, prompt_tokens, completion_tokens, text)`
-or `Failed(message)`.
+or `Failed(message)`. A prefill or step that fails ends its rows with `Failed` and the engine
+goes on; a sink that raises cancels its own request only.
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
 
-from einpage.errors import InputError
+from einpage.errors import EinpageError, InputError
 from einpage.models.config import LlamaConfig
 from einpage.models.generation import (Runner, Sampling, TokenPicker, decode_step_graph,
                                        open_session, prefill)
@@ -45,6 +46,7 @@ class Token:
     text: str                      # new text to show (may be "")
     logprob: float | None = None   # of the token picked, where asked
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs
+    end: bool = False              # an end id (not part of the completion)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,28 @@ class Failed:
 
 
 Event = Token | Done | Failed
+
+
+class Unavailable(EinpageError):
+    """The engine takes no request: it is stopping, or it failed (a 503, not the request's
+    fault)."""
+
+
+def _send(req: "Request", event: "Event") -> None:
+    """`event` to `req`'s sink; a sink that fails (its client's loop closed) is the request's
+    loss, not the engine's."""
+    try:
+        req.sink(event)
+    except Exception:  # noqa: BLE001 - nothing a client does may stop the engine
+        req.cancelled = True
+
+
+def _bucket(n: int, most: int) -> int:
+    """The smallest power of two at least `n`, at most `most`."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, most)
 
 
 @dataclass
@@ -105,26 +129,27 @@ class _Row:
             if self.req.logprobs:
                 best = np.argsort(-lp, kind="stable")[:self.req.logprobs]
                 top = tuple((int(i), float(lp[i])) for i in best)
-        if self.picker.finished[0]:  # an end id: not text; what the stream held back is
+        end = bool(self.picker.finished[0])
+        if end:  # an end id: not text; what the stream held back is
             new, finish = self.stream.finish(), "stop"
         else:
             new = self.stream.push([token])
             finish = "length" if full or len(self.tokens) >= self.req.max_tokens else None
             if finish is not None:
                 new += self.stream.finish()
-        return self._emit(Token(token, "", logprob, top), new, finish)
+        return self._emit(Token(token, "", logprob, top, end), new, finish)
 
     def _emit(self, event: Token, new: str, finish: str | None) -> str | None:
         """Show `new` text, holding back a tail that may begin a stop string until the next
         token (or the end) says; the finish reason, "stop" where a stop string appeared."""
         pending = self.held + new
-        for s in self.req.stop:
-            at = pending.find(s)
-            if at >= 0:
-                self.text += pending[:at]
-                self.held = ""
-                self.req.sink(Token(event.id, pending[:at], event.logprob, event.top))
-                return "stop"
+        found = [at for at in (pending.find(s) for s in self.req.stop) if at >= 0]
+        if found:  # the earliest stop string in the text ends it
+            at = min(found)
+            self.text += pending[:at]
+            self.held = ""
+            _send(self.req, replace(event, text=pending[:at]))
+            return "stop"
         keep = 0
         if finish is None:
             for s in self.req.stop:
@@ -134,7 +159,7 @@ class _Row:
                         break
         shown, self.held = pending[:len(pending) - keep], pending[len(pending) - keep:]
         self.text += shown
-        self.req.sink(Token(event.id, shown, event.logprob, event.top))
+        _send(self.req, replace(event, text=shown))
         return finish
 
 
@@ -143,13 +168,15 @@ class Engine:
     dense reference), for requests of at most `context` tokens each."""
 
     def __init__(self, cfg: LlamaConfig, run: Runner, codec, max_batch: int = 16,
-                 context: int = 2048, granule: int = GRANULE):
+                 context: int = 2048, granule: int = GRANULE, prefill_tokens: int = 8192):
         if max_batch < 1 or context < 2:
             raise InputError(f"a server needs --max-batch >= 1 and --context >= 2, got "
                              f"{max_batch} and {context}")
         self.cfg, self.run, self.codec = cfg, run, codec
-        self.max_batch, self.context, self.granule = max_batch, context, granule
-        self.store = KVStore(cfg, max_batch, context)
+        self.max_batch, self.granule = max_batch, granule
+        self.prefill_tokens = prefill_tokens  # the most rows x padded width one admission runs
+        self.context = context  # the most positions a row may reach
+        self.store = KVStore(cfg, max_batch, context)  # a ring: fewer slots, the window's
         self.rows: list[_Row | None] = [None] * max_batch
         self.waiting: deque[Request] = deque()
         self.lock = threading.Condition()
@@ -177,7 +204,7 @@ class Engine:
             raise InputError(f"max_tokens must be at least 1, got {req.max_tokens}")
         with self.lock:
             if self.stopping or self.failure:
-                raise InputError(self.failure or "the server is shutting down")
+                raise Unavailable(self.failure or "the server is shutting down")
             self.waiting.append(req)
             self.lock.notify()
         return req
@@ -188,13 +215,19 @@ class Engine:
             req.cancelled = True
             self.lock.notify()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel every request (each gets `Done("cancelled")`) and end the loop."""
+    def stop(self, timeout: float | None = None) -> None:
+        """End the loop after its step in progress: every request in flight or waiting gets
+        `Done("cancelled")`, and the loop's thread closes its plan session and the runner
+        (`timeout`: the most seconds to wait for it; None, until it has)."""
         with self.lock:
             self.stopping = True
             self.lock.notify()
-        if self.thread is not None:
+        if self.thread is None:
+            self._close()
+        else:
             self.thread.join(timeout)
+
+    def _close(self) -> None:
         self._close_session()
         getattr(self.run, "close", lambda: None)()
 
@@ -211,31 +244,24 @@ class Engine:
                         self.lock.wait()
                     if self.stopping:
                         break
-                    admitted = []
-                    while self.waiting and None in self.rows:
-                        req = self.waiting.popleft()
-                        if req.cancelled:
-                            self._finish_unstarted(req, "cancelled")
-                            continue
-                        slot = self.rows.index(None)
-                        req.slot = slot
-                        self.rows[slot] = _Row(req, self.codec)
-                        admitted.append(slot)
+                    admitted = self._admit()
                 self._drop_cancelled()
                 admitted = [slot for slot in admitted if self.rows[slot] is not None]
                 if admitted:
-                    self._prefill(admitted)
+                    self._guarded(self._prefill, admitted)
                 if self.active:
-                    self._step()
-        except Exception as exc:  # every request hears why; new ones are refused
+                    self._guarded(self._step, [s for s, r in enumerate(self.rows)
+                                               if r is not None])
+        except Exception as exc:  # the loop itself: every request hears why, new ones are refused
             self.failure = f"the server's engine failed: {type(exc).__name__}: {exc}"
             for r in self.rows:
                 if r is not None:
-                    r.req.sink(Failed(self.failure))
+                    _send(r.req, Failed(self.failure))
             with self.lock:
                 for req in self.waiting:
-                    req.sink(Failed(self.failure))
+                    _send(req, Failed(self.failure))
                 self.waiting.clear()
+            self._close()
             return
         for slot, r in enumerate(self.rows):  # stopping: everything in flight is cancelled
             if r is not None:
@@ -244,14 +270,50 @@ class Engine:
             for req in self.waiting:
                 self._finish_unstarted(req, "cancelled")
             self.waiting.clear()
+        self._close()
+
+    def _admit(self) -> list[int]:
+        """Waiting requests into free slots, lowest first, while their prefill (rows x padded
+        width, both bucketed) stays within `prefill_tokens` (one request at least)."""
+        admitted, longest = [], 0
+        while self.waiting and None in self.rows:
+            req = self.waiting[0]
+            if req.cancelled:
+                self.waiting.popleft()
+                self._finish_unstarted(req, "cancelled")
+                continue
+            width = capacity_for(max(longest, len(req.prompt)), self.granule)
+            if admitted and _bucket(len(admitted) + 1, 1 << 30) * width > self.prefill_tokens:
+                break
+            self.waiting.popleft()
+            longest = max(longest, len(req.prompt))
+            slot = self.rows.index(None)
+            req.slot = slot
+            self.rows[slot] = _Row(req, self.codec)
+            admitted.append(slot)
+        return admitted
+
+    def _guarded(self, work, slots: list[int]) -> None:
+        """`work(slots)`; where it fails, those rows end with the failure (the others, and
+        the server, go on)."""
+        try:
+            work(slots)
+        except Exception as exc:  # noqa: BLE001 - a row's failure is its request's
+            self._close_session()
+            message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            for slot in slots:
+                row = self.rows[slot]
+                if row is not None:
+                    self.rows[slot] = None
+                    _send(row.req, Failed(message))
 
     def _finish_unstarted(self, req: Request, finish: str) -> None:
-        req.sink(Done(finish, len(req.prompt), 0, ""))
+        _send(req, Done(finish, len(req.prompt), 0, ""))
 
     def _finish(self, slot: int, finish: str) -> None:
         row = self.rows[slot]
         self.rows[slot] = None
-        row.req.sink(Done(finish, len(row.req.prompt), len(row.tokens), row.text))
+        _send(row.req, Done(finish, len(row.req.prompt), len(row.tokens), row.text))
 
     def _drop_cancelled(self) -> None:
         for slot, r in enumerate(self.rows):
@@ -266,9 +328,7 @@ class Engine:
         prompts = [self.rows[s].req.prompt for s in slots]
         longest = max(len(p) for p in prompts)
         width = min(capacity_for(longest, self.granule), self.context)
-        batch = 1
-        while batch < len(slots):
-            batch *= 2
+        batch = _bucket(len(slots), 1 << 30)
         tokens = np.zeros((batch, width), np.int64)
         lengths = np.ones(batch, np.int64)
         for k, p in enumerate(prompts):
@@ -290,15 +350,12 @@ class Engine:
         if finish is not None:
             self._finish(slot, finish)
 
-    def _step(self) -> None:
-        """One decode step of every active row."""
-        active = [s for s, r in enumerate(self.rows) if r is not None]
-        batch = 1
-        while batch < active[-1] + 1:
-            batch *= 2
-        batch = min(batch, self.max_batch)
+    def _step(self, active: list[int]) -> None:
+        """One decode step of the `active` rows (the batch: the first rows of the store, up to
+        the highest active slot, bucketed)."""
+        batch = _bucket(active[-1] + 1, self.max_batch)
         longest = int(self.store.pos[active].max()) + 1
-        capacity = min(capacity_for(longest, self.granule), self.context)
+        capacity = min(capacity_for(longest, self.granule), self.store.capacity)
         if self._bucket != (batch, capacity):
             self._close_session()
             self._session = open_session(self.run, decode_step_graph(self.cfg, batch, capacity))
@@ -338,6 +395,7 @@ def wait_for(engine: Engine, req: Request, timeout: float | None = None) -> tupl
     req.sink = sink
     engine.submit(req)
     if not done.wait(timeout):
+        engine.cancel(req)
         raise TimeoutError("the request did not finish in time")
     last = events[-1]
     if isinstance(last, Failed):

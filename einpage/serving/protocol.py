@@ -1,9 +1,12 @@
 """The OpenAI API's request bodies, checked: `/v1/completions` and `/v1/chat/completions`.
 
 Every field einpage reads is checked for its type and range; a wrong one is a `BadRequest`
-naming the field (a 400 with an OpenAI-style error object). Fields the API defines that einpage
-does not act on are accepted where their value changes nothing (`n: 1`, penalties of 0, `user`)
-and refused otherwise; fields the API does not define are ignored, as OpenAI's server does.
+naming the field (a 400 with an OpenAI-style error object). `n` and the penalties are accepted
+where their value changes nothing (`n: 1`, penalties of 0) and refused otherwise. Ignored:
+`user`, `echo`, `best_of`, `suffix`, `logit_bias`, `response_format`, `tool_choice`,
+`parallel_tool_calls`, and any field the API does not define (as OpenAI's server ignores those).
+`tools` reach the chat template (the model is told of them), but a reply is text: tool calls in
+it are not parsed into `tool_calls`.
 """
 from __future__ import annotations
 
