@@ -69,10 +69,16 @@ def server(model):
     assert not engine.thread.is_alive()
 
 
+_SOLO: dict = {}
+
+
 def _solo(model, ids, max_tokens):
-    """The request run alone: `generate` on its own plans, stopped at the checkpoint's EOS."""
+    """The request run alone: `generate` on plans of its own (one runner, kept: its plans
+    compiled once), stopped at the checkpoint's EOS."""
     d, cfg, weights, codec, _ = model
-    run = runners.PlanRunner(weights, CompileOptions(BUDGET), backend="threads")
+    if d not in _SOLO:
+        _SOLO[d] = runners.PlanRunner(weights, CompileOptions(BUDGET), backend="threads")
+    run = _SOLO[d]
     eos = end_of_sequence(d).ids
     done = generate(cfg, np.array([ids]), max_tokens, run, granule=64, eos_ids=eos)
     tokens = done.rows()[0]
