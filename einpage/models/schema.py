@@ -4,8 +4,10 @@ formats, `einpage.ir.storage`). No SymPy and no graph: `einpage models` and the 
 readers use it without building a model."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
+from types import MappingProxyType
 
 from einpage.errors import ModelError
 from einpage.ir.dtypes import DType
@@ -15,6 +17,14 @@ from einpage.models.config import ModelConfig
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Logical shape of every weight input, by graph input name."""
+    return dict(_shapes(cfg))
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(cfg: ModelConfig):
+    """`weight_shapes`, built once per config (read-only): the per-weight helpers below look
+    one name up (a Mixtral-8x22b has 4,000 weights; building them all per lookup made
+    `einpage models` take seconds)."""
     n, g, j, m, f = cfg.kv_heads, cfg.group, cfg.head_dim // 2, cfg.hidden, cfg.intermediate
     shapes = {"embed": (cfg.vocab, m), "norm": (m,)}
     if not cfg.tied:
@@ -36,7 +46,7 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                                f"{p}experts.{e}.w_down": (m, f)})
         else:
             shapes.update({p + "w_gate": (f, m), p + "w_up": (f, m), p + "w_down": (m, f)})
-    return shapes
+    return MappingProxyType(shapes)
 
 
 #: weights `--quantize` stores in a block format: every matrix but a MoE router (llama.cpp
@@ -48,7 +58,7 @@ def row_axes(cfg: ModelConfig, name: str) -> int:
     """How many trailing axes of weight `name`'s graph shape form one row of its checkpoint
     tensor (the `in` of Hugging Face's `[out, in]`; GGUF's `ne0`): quantization groups run
     along it."""
-    shape, row = weight_shapes(cfg)[name], hf_shape(cfg, name)[-1]
+    shape, row = _shapes(cfg)[name], hf_shape(cfg, name)[-1]
     for k in range(1, len(shape) + 1):
         if math.prod(shape[len(shape) - k:]) == row:
             return k
@@ -140,7 +150,7 @@ def hf_tensor(name: str) -> str:
 def hf_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     """The shape Hugging Face stores graph weight `name` in: `[out, in]` for a projection,
     flat for a bias or a per-head norm."""
-    shape = weight_shapes(cfg)[name]
+    shape = _shapes(cfg)[name]
     short = name.rsplit(".", 1)[-1]
     if short in ("wq", "wk", "wv"):
         return (math.prod(shape[:-1]), shape[-1])
