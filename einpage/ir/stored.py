@@ -21,9 +21,13 @@ from einpage.ir.ops import EinsumOp
 from einpage.ir.storage import get_format
 
 #: At most this many rows of the other operand: one pass of `gemv` (each stored row decoded
-#: once, dotted with every row); more: tiles decoded for the BLAS (at 16 rows the two are
-#: level, 8-9 ms for a 4096 x 4096 weight on this machine).
-GEMV_ROWS = 8
+#: once, dotted with every row); more: tiles decoded for the BLAS. On this machine's Xeon, a
+#: 4096 x 4096 f16 weight of 16 rows: gemv 4.2-8.7 ms, tiles 8.7-9.1 ms (three runs on a shared
+#: machine; gemv's time grows as 1 + (rows - 1) / 8 of one row's, as `predict.cost` prices it:
+#: 1.46 ms for 1 row, 2.72 for 8, 4.16 for 16 in one run); 24 rows: tiles 9.8-10.1 ms, gemv
+#: 12.0. In a decode step of 16 rows (LLaMA-7B shapes, 2 layers, threads backend, every weight
+#: resident) gemv takes 249 ms where tiles took 384, so up to 16 rows go through gemv.
+GEMV_ROWS = 16
 #: Stored operands smaller than this go NumPy's way (a call's dispatch is a few microseconds).
 MIN_ELEMENTS = 1 << 14
 #: The kernels' format codes (`einpage.runtime._cpu`'s, checked where it loads), by storage format or array dtype

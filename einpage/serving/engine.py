@@ -2,13 +2,15 @@
 
 The engine holds one KV store of `max_batch` rows (slots) and runs a loop on a thread of its
 own. At each step boundary it admits waiting requests into free slots, lowest first (as many as
-keep the pass within `prefill_tokens` rows x padded width), and prefills them together (one pass of their prompts padded to a bucket of `granule` tokens, each row's
-logits picking its request's first token, its rows written into its slot: `KVStore.fill_row`;
-rows padded on the right see no padding, as a generation's rows do), then one decode
-step runs for every active row at once (`decode_step_graph` of the smallest batch bucket, a
-power of two, that covers the highest active slot, over the smallest KV bucket that covers the
-longest row; rows at their own positions; the batch at most `max_batch`). A row leaves when it stops (an end-of-turn id, a
-stop string, `max_tokens`, its KV slots used up) or is cancelled (its client went away): its
+keep the pass within `prefill_tokens` rows x padded width), and prefills them together (one
+pass of their prompts padded to a multiple of `prompt_granule` tokens, each row's logits
+picking its request's first token, its rows written into its slot: `KVStore.fill_row`; rows
+padded on the right see no padding, as a generation's rows do), then one decode step runs for
+every active row at once (`decode_step_graph` of the smallest batch bucket, a power of two,
+that covers the highest active slot, at most `max_batch`, over the smallest KV bucket that
+covers the longest row; rows at their own positions). A row leaves when it stops (an
+end-of-turn id, a stop string, `max_tokens`, its KV slots used up) or is cancelled (its client
+went away): its
 slot is free at the next step. Each (batch, KV) bucket's plan is compiled once by the runner
 and kept (`PlanRunner` caches plans by graph); the step's session is held open while the
 bucket stays the same and no row joined.
@@ -168,12 +170,14 @@ class Engine:
     dense reference), for requests of at most `context` tokens each."""
 
     def __init__(self, cfg: LlamaConfig, run: Runner, codec, max_batch: int = 16,
-                 context: int = 2048, granule: int = GRANULE, prefill_tokens: int = 8192):
+                 context: int = 2048, granule: int = GRANULE, prefill_tokens: int = 8192,
+                 prompt_granule: int = 16):
         if max_batch < 1 or context < 2:
             raise InputError(f"a server needs --max-batch >= 1 and --context >= 2, got "
                              f"{max_batch} and {context}")
         self.cfg, self.run, self.codec = cfg, run, codec
         self.max_batch, self.granule = max_batch, granule
+        self.prompt_granule = prompt_granule  # prompts pad to a multiple (a plan per width)
         self.prefill_tokens = prefill_tokens  # the most rows x padded width one admission runs
         self.context = context  # the most positions a row may reach
         self.store = KVStore(cfg, max_batch, context)  # a ring: fewer slots, the window's
@@ -282,7 +286,7 @@ class Engine:
                 self.waiting.popleft()
                 self._finish_unstarted(req, "cancelled")
                 continue
-            width = capacity_for(max(longest, len(req.prompt)), self.granule)
+            width = capacity_for(max(longest, len(req.prompt)), self.prompt_granule)
             if admitted and _bucket(len(admitted) + 1, 1 << 30) * width > self.prefill_tokens:
                 break
             self.waiting.popleft()
@@ -322,12 +326,12 @@ class Engine:
 
     def _prefill(self, slots: list[int]) -> None:
         """The requests just admitted, together: one prefill pass of their prompts (rows
-        padded on the right to a bucket of `granule` tokens, the batch to a power of two: a
+        padded on the right to a multiple of `prompt_granule`, the batch to a power of two: a
         pass streams the weights once for all), each row's positions into its slot, each
         request's first token from its own last position."""
         prompts = [self.rows[s].req.prompt for s in slots]
         longest = max(len(p) for p in prompts)
-        width = min(capacity_for(longest, self.granule), self.context)
+        width = min(capacity_for(longest, self.prompt_granule), self.context)
         batch = _bucket(len(slots), 1 << 30)
         tokens = np.zeros((batch, width), np.int64)
         lengths = np.ones(batch, np.int64)
