@@ -240,12 +240,24 @@ def test_stopping_the_engine_cancels_what_is_in_flight(model):
         wait_for(engine, Request(codec.encode("again"), 2), timeout=5)
 
 
-def test_ctrl_c_stops_the_server_cleanly(model):
+def test_ctrl_c_stops_the_server_cleanly_with_a_request_in_flight(model):
     d = model[0]
     port = _free_port()
     proc = subprocess.Popen([str(EINPAGE), "serve", str(d), "--port", str(port),
-                             "--backend", "reference"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             "--backend", "reference", "--context", "4096"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    got: list[str] = []
+
+    def stream():  # a long reply, still streaming when Ctrl-C comes
+        body = {"prompt": "once", "max_tokens": 3000, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                              timeout=60) as r:
+                for line in r.iter_lines():
+                    got.append(line)
+        except httpx.HTTPError:
+            got.append("cut")
+
     try:
         for _ in range(200):
             try:
@@ -253,12 +265,20 @@ def test_ctrl_c_stops_the_server_cleanly(model):
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
+        client = threading.Thread(target=stream)
+        client.start()
+        while not any('"text"' in line for line in got):
+            time.sleep(0.05)
+        t0 = time.time()
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=60)
+        took = time.time() - t0
+        client.join(30)
     finally:
         proc.kill()
     assert proc.returncode in (0, 130) and "Traceback" not in out, out
-    assert f"127.0.0.1:{port}" in out
+    assert f"127.0.0.1:{port}" in out and took < 20
+    assert not client.is_alive() and got  # the stream ended (cancelled, or cut)
 
 
 class _Letters:

@@ -6,6 +6,9 @@ import sys
 
 from einpage.errors import InputError
 
+#: seconds the requests in flight have to finish after Ctrl-C before they are cancelled
+GRACE = 5
+
 
 def add_commands(sub) -> None:
     from einpage.cli.chat import add_context_arg
@@ -57,8 +60,9 @@ def cmd_serve(args) -> None:
           f"up to {args.max_batch}, {service.engine.context} tokens of context"
           f"{', chat template' if service.template else ', no chat template'}"
           f"{', API key required' if args.api_key else ''}); Ctrl-C stops", file=sys.stderr)
+    # Ctrl-C: requests in flight have GRACE seconds to finish, then the engine cancels them
     uvicorn.run(create_app(service), host=args.listen, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=GRACE)
 
 
 HANDLERS = {"serve": cmd_serve}
