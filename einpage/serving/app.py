@@ -133,12 +133,16 @@ async def _generate(service: Service, request, chat: bool):
                 raise BadRequest(f"{service.name} carries no chat template: use /v1/completions",
                                  "messages")
             messages, tools = chat_messages(body)
-            text = service.template.render(_plain_content(messages), add_generation_prompt=True,
-                                           tools=tools)
-            prompt = service.codec.encode_plain(text)
+
+            def tokens() -> list[int]:  # a template is code: off the event loop
+                return service.codec.encode_plain(service.template.render(
+                    _plain_content(messages), add_generation_prompt=True, tools=tools))
         else:
             given = completion_prompt(body)
-            prompt = service.codec.encode(given) if isinstance(given, str) else list(given)
+
+            def tokens() -> list[int]:
+                return service.codec.encode(given) if isinstance(given, str) else list(given)
+        prompt = await asyncio.to_thread(tokens)
         if prompt and max(prompt) >= service.engine.cfg.vocab:
             raise BadRequest(f"token id {max(prompt)} is outside the model's vocabulary of "
                              f"{service.engine.cfg.vocab}", "messages" if chat else "prompt")
