@@ -156,3 +156,16 @@ def test_bad_chat_flags_are_one_line(chat_model, hf_fixture, tmp_path, capsys):
     one_line(capsys, cli("generate", d, "--prompt", "x", "--system", "s",
                          "--max-new-tokens", 2), "--system is the system message of --chat")
     one_line(capsys, cli("chat", d, "--context", 1), "--context must be at least 2")
+    one_line(capsys, cli("chat", d, "--parallel", "tensor", "--gpu-mem", "200KB"),
+             "add --devices 2 or more")
+
+
+def test_a_chat_over_two_devices_replies_as_on_one(chat_model, capsys):
+    d = chat_model[0]
+    assert cli("generate", d, "--chat", "Hi", "--max-new-tokens", 4, "--backend", "reference",
+               "--json") == 0
+    want = json.loads(capsys.readouterr().out)
+    assert cli("generate", d, "--chat", "Hi", "--max-new-tokens", 4, "--gpu-mem", "200KB",
+               "--devices", 2, "--parallel", "tensor", "--json") == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["tokens"] == want["tokens"] and got["text"] == want["text"]

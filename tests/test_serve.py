@@ -356,3 +356,30 @@ def test_greedy_takes_a_seed_and_a_key_of_any_text_is_checked(server):
     r = httpx.get(f"http://127.0.0.1:{port}/v1/models",
                   headers={"Authorization": "Bearer clé".encode("utf-8")})
     assert r.status_code == 401
+
+
+@pytest.mark.parametrize("parallel", ["tensor", "pipeline"])
+def test_the_engine_serves_a_model_spread_over_two_devices(model, parallel):
+    """Every rank in this process (a `RanksRunner`): the joining requests answer as alone."""
+    _, cfg, weights, codec, _ = model
+    run = runners.RanksRunner(weights, CompileOptions(BUDGET), 2, "threads", parallel=parallel)
+    engine = Engine(cfg, run, codec, max_batch=4, context=256, granule=64)
+    engine.start()
+    try:
+        prompts = [codec.encode(t) for t in ("Hello there", "The quick brown fox", "a")]
+        results = [None] * len(prompts)
+
+        def ask(i):
+            time.sleep(0.05 * i)
+            results[i] = [t.id for t in wait_for(engine, Request(prompts[i], 6), 120)[0]]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for p, got in zip(prompts, results):
+            want = generate(cfg, np.array([p]), 6, runners.dense_runner(weights)).tokens[0]
+            assert got == want.tolist()
+    finally:
+        engine.stop()

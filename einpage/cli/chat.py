@@ -44,7 +44,10 @@ def chat_model(args, need_template: bool = True):
     from einpage.models.generation import check_special
     from einpage.models.text import TextCodec, end_of_sequence
     if getattr(args, "devices", 1) != 1 or getattr(args, "parallel", "pipeline") != "pipeline":
-        raise InputError(f"--devices and --parallel are not taken by {args.command} yet")
+        from einpage.runtime.comm import mpi_world
+        if mpi_world()[1] > 1:  # one process reads the terminal or serves HTTP
+            raise InputError(f"{args.command} runs every rank of --devices in one process: "
+                             "drop mpiexec")
     if args.kv_granule < 1:
         raise InputError(f"--kv-granule must be at least 1, got {args.kv_granule}")
     directory = _checkpoint_dir(args.model)

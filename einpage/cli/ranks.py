@@ -179,6 +179,10 @@ def ranks_runner(args, weights):
     devices = args.devices
     if devices < 1:
         raise InputError(f"--devices must be at least 1, got {devices}")
+    parallel = getattr(args, "parallel", "pipeline")
+    if parallel != "pipeline" and devices < 2:
+        raise InputError(f"--parallel {parallel} spreads a model over several devices: add "
+                         "--devices 2 or more")
     if not args.gpu_mem:
         raise InputError("--devices N needs --gpu-mem: the budget of each device")
     for flag, given in (("--arena", args.arena), ("--timing", args.timing),
