@@ -314,7 +314,7 @@ def test_a_stop_string_is_never_shown_even_across_tokens(stop, tokens, shown, te
 
 
 def test_a_failing_request_fails_alone_and_a_stopped_engine_is_unavailable(model):
-    from einpage.serving.engine import Failed, Unavailable
+    from einpage.serving.engine import Unavailable
     _, cfg, weights, codec, _ = model
     engine = Engine(cfg, runners.dense_runner(weights), codec, max_batch=4, context=256,
                     granule=64)
@@ -326,7 +326,6 @@ def test_a_failing_request_fails_alone_and_a_stopped_engine_is_unavailable(model
     engine.stop()
     with pytest.raises(Unavailable, match="shutting down"):
         engine.submit(Request(codec.encode("again"), 2))
-    assert Failed  # the event a failing row's request gets
 
 
 def test_a_ring_store_serves_past_its_slots(hf_fixture):

@@ -161,11 +161,11 @@ def test_a_partial_sum_read_reduced_elsewhere_is_not_summed_again():
 def test_nothing_to_split_and_quantized_weights_are_refused(prefill):
     with pytest.raises(PlanError, match="nothing in this graph splits over 3"):
         shard_graph(prefill, 3)  # 2 kv heads, 4 of a group, FFN 352, vocab 256: none by 3
-    q4 = config.preset("small").with_formats(("q4_0",)) if hasattr(
-        config.ModelConfig, "with_formats") else None
-    if q4 is not None:
-        with pytest.raises(PlanError, match="quantized"):
-            shard_graph(llama.prefill_graph(q4).bind(B=1, S=4), 2)
+    from einpage.models.schema import quantized
+    q4 = quantized(config.preset("small"), "q4_0")
+    assert q4.formats
+    with pytest.raises(PlanError, match="quantized"):
+        shard_graph(llama.prefill_graph(q4).bind(B=1, S=4), 2)
 
 
 # ------------------------------------------------------------------ running the ranks
