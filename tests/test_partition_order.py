@@ -152,3 +152,33 @@ def test_exits_reading_one_weight_block_run_together():
     assert len(set(reads)) > 1 and len(reads) > len(set(reads)), "cuts expected"
     runs = [b for k, b in enumerate(reads) if k == 0 or reads[k - 1] != b]
     assert len(runs) == len(set(runs)), reads  # each table block's tasks in one run
+
+
+def test_gather_sums_run_in_lockstep_over_the_table():
+    """An embedding gather (its own stage) cut into token blocks and table blocks (the table cut
+    by vocabulary for the tied logits projection) is, per token block, a sum over the table's
+    blocks: the sums run term by term, so each table block's gather tasks run together (a
+    streamed table is read once for all token blocks, not once per token block), each sum's
+    terms in order, and the plan still gives the reference's answer."""
+    g = GraphBuilder()
+    ids = g.input("ids", (1, 256), dtype="i64")
+    table = g.input("table", (256, 64), role="weight")
+    with g.stage(0):
+        x = g.gather(table, ids)
+    with g.stage(1):
+        g.output("logits", g.einsum("bsm,vm->bsv", x, table))
+    graph = g.build()
+    tg = partition(graph, PartitionOptions(8_000))
+    reads = [next(b for b in tg.tasks[t].reads if tg.blocks[b].role == "weight")
+             for t in memory_aware_order(tg) if tg.tasks[t].stage == 0]
+    assert len(set(reads)) > 1 and len(reads) > len(set(reads)), "cuts expected"
+    runs = [b for k, b in enumerate(reads) if k == 0 or reads[k - 1] != b]
+    assert len(runs) == len(set(runs)), reads
+    rng = np.random.default_rng(0)
+    weights = {"table": rng.standard_normal((256, 64)).astype(np.float32)}.__getitem__
+    tokens = rng.integers(0, 256, (1, 256))
+    want = evaluate(graph, {"ids": tokens}, weights)["logits"]
+    compiled = compile_graph(graph, CompileOptions(60_000))
+    for order in ("sequential", 5):
+        got = run(compiled.memgraph, {"ids": tokens}, weights, order=order)
+        np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-5)

@@ -5,7 +5,9 @@ stage the order is the post-order of a depth-first walk from the stage's *exits*
 the stage consumes: in LLaMA, the layer's output rows), exits in id order: each task is preceded
 exactly by what it needs that is not done yet; exits that read a weight block themselves run
 grouped by that block (the logits projection's blocks: each streamed table block once for every
-query block, not once per query block). So one row block (a batch or sequence block, and
+query block, not once per query block), and where such exits end sums over weight blocks (the
+embedding gather: each token block's rows summed over the table's blocks) their sums run in
+lockstep, term by term, so each table block is read once for every token block. So one row block (a batch or sequence block, and
 inside attention one head) goes through the layer as far as dependencies allow before the next
 starts; a reduction's row is finished (all its tiles, then the ops that read it again) before
 another row is begun; tasks with no producer (fills) run just before their first consumer; and an
@@ -35,12 +37,13 @@ def memory_aware_order(tg: TaskGraph) -> list[int]:
         block run one after another, so a streamed block is loaded once for all of them."""
         return next((b for b in tg.tasks[t].reads if blocks[b].role == "weight"), -1)
 
-    exits = sorted((t for t in range(n) if not consumed_in_stage[t]),
-                   key=lambda t: (stage[t], weight_group(t), t))
     onto = [-1] * n  # the writer an accumulating task adds onto
     for ws in writers:
         for prev, t in zip(ws, ws[1:]):
             onto[t] = prev
+    exits = sorted((t for t in range(n) if not consumed_in_stage[t]),
+                   key=lambda t: (stage[t], weight_group(t), t))
+    roots = _lockstep(exits, lambda t: (stage[t], weight_group(t)), onto, stage)
 
     def producers(t: int) -> list[int]:
         if onto[t] < 0:
@@ -50,7 +53,7 @@ def memory_aware_order(tg: TaskGraph) -> list[int]:
     done = [False] * n
     entered = [False] * n
     order: list[int] = []
-    for root in exits:
+    for root in roots:
         if done[root]:
             continue
         stack = [(root, producers(root), 0)]
@@ -73,3 +76,36 @@ def memory_aware_order(tg: TaskGraph) -> list[int]:
     if len(order) != n:
         raise RuntimeError(f"order: {n - len(order)} tasks never became ready (cyclic taskgraph?)")
     return order
+
+
+def _lockstep(exits: list[int], group, onto: list[int], stage: list[int]) -> list[int]:
+    """The walk's roots: `exits` in order, except that a run of exits of one weight group
+    (`group(t)[1] >= 0`) that each end a sum of equally many terms (chains of `onto` in their
+    stage) becomes its terms in lockstep: every exit's first term, then every exit's second, ...
+    A term's walk runs its own inputs first, so the terms that read one weight block run
+    together and a streamed block is loaded once for all the sums, while one partial sum per
+    exit stays live."""
+    roots: list[int] = []
+    k = 0
+    while k < len(exits):
+        key = group(exits[k])
+        j = k
+        while j < len(exits) and group(exits[j]) == key:
+            j += 1
+        run = exits[k:j]
+        chains = [_chain(t, onto, stage) for t in run]
+        if key[1] >= 0 and len(run) > 1 and len({len(c) for c in chains}) == 1 \
+                and len(chains[0]) > 1:
+            roots.extend(c[i] for i in range(len(chains[0])) for c in chains)
+        else:
+            roots.extend(run)
+        k = j
+    return roots
+
+
+def _chain(t: int, onto: list[int], stage: list[int]) -> list[int]:
+    """The terms of the sum task `t` ends, first to last, within its stage."""
+    chain = [t]
+    while onto[chain[-1]] >= 0 and stage[onto[chain[-1]]] == stage[t]:
+        chain.append(onto[chain[-1]])
+    return chain[::-1]
