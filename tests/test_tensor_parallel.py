@@ -158,14 +158,9 @@ def test_a_partial_sum_read_reduced_elsewhere_is_not_summed_again():
            evaluate(graph, inputs, weights.__getitem__))
 
 
-def test_nothing_to_split_and_quantized_weights_are_refused(prefill):
+def test_nothing_to_split_is_refused(prefill):
     with pytest.raises(PlanError, match="nothing in this graph splits over 3"):
         shard_graph(prefill, 3)  # 2 kv heads, 4 of a group, FFN 352, vocab 256: none by 3
-    from einpage.models.schema import quantized
-    q4 = quantized(config.preset("small"), "q4_0")
-    assert q4.formats
-    with pytest.raises(PlanError, match="quantized"):
-        shard_graph(llama.prefill_graph(q4).bind(B=1, S=4), 2)
 
 
 # ------------------------------------------------------------------ running the ranks

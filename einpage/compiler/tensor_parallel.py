@@ -152,8 +152,9 @@ class _States:
 
     def _input_axis(self, n: Node) -> int | None:
         """A weight or KV store is sharded where every reader is an einsum that names a split
-        letter on the same axis (the first such axis of each reader)."""
-        if n.op.role == Role.activation or n.op.storage is not None:
+        letter on the same axis (the first such axis of each reader); one kept in a block format
+        too, its slices cut as `_check_packed_slice` requires."""
+        if n.op.role == Role.activation:
             return None
         axes = set()
         for u in self.g.users(n.id):
@@ -258,6 +259,19 @@ class _States:
         return fits[0]
 
 
+def _check_packed_slice(op: Input, shape: tuple[int, ...], axis: int, world: int) -> None:
+    """A rank's slice of an input kept in a block format (`einpage.ir.storage`) must be a box of
+    the packed bytes: cut along an axis before the packed rows, or along the rows' first axis
+    at whole groups (a down projection's rows of FFN columns split in N)."""
+    st = op.storage
+    k = len(shape) - st.span
+    part = shape[axis] // world
+    if axis > k or (axis == k and part % st.quantum(shape)):
+        raise PlanError(f"tensor parallelism: input {op.name!r} is kept in {st.format} rows of "
+                        f"{st.row(shape)} elements, which {world} devices cannot split at "
+                        f"whole groups of {st.group}: use a pipeline (--parallel pipeline)")
+
+
 def _conflict(n: Node):
     raise PlanError(f"node %{n.id} ({n.kind}) reads operands split along different axes for "
                     "tensor parallelism")
@@ -267,10 +281,6 @@ def shard_graph(graph: Graph, world: int, letters: tuple[str, ...] | None = None
     """Split `graph` (concrete) over `world` ranks (the module's docstring)."""
     if world < 2:
         raise PlanError(f"tensor parallelism needs 2 devices or more, got {world}")
-    if any(isinstance(n.op, Input) and n.op.storage is not None and n.op.role == Role.weight
-           for n in graph.nodes):
-        raise PlanError("tensor parallelism of weights kept in a block format (quantized) is "
-                        "not supported yet: use a pipeline (--parallel pipeline)")
     letters = split_letters(graph, world) if letters is None else tuple(letters)
     states = _States(graph, letters, world)
     if not any(s not in (None,) for s in states.state):
@@ -327,6 +337,8 @@ def _rank_graph(graph: Graph, states: _States, world: int, r: int, gathered: dic
                 shape = divided(n.shape, st)
                 start, stop = _part(int(n.shape[st]), world, r)
                 shards[op.name] = (st, start, stop)
+                if op.storage is not None:
+                    _check_packed_slice(op, tuple(int(s) for s in n.shape), st, world)
             new[n.id] = add(replace(n, shape=shape))
             continue
         if isinstance(op, Einsum):

@@ -63,6 +63,18 @@ def dequantize(packed: np.ndarray, storage: Storage, shape: tuple[int, ...],
     return out
 
 
+def dequantize_box(whole, storage: Storage, origin: tuple[int, ...], shape: tuple[int, ...],
+                   full: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The box `origin`+`shape` of a tensor of logical shape `full` whose packed bytes are
+    `whole` (an array or memory map: only the whole groups around the box are read), in
+    `dtype`; the box need not hold whole groups."""
+    wide_origin, wide_shape = storage.covering(origin, shape, full)
+    o, n = storage.packed_box(wide_origin, wide_shape, full)
+    wide = dequantize(np.asarray(whole[tuple(slice(a, a + b) for a, b in zip(o, n))]),
+                      storage, wide_shape, dtype)
+    return wide[tuple(slice(a - w, a - w + b) for a, w, b in zip(origin, wide_origin, shape))]
+
+
 def _gather_levels(table: np.ndarray, qs: np.ndarray, out: np.ndarray) -> None:
     """`out[g, i]` = `table[g, nibble i of group g]` (element i in the low nibble of byte i,
     element i + half in its high nibble)."""

@@ -12,7 +12,7 @@ import numpy as np
 from einpage.errors import CheckpointError, InputError, PlanError
 from einpage.ir.memgraph import InputNode, MemGraph, OutputRef, RecvNode, TensorInfo
 from einpage.ir.tensors import WeightSource
-from einpage.ir.quant import dequantize, quantize
+from einpage.ir.quant import dequantize_box, quantize
 from einpage.ir.storage import Storage
 
 
@@ -207,12 +207,7 @@ class PlanIO:
             origin, shape = held.packed_box(tuple(s.origin), tuple(t.shape), full)
             return whole[tuple(slice(o, o + n) for o, n in zip(origin, shape))]
         # planned unpacked: the whole groups around the block, dequantized, then cut
-        wide_origin, wide_shape = held.covering(tuple(s.origin), tuple(t.shape), full)
-        origin, shape = held.packed_box(wide_origin, wide_shape, full)
-        packed = np.asarray(whole[tuple(slice(o, o + n) for o, n in zip(origin, shape))])
-        wide = dequantize(packed, held, wide_shape, t.dtype.numpy)
-        return wide[tuple(slice(o - w, o - w + n)
-                          for o, w, n in zip(s.origin, wide_origin, t.shape))]
+        return dequantize_box(whole, held, tuple(s.origin), tuple(t.shape), full, t.dtype.numpy)
 
     def source_block(self, tid: int) -> np.ndarray:
         """`source(tid)` read into memory in the plan's storage dtype."""

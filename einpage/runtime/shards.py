@@ -10,9 +10,13 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from einpage.errors import PlanError
 from einpage.ir.memgraph import MemGraph
 from einpage.ir.peers import is_boundary
+from einpage.ir.quant import dequantize_box
+from einpage.ir.storage import Storage
 from einpage.ir.tensors import WeightSource
+from einpage.runtime.planio import held_storage
 
 
 def shards_of(mg: MemGraph) -> dict[str, tuple[int, int, int]]:
@@ -30,18 +34,51 @@ def _cut(axis: int, start: int, stop: int) -> tuple[slice, ...]:
 
 class ShardedWeights:
     """A rank's weights: each sharded weight is its slice of the whole one `source` gives (a
-    view: a memory map is read only where the rank's blocks lie). `locate` (the disk tier)
-    points into the file where the slice is one run of bytes (a cut of the first axis); `storage`
-    passes through."""
+    view: a memory map is read only where the rank's blocks lie). A weight the source holds
+    packed (`storage(name)`: a GGUF file's block format) is sliced in its packed bytes where the
+    slice holds whole groups (`Storage.packed_box`), and otherwise handed out dequantized, its
+    `storage` then None. `locate` (the disk tier) points into the file where the slice is one
+    run of bytes (a cut of the first axis of an unpacked weight); `config`, ... pass through.
+    `shapes`: each sharded weight's shape on this rank; `world`: the ranks it is split over."""
 
-    def __init__(self, source: WeightSource, shards: Mapping[str, tuple[int, int, int]]):
+    def __init__(self, source: WeightSource, shards: Mapping[str, tuple[int, int, int]],
+                 shapes: Mapping[str, tuple[int, ...]] | None = None, world: int = 1):
         self.source, self.shards = source, dict(shards)
+        self.shapes, self.world = dict(shapes or {}), world
+
+    def _box(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(origin, shape, whole shape) of this rank's slice of packed weight `name`, logical."""
+        axis, start, stop = self.shards[name]
+        shape = tuple(self.shapes[name])
+        full = tuple(s * self.world if a == axis else s for a, s in enumerate(shape))
+        origin = tuple(start if a == axis else 0 for a in range(len(shape)))
+        return origin, shape, full
+
+    def _packed_cut(self, name: str, held: Storage) -> tuple[slice, ...] | None:
+        origin, shape, full = self._box(name)
+        try:
+            o, n = held.packed_box(origin, shape, full)
+        except PlanError:
+            return None
+        return tuple(slice(a, a + b) for a, b in zip(o, n))
 
     def __call__(self, name: str):
         whole = self.source(name)
         if name not in self.shards:
             return whole
-        return whole[_cut(*self.shards[name])]
+        held = held_storage(self.source, name)
+        if held is None:
+            return whole[_cut(*self.shards[name])]
+        cut = self._packed_cut(name, held)
+        if cut is not None:
+            return whole[cut]
+        return dequantize_box(whole, held, *self._box(name), np.float32)  # cut groups
+
+    def storage(self, name: str) -> Storage | None:
+        held = held_storage(self.source, name)
+        if held is None or name not in self.shards or self._packed_cut(name, held) is not None:
+            return held
+        return None
 
     def locate(self, name: str):
         find = getattr(self.source, "locate", None)
@@ -55,7 +92,7 @@ class ShardedWeights:
         return replace(where, offset=where.offset + start * row,
                        shape=(stop - start, *where.shape[1:]))
 
-    def __getattr__(self, attr: str):  # `storage`, `config`, ... of the source
+    def __getattr__(self, attr: str):  # `config`, ... of the source
         return getattr(self.source, attr)
 
 
@@ -64,7 +101,9 @@ def rank_weights(weights: WeightSource | None, mg: MemGraph) -> WeightSource | N
     shards = shards_of(mg)
     if weights is None or not shards:
         return weights
-    return ShardedWeights(weights, shards)
+    shapes = {t.source.input: tuple(t.source.full_shape) for t in mg.tensors
+              if t.source is not None and t.source.input in shards}
+    return ShardedWeights(weights, shards, shapes, mg.world)
 
 
 def rank_inputs(mg: MemGraph, inputs: Mapping[str, np.ndarray] | None
