@@ -6,8 +6,11 @@ import sys
 
 from einpage.errors import InputError
 
-#: seconds the requests in flight have to finish after Ctrl-C before they are cancelled
+#: seconds the requests in flight have to finish after Ctrl-C before the engine cancels them
 GRACE = 5
+#: seconds after that before uvicorn cancels the connections' tasks itself (a stream the engine
+#: ended closes at once; this only bounds a client that never reads)
+GRACE_MARGIN = 5
 
 
 def add_commands(sub) -> None:
@@ -60,9 +63,30 @@ def cmd_serve(args) -> None:
           f"up to {args.max_batch}, {service.engine.context} tokens of context"
           f"{', chat template' if service.template else ', no chat template'}"
           f"{', API key required' if args.api_key else ''}); Ctrl-C stops", file=sys.stderr)
-    # Ctrl-C: requests in flight have GRACE seconds to finish, then the engine cancels them
-    uvicorn.run(create_app(service), host=args.listen, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=GRACE)
+    config = uvicorn.Config(create_app(service), host=args.listen, port=args.port,
+                            log_level="warning",
+                            timeout_graceful_shutdown=GRACE + GRACE_MARGIN)
+    _graceful(uvicorn.Server, service.engine)(config).run()
+
+
+def _graceful(server_class, engine):
+    """uvicorn's server, which on Ctrl-C gives the requests in flight GRACE seconds, then has
+    the engine cancel them: each stream ends with finish_reason "cancelled" and its connection
+    closes, before uvicorn's own timeout would cancel the connection's task mid-response (which
+    logs a traceback)."""
+    import asyncio
+    import threading
+
+    class Server(server_class):
+        async def shutdown(self, sockets=None):
+            timer = asyncio.get_running_loop().call_later(
+                GRACE, lambda: threading.Thread(target=engine.stop, daemon=True).start())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return Server
 
 
 HANDLERS = {"serve": cmd_serve}
