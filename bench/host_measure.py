@@ -50,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = dataclasses.replace(config.preset("mixtral-8x7b"), layers=args.layers,
                               name=f"mixtral-8x7b-{args.layers}l")
-    print(f"measuring this machine (threads backend, host) ...", file=sys.stderr)
+    print("measuring this machine (threads backend, host) ...", file=sys.stderr)
     profile = dataclasses.replace(calibrate("threads"), host=calibrate_host())
     print("making random weights ...", file=sys.stderr)
     weights = HeldWeights(cfg, dense_weights(cfg))

@@ -178,7 +178,7 @@ def test_output_assembled_from_blocks_at_device_and_at_host():
     x, n0 = whole_input(p, "x", (4, 3), 0)
     top, bottom = p.tensor((2, 3)), p.tensor((2, 3))
     take = lambda r0: CopyOp((Piece(0, ((r0, r0 + 2), (0, 3)), ((0, 2), (0, 3))),))
-    n1 = p.apply(take(0), [(x, 0)], (top, 256), [n0])
+    p.apply(take(0), [(x, 0)], (top, 256), [n0])
     n2 = p.apply(take(2), [(x, 0)], (bottom, 512), [n0])
     n3 = p.offload(bottom, 512, [n2])
     p.free(bottom, 512, [n3])

@@ -252,7 +252,7 @@ def test_preset_shapes():
 @pytest.mark.parametrize("name", ["llama-7b", "llama3-8b"])
 def test_large_graphs_build_and_verify(name):
     cfg = preset(name)
-    m, v, n, j = cfg.hidden, cfg.vocab, cfg.kv_heads, cfg.head_dim // 2
+    v, n, j = cfg.vocab, cfg.kv_heads, cfg.head_dim // 2
     prefill = llama.prefill_graph(cfg)
     prefill.verify()
     assert {s.name for s in prefill.symbols} == {"B", "S"}

@@ -39,7 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
-from einpage.ir.stored import FORMAT_CODES, GEMV_ROWS, MIN_ELEMENTS, Layout, layout
+from einpage.ir.stored import FORMAT_CODES, GEMV_ROWS, Layout
 from einpage.runtime import hostpool
 
 try:

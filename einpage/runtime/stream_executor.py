@@ -365,13 +365,14 @@ class _Crew:
         self.steps = _queue_steps(mg, program, self.queues)
         #: the guarded reloads skipped this pass (their guard was off: no byte moved)
         self.skipped: set[int] = set()
-        copy_h2d = backend.copy_h2d
         if any(isinstance(n, ReloadNode) and n.guard is not None for n in mg.nodes):
             def copy_h2d(n, copy=backend.copy_h2d, on=backend.guard_on, skipped=self.skipped):
                 if isinstance(n, ReloadNode) and n.guard is not None and not on(n):
                     skipped.add(n.id)
                 else:
                     copy(n)
+        else:
+            copy_h2d = backend.copy_h2d
         def send(n: SendNode) -> None:
             backend.send(n, comm)
 
