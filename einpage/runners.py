@@ -48,6 +48,14 @@ class Pass:
     measured: Measured
 
 
+@dataclass(frozen=True)
+class RanksPass:
+    """One pass of the programs of several devices run by a `RanksRunner` with timing: the
+    programs and what each rank's pass measured (every rank in this process)."""
+    programs: tuple[MemGraph, ...]
+    measured: Mapping[int, Measured]
+
+
 class PlanRunner:
     """Compiles every graph for the budget and runs the plan on `backend` (`numpy`: the
     sequential executor; `threads`, `cupy`: the stream executor; `auto`: cupy where a GPU is
@@ -84,6 +92,10 @@ class PlanRunner:
     @property
     def plans_compiled(self) -> int:
         return len(self._plans)
+
+    def predicted_s(self, graph: Graph) -> float:
+        """The predicted seconds of a pass of `graph`'s plan (compiled once)."""
+        return self.plan(graph)[0].simulation.makespan_s
 
     def plan(self, graph: Graph) -> tuple[Compiled, int]:
         """The plan of `graph` (compiled once) and the cupy workspace it needs."""
@@ -327,10 +339,12 @@ class RanksRunner:
     compiling the same programs (checked: `ranks.check_same`). `open(graph)` holds the plans open across passes (`RanksSession`): a
     generation's decode steps. `kv_names`: the KV-store inputs this process's plans read (every
     layer's in one process; its own rank's layers under MPI), so that a generation keeps only
-    those (`KVStore(names=...)`)."""
+    those (`KVStore(names=...)`). With `timing` (every rank in this process) each pass is kept
+    in `passes` (`RanksPass`)."""
 
     def __init__(self, weights: WeightSource, options: CompileOptions, world: int,
-                 backend: str = "threads", comm=None, parallel: str = "pipeline"):
+                 backend: str = "threads", comm=None, parallel: str = "pipeline",
+                 timing: bool = False):
         from einpage.runtime.backends import resolve
         if backend not in ("threads", "cupy", "auto"):
             from einpage.errors import InputError
@@ -343,6 +357,13 @@ class RanksRunner:
         self.weights, self.options, self.world, self.comm = weights, options, world, comm
         self.parallel = parallel
         self.backend = resolve(backend)
+        if timing and comm is not None:
+            from einpage.errors import InputError
+            raise InputError("--timing with --devices measures every rank in one process: "
+                             "run it without mpiexec")
+        self.timing = timing
+        self.passes: list[RanksPass] = []
+        self._predicted: dict[Graph, float] = {}
         self._plans: dict[Graph, object] = {}
         self.cut: tuple[int, ...] | None = None
         self.compile_s = 0.0
@@ -369,6 +390,18 @@ class RanksRunner:
             self.cut = getattr(pipeline.split, "cut", None)
             self.compile_s += time.perf_counter() - t0
         return self._plans[graph]
+
+    def predicted_s(self, graph: Graph) -> float:
+        """The predicted seconds of a pass of `graph`'s programs, the ranks simulated together
+        on the options' device profile (compiled once)."""
+        if graph not in self._predicted:
+            from einpage.predict.devices import DEFAULT_DEVICE, get_device
+            from einpage.predict.simulator import simulate_ranks
+            programs = self.plan(graph).programs
+            profile = self.options.device or get_device(DEFAULT_DEVICE)
+            self._predicted[graph] = simulate_ranks(programs,
+                                                    [profile] * len(programs)).makespan_s
+        return self._predicted[graph]
 
     def close(self) -> None:
         """Close this process's communicator (under MPI: its sends delivered)."""
@@ -418,8 +451,8 @@ class RanksSession:
             for r in mine:
                 self.sessions[r] = StreamSession(programs[r],
                                                  rank_weights(runner.weights, programs[r]),
-                                                 rank_backend(runner.backend, r), timing=False,
-                                                 comm=comms[r])
+                                                 rank_backend(runner.backend, r),
+                                                 timing=runner.timing, comm=comms[r])
         except BaseException as exc:  # the peers would wait for this rank's messages
             self.close()
             for r in mine:
@@ -436,9 +469,14 @@ class RanksSession:
         from einpage.runtime.ranks import RESULTS_TAG, gather_results, run_together
         from einpage.runtime.shards import assemble, gathered_of
         from einpage.runtime.shards import rank_inputs
-        outs = run_together({r: (lambda r=r, s=s: s.run(rank_inputs(self.programs[r],
-                                                                    inputs)).outputs)
-                             for r, s in self.sessions.items()}, self.comms)
+        results = run_together({r: (lambda r=r, s=s: s.run(rank_inputs(self.programs[r],
+                                                                       inputs)))
+                                for r, s in self.sessions.items()}, self.comms)
+        outs = {r: result.outputs for r, result in results.items()}
+        if self.runner.timing:
+            self.runner.passes.append(RanksPass(tuple(self.programs),
+                                                {r: result.measured
+                                                 for r, result in results.items()}))
         comm = self.runner.comm
         if comm is not None and gathered_of(self.programs[comm.rank]):
             outs = gather_results(comm, self.programs, outs[comm.rank])

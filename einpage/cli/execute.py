@@ -156,7 +156,9 @@ def add_commands(sub) -> None:
     gen.add_argument("--draft-gpu-mem",
                      help="with a draft model and --gpu-mem: the part of the budget the draft "
                           "takes (default: chosen by simulated step time, as compile --draft "
-                          "does); the model gets the rest")
+                          "does); the model gets the rest. With --devices N: of each device's "
+                          "budget, the draft split over the devices as the model is (default: "
+                          "1/N of its weights and KV store)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object: tokens (rows padded after their EOS), "
                           "new_lengths, finish_reason (eos or length), text (each row's "
@@ -181,9 +183,6 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None):
     from einpage.compiler import CompileOptions
     if args.gpu_mem and args.arena:
         raise InputError("--gpu-mem and --arena both size the plan: give one")
-    if getattr(args, "devices", 1) != 1 or getattr(args, "parallel", "pipeline") != "pipeline":
-        from einpage.cli.ranks import ranks_runner
-        return ranks_runner(args, weights)
     whole = (parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else
              parse_size(args.arena, "--arena") if args.arena else None)
     if budget is None:
@@ -196,6 +195,9 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None):
             budget = whole - reserved
     elif not budget:
         budget = None  # no --gpu-mem: the draft is not constrained either
+    if getattr(args, "devices", 1) != 1 or getattr(args, "parallel", "pipeline") != "pipeline":
+        from einpage.cli.ranks import ranks_runner
+        return ranks_runner(args, weights, budget)
     if args.policy and budget is None:
         raise InputError("--policy chooses what a --gpu-mem budget evicts: give --gpu-mem too")
     profile = _profile(args)
@@ -233,6 +235,12 @@ def _after(args, runner, repeated: bool = False, later: str = "decode step") -> 
     budget holds besides the plan); `repeated`: one plan's pass run several times; `later`:
     what the passes after the first are called."""
     predicted = bool(args.device or args.device_file)
+    if getattr(runner, "world", 1) > 1:  # several devices: each rank's pass, simulated together
+        if args.timing:
+            from einpage.cli.timing import print_ranks_timing
+            print_ranks_timing(runner.passes, _profile(args) if predicted else None,
+                               later=later)
+        return
     reservation = getattr(runner, "reservation", None)
     if args.timing and reservation is not None:  # cupy: what the budget holds besides the plan
         for line in reservation.lines():
@@ -528,12 +536,15 @@ def _draft_from_args(args, cfg, k: int | None, given):
     from einpage.models.speculative import check_vocabulary, draft_bytes
     check_vocabulary(dcfg, cfg, args.draft, args.model)
     budget = 0
-    if args.gpu_mem and args.draft_gpu_mem is None and args.backend != "reference":
+    devices = max(1, getattr(args, "devices", 1))
+    if (args.gpu_mem and args.draft_gpu_mem is None and args.backend != "reference"
+            and devices == 1):
         budget = _searched_split(args, cfg, dcfg, k, given)
-    elif args.gpu_mem or args.arena:
+    elif args.gpu_mem or args.arena:  # with --devices N: each device's share (the draft is
         budget = (parse_size(args.draft_gpu_mem, "--draft-gpu-mem") if args.draft_gpu_mem
-                  else draft_bytes(dcfg, given.tokens.shape[0],
-                                   int(given.lengths.max()) + args.max_new_tokens + k + 1))
+                  else draft_bytes(dcfg, given.tokens.shape[0],  # split as the model is)
+                                   int(given.lengths.max()) + args.max_new_tokens + k + 1)
+                  // devices)
     elif args.draft_gpu_mem is not None:
         raise InputError("--draft-gpu-mem splits a --gpu-mem budget: give --gpu-mem too")
     return (dcfg, dweights), budget

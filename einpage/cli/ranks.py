@@ -169,8 +169,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
 
 
-def ranks_runner(args, weights):
-    """`--devices N`: plans for N devices, every rank here or this process's under mpiexec."""
+def ranks_runner(args, weights, budget: int | None = None):
+    """`--devices N`: plans for N devices, every rank here or this process's under mpiexec;
+    `budget`: each device's bytes for these plans (default --gpu-mem: a draft model's runner
+    and the model's take their shares of it)."""
     from einpage import runners
     from einpage.cli.common import host_budget
     from einpage.cli.execute import _profile
@@ -185,8 +187,7 @@ def ranks_runner(args, weights):
                          "--devices 2 or more")
     if not args.gpu_mem:
         raise InputError("--devices N needs --gpu-mem: the budget of each device")
-    for flag, given in (("--arena", args.arena), ("--timing", args.timing),
-                        ("--trace", args.trace), ("--draft", getattr(args, "draft", None))):
+    for flag, given in (("--arena", args.arena), ("--trace", args.trace)):
         if given:
             raise InputError(f"{flag} is not taken with --devices yet")
     if args.backend not in ("auto", "threads", "cupy"):
@@ -203,11 +204,12 @@ def ranks_runner(args, weights):
             # the ranks share this machine's memory, measured by rank 0: the same plans on all
             from einpage.runtime.ranks import agree
             host_bytes = agree(comm, host_bytes // size)
-    options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
+    options = CompileOptions(device_bytes=budget or parse_size(args.gpu_mem, "--gpu-mem"),
                              policy=args.policy or "reuse-distance", device=_profile(args),
                              host_bytes=host_bytes, host_compute=args.host_compute == "auto")
     return runners.RanksRunner(weights, options, devices, args.backend, comm=comm,
-                               parallel=getattr(args, "parallel", "pipeline"))
+                               parallel=getattr(args, "parallel", "pipeline"),
+                               timing=bool(getattr(args, "timing", False)))
 
 
 def quiet_rank(runner) -> bool:

@@ -93,3 +93,29 @@ def print_timing(passes, first: str = "prefill pass", later: str = "decode step"
     if passes and all(sim is None for _, _, sim in passes):
         print("  (no prediction: pass --device-file PROFILE, e.g. from "
               "`einpage calibrate -o cpu.json`, or --device NAME)")
+
+
+def print_ranks_timing(passes, profile, first: str = "prefill pass",
+                       later: str = "decode step") -> None:
+    """Every pass of a run on several devices (`runners.RanksPass`): the pass's wall (its
+    slowest rank), then each rank's figures next to its part of the programs simulated
+    together on `profile` (None: measured only); one simulation per set of programs."""
+    from einpage.predict.simulator import simulate_ranks
+    sims: dict[int, object] = {}
+    for k, p in enumerate(passes):
+        title = first if k == 0 else f"{later} {k}"
+        sim = None
+        if profile is not None:
+            if id(p.programs) not in sims:
+                sims[id(p.programs)] = simulate_ranks(p.programs, [profile] * len(p.programs))
+            sim = sims[id(p.programs)]
+        wall = max(m.wall_s for m in p.measured.values())
+        print(f"{title} on {len(p.programs)} devices: measured {_secs(wall)} (the slowest rank)"
+              + (f" | predicted {_secs(sim.makespan_s)} on {profile.name} "
+                 f"({wall / sim.makespan_s:.2f}x)" if sim else ""))
+        for r in sorted(p.measured):
+            print_measured(p.measured[r], sim.passes[r][0] if sim else None,
+                           f"  {title}, rank {r}")
+    if passes and profile is None:
+        print("  (no prediction: pass --device-file PROFILE, e.g. from "
+              "`einpage calibrate -o cpu.json`, or --device NAME)")

@@ -130,12 +130,12 @@ class ModelDraft:
         """The predicted seconds of one draft step (its runner's plan of the current bucket),
         or None where the runner has no plans (the dense reference)."""
         from einpage.models.generation import decode_step_graph
-        plan = getattr(self.run, "plan", None)
-        if plan is None or self.store is None:
+        predicted = getattr(self.run, "predicted_s", None)
+        if predicted is None or self.store is None:
             return None
         need = min(capacity_for(int(self.store.pos.max()) + 1, self.granule),
                    self.store.capacity)
-        return plan(decode_step_graph(self.cfg, batch, need))[0].simulation.makespan_s
+        return predicted(decode_step_graph(self.cfg, batch, need))
 
     def proposals(self, history: list[list[int]], last: np.ndarray, going: np.ndarray,
                   pad: int, k: int) -> np.ndarray:
@@ -325,18 +325,17 @@ def speculate(cfg: LlamaConfig, store: KVStore, first: np.ndarray, steps: int, r
     rows: list[list[int]] = [[] for _ in range(batch)]
     stats = SpeculationStats(draft.name, "auto" if auto else draft.tokens)
     session, capacity, k = None, 0, draft.tokens
-    plan = getattr(run, "plan", None)
+    predicted = getattr(run, "predicted_s", None)
     priced: dict[tuple[int, int], float | None] = {}  # (bucket, k) -> predicted pass seconds
 
     def pass_seconds(n: int, bucket: int) -> float | None:
         if (bucket, n) not in priced:
-            if plan is None:
+            if predicted is None:
                 priced[bucket, n] = None
             else:
                 graph = verify_step_graph(cfg, batch, bucket, n + 1)
                 step = draft.step_seconds(batch) if hasattr(draft, "step_seconds") else 0.0
-                priced[bucket, n] = (plan(graph)[0].simulation.makespan_s
-                                     + (n + 1) * (step or 0.0))
+                priced[bucket, n] = predicted(graph) + (n + 1) * (step or 0.0)
         return priced[bucket, n]
 
     try:

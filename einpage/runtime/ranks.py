@@ -148,12 +148,12 @@ def gather_results(comm: Communicator, programs: Sequence[MemGraph],
     return outs
 
 
-def run_together(jobs: Mapping[int, Callable[[], dict]], comms) -> dict[int, dict]:
+def run_together(jobs: Mapping[int, Callable[[], object]], comms) -> dict[int, object]:
     """Each rank's job, one thread each where there are several (a job that fails aborts its
     communicator, so the others stop); their results by rank, or the first cause raised with
     its rank (not the aborts it set off in the other ranks): an `InputError` or
     `CheckpointError` as such, anything else as a `PlanError`."""
-    results: dict[int, dict] = {}
+    results: dict[int, object] = {}
     errors: dict[int, BaseException] = {}
 
     done = {r: threading.Event() for r in jobs}

@@ -1,0 +1,80 @@
+"""`generate --devices N` with the flags a one-device generation takes: speculative decoding
+(`--draft ngram` or a draft model, split over the devices as the model is) gives the tokens of
+plain decoding, and `--timing` prints each rank's measured pass next to its part of the ranks'
+joint simulation."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_cli import assert_one_line_error as one_line
+from test_cli import cli
+
+from einpage.compiler import CompileOptions
+from einpage.errors import InputError
+from einpage.models.checkpoint import RandomWeights
+from einpage.models import config
+from einpage.runners import RanksRunner
+
+
+def _generate(capsys, *argv) -> dict:
+    assert cli("generate", *argv, "--ignore-eos", "--json") == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("parallel", ["tensor", "pipeline"])
+def test_ngram_drafts_on_two_devices_give_the_greedy_tokens(hf_fixture, capsys, parallel):
+    path = hf_fixture("tiny-llama-f32")
+    want = np.load(path / "greedy_out.npy")
+    got = _generate(capsys, path, "--tokens-file", path / "greedy_prompt.npy",
+                    "--max-new-tokens", 12, "--gpu-mem", "200KB", "--devices", 2,
+                    "--parallel", parallel, "--draft", "ngram")
+    tokens = np.array(got["tokens"])
+    np.testing.assert_array_equal(tokens[:, :want.shape[1]], want)  # transformers' greedy
+    assert got["draft"] == "ngram" and got["accepted"] > 0 and got["verify_passes"] < 11
+    auto = _generate(capsys, path, "--tokens-file", path / "greedy_prompt.npy",
+                     "--max-new-tokens", 12, "--gpu-mem", "200KB", "--devices", 2,
+                     "--parallel", parallel, "--draft", "ngram", "--draft-tokens", "auto")
+    assert auto["tokens"] == got["tokens"] and auto["draft_tokens"] == "auto"  # priced by the
+    assert sum(auto["draft_tokens_used"].values()) == auto["verify_passes"]   # ranks' plans
+
+
+def test_a_draft_model_split_over_two_devices_gives_one_devices_tokens(hf_fixture, capsys):
+    model, draft = hf_fixture("tiny-llama31"), hf_fixture("tiny-llama31-draft")
+    argv = (model, "--tokens", "1,5,9,22,5,9,22,5", "--max-new-tokens", 8, "--gpu-mem",
+            "300KB")
+    plain = _generate(capsys, *argv)
+    for parallel in ("tensor", "pipeline"):
+        got = _generate(capsys, *argv, "--devices", 2, "--parallel", parallel, "--draft",
+                        draft, "--draft-gpu-mem", "60KB")
+        assert got["tokens"] == plain["tokens"] and got["draft_model"] == str(draft)
+        assert got["draft_bytes"] == 60_000 and got["verify_passes"] >= 1
+    one_line(capsys, cli("generate", *argv, "--devices", 2, "--draft", draft,
+                         "--draft-gpu-mem", "300KB"), "no room is left for the model")
+
+
+def test_timing_on_two_devices_prints_every_ranks_pass_and_the_joint_prediction(hf_fixture,
+                                                                               capsys):
+    path = hf_fixture("tiny-llama-f32")
+    assert cli("generate", path, "--tokens", "1,2,3,4,5", "--max-new-tokens", 3, "--gpu-mem",
+               "100KB", "--devices", 2, "--parallel", "tensor", "--timing", "--device",
+               "h100-pcie") == 0
+    out = capsys.readouterr().out
+    for title in ("prefill pass", "decode step 1", "decode step 2"):
+        assert f"{title} on 2 devices: measured " in out and "on h100-pcie (" in out
+        for r in (0, 1):
+            assert f"  {title}, rank {r} on threads: measured | predicted on h100-pcie" in out
+    assert out.count("h2d bytes") == 6
+    assert cli("generate", path, "--tokens", "1,2,3", "--max-new-tokens", 2, "--gpu-mem",
+               "100KB", "--devices", 2, "--timing") == 0
+    out = capsys.readouterr().out
+    assert "decode step 1 on 2 devices: measured" in out and "(no prediction" in out
+
+
+def test_timing_is_refused_for_ranks_in_other_processes():
+    cfg = config.preset("small")
+    with pytest.raises(InputError, match="--timing with --devices measures every rank in one "
+                                         "process"):
+        RanksRunner(RandomWeights(cfg, 0), CompileOptions(1 << 20), 2, comm=object(),
+                    timing=True)
