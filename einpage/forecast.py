@@ -118,7 +118,9 @@ def forecast_generation(cfg: LlamaConfig, batch: int, prompt: int, new_tokens: i
         return compile_graph(graph, replace(options, sources=sources,
                                             workload={**base, **workload}))
 
-    pre = compile_for(llama.prefill_graph(cfg).bind(B=batch, S=prompt), phase="prefill",
+    # the prefill a generation runs: logits at each row's last position only
+    pre = compile_for(llama.prefill_graph(cfg, last=True).bind(B=batch, S=prompt),
+                      phase="prefill",
                       seq=prompt, tokens=batch * prompt)
     step = llama.decode_graph(cfg)
     bandwidth = (options.device or get_device(DEFAULT_DEVICE)).h2d_bandwidth

@@ -181,3 +181,41 @@ def test_plan_json_is_the_documented_format(tmp_path, capsys):
     assert all("op" not in n for n in applies)
     assert sorted(n["task"] for n in applies) == list(range(len(graph["tasks"])))
     assert MemGraph.from_json(data).to_json()["nodes"] == data["nodes"]
+
+
+@pytest.mark.parametrize("family", ["tiny-llama-f32", "tiny-llama-bf16", "tiny-mixtral"])
+def test_a_generations_prefill_computes_each_rows_last_logits_alone(hf_fixture, family):
+    """`prefill(last=True)` (what generate, a draft model and the server run): the final norm
+    and the vocabulary projection at each row's last real position only, picked by a one-hot
+    input: the same logits there as the whole prefill's (to the rounding of a projection of one
+    row rather than S: the BLAS blocks them otherwise), on the reference and on a paged plan
+    in a random order, rows of different lengths; the KV rows are the whole prefill's."""
+    from einpage.models.generation import last_position
+    cfg, weights = resolve(str(hf_fixture(family)))
+    tokens = np.array([[1, 5, 9, 2, 33, 7, 8], [3, 3, 60, 0, 12, 4, 0]])
+    lengths = np.array([7, 5])
+    reference = lambda g, i: evaluate(g, i, weights)  # noqa: E731
+    whole = prefill(cfg, tokens, reference, lengths)["logits"]
+    want = whole[np.arange(2), lengths - 1]
+    got = prefill(cfg, tokens, reference, lengths, last=True)
+    assert got["logits"].shape == (2, cfg.vocab) and got["logits"].dtype == want.dtype
+    tol = 1e-5 if cfg.dtype.value == "f32" else 2e-2  # one bf16 rounding of the logits
+
+    def close(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.abs(b).max()))
+        assert (np.argmax(a, axis=-1) == np.argmax(b, axis=-1)).all()
+
+    close(got["logits"], want)
+    budget = cfg.weight_bytes() // 4
+    paged = prefill(cfg, tokens, lambda g, i: run_paged(g, i, weights, CompileOptions(budget),
+                                                        order=3), lengths, last=True)
+    close(paged["logits"], want)
+    for name in got:
+        if name.startswith("cache."):
+            np.testing.assert_array_equal(got[name], prefill(cfg, tokens, reference)[name])
+    pick = last_position(lengths, 7, np.float32)
+    assert pick.shape == (2, 7, 1) and pick.sum() == 2 and pick[1, 4, 0] == 1
+    graph = llama.prefill_graph(cfg, last=True).bind(B=2, S=7)
+    (logits,) = [n for n in graph.outputs if n.op.name == "logits"]
+    assert tuple(logits.shape) == (2, 1, cfg.vocab)

@@ -131,20 +131,42 @@ def pad_rows(rows: Sequence[Sequence[int]], pad: int = 0) -> tuple[np.ndarray, n
 
 
 def prefill(cfg: LlamaConfig, tokens: np.ndarray, run: Runner,
-            lengths: np.ndarray | None = None, passes: int = 1) -> dict[str, np.ndarray]:
+            lengths: np.ndarray | None = None, passes: int = 1,
+            last: bool = False) -> dict[str, np.ndarray]:
     """The prefill's outputs (`logits` [B, S, vocab], `cache.<l>.k|v`) for rows padded on the
     right to S; `lengths` (per row, default S) is only checked here: `last_logits` and
-    `KVStore.fill` take it. `passes` > 1 (a benchmark) runs the same pass that many times in
-    one session of `run` (a runner that can `open` a plan) and returns the last."""
+    `KVStore.fill` take it. With `last`, `logits` is [B, vocab]: each row's at its last real
+    position alone (`llama.prefill_graph(last=True)`: what a generation needs). `passes` > 1
+    (a benchmark) runs the same pass that many times in one session of `run` (a runner that
+    can `open` a plan) and returns the last."""
     tokens = check_tokens(cfg, tokens)
-    check_lengths(tokens, lengths)
-    graph = llama.prefill_graph(cfg).bind(B=tokens.shape[0], S=tokens.shape[1])
+    lengths = check_lengths(tokens, lengths)
+    graph = _prefill_graph(cfg, last).bind(B=tokens.shape[0], S=tokens.shape[1])
+    inputs = {"tokens": tokens}
+    if last:
+        inputs["last"] = last_position(lengths, tokens.shape[1], cfg.dtype.numpy)
     if passes == 1:
-        return dict(run(graph, {"tokens": tokens}))
-    with open_session(run, graph) as session:
-        for _ in range(passes):
-            out = session.run({"tokens": tokens})
-    return dict(out)
+        out = dict(run(graph, inputs))
+    else:
+        with open_session(run, graph) as session:
+            for _ in range(passes):
+                out = dict(session.run(inputs))
+    if last:
+        out["logits"] = out["logits"][:, 0]
+    return out
+
+
+@lru_cache(maxsize=8)
+def _prefill_graph(cfg: LlamaConfig, last: bool) -> Graph:
+    return llama.prefill_graph(cfg, last)
+
+
+def last_position(lengths: np.ndarray, seq: int, dtype) -> np.ndarray:
+    """The `last` input of a prefill that picks each row's last position: [B, S, 1], one at
+    `lengths[b] - 1`, zero elsewhere."""
+    pick = np.zeros((len(lengths), seq, 1), dtype)
+    pick[np.arange(len(lengths)), np.asarray(lengths) - 1, 0] = 1
+    return pick
 
 
 def last_logits(logits: np.ndarray, lengths: np.ndarray | None = None) -> np.ndarray:
@@ -451,8 +473,8 @@ def generate(cfg: LlamaConfig, prompt: np.ndarray, new_tokens: int, run: Runner,
     batch, length = prompt.shape[0], int(lengths.max())
     picker = TokenPicker(batch, sampling, () if ignore_eos else eos_ids, pad_id)
     t0 = time.perf_counter()
-    out = prefill(cfg, prompt, run, lengths)
-    first = picker(last_logits(out["logits"], lengths))
+    out = prefill(cfg, prompt, run, lengths, last=True)
+    first = picker(out["logits"])
     prefill_s = time.perf_counter() - t0
     if on_token is not None:
         on_token(first)

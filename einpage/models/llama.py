@@ -398,11 +398,13 @@ class _Llama:
                    g.einsum("bsm,bsm,bs->bsm", out, y, w, join=lambda o, a, c: o + a * c))
         return out
 
-    def build(self, seq, capacity=None) -> Graph:
+    def build(self, seq, capacity=None, last: bool = False) -> Graph:
         """Prefill of `seq` tokens (`capacity` None), or one decode step over a store of
-        `capacity` rows (of one new token per row, or a verify step of `seq`)."""
+        `capacity` rows (of one new token per row, or a verify step of `seq`); `last`: a prefill
+        whose logits are only each row's at its last position (`prefill_graph`)."""
         g, cfg = self.g, self.cfg
         tokens = g.input("tokens", (B, seq), DType.i64)
+        pick = g.input("last", (B, seq, 1), self.dt) if last else None
         verify = capacity is not None and seq != 1
         if capacity is None:
             rot = self.rotary_table(seq)
@@ -429,6 +431,8 @@ class _Llama:
                 h = self.add(h, f)
                 rows.append((k, v))
         with g.stage(cfg.layers + 1):
+            if pick is not None:  # each row's last position, picked by its one-hot row
+                h = g.einsum("bsu,bsm->bum", pick, h)
             h = self.rms_norm(h, self.weight("norm"))
             head = embed if cfg.tied else self.weight("lm_head")
             g.output("logits", g.einsum("bsm,vm->bsv", h, head))
@@ -441,10 +445,14 @@ class _Llama:
         return g.build()
 
 
-def prefill_graph(cfg: ModelConfig) -> Graph:
+def prefill_graph(cfg: ModelConfig, last: bool = False) -> Graph:
     """Prefill of `S` tokens per row for `B` rows: inputs `tokens` [B,S] and the weights;
-    outputs `logits` [B,S,V] and the KV cache `cache.<l>.k|v` [B,S,n,2,j]."""
-    return _Llama(cfg).build(S)
+    outputs `logits` [B,S,V] and the KV cache `cache.<l>.k|v` [B,S,n,2,j]. With `last` (what a
+    generation needs: its first token): one more input, `last` [B,S,1], one-hot at each row's
+    last real position (`generation.last_position`), and `logits` [B,1,V] there alone: the
+    final norm and the vocabulary projection run on one position a row, and the logits that
+    leave the device are B x V, not B x S x V."""
+    return _Llama(cfg).build(S, last=last)
 
 
 def verify_graph(cfg: ModelConfig) -> Graph:

@@ -122,7 +122,7 @@ class ModelDraft:
         """The draft's prefill of the prompt; its store holds `capacity` (the target's) slots
         and the rows a pass writes past them."""
         from einpage.models.generation import prefill
-        out = prefill(self.cfg, prompt, self.run, lengths)
+        out = prefill(self.cfg, prompt, self.run, lengths, last=True)  # its KV rows
         self.store = KVStore(self.cfg, prompt.shape[0], capacity + self.tokens + 1)
         self.store.fill(out, lengths)
 

@@ -339,12 +339,12 @@ class Engine:
             tokens[k, :len(p)] = p
             lengths[k] = len(p)
         self._close_session()  # one plan's arena at a time; and it has not seen these rows
-        out = prefill(self.cfg, tokens, self.run, lengths)
+        out = prefill(self.cfg, tokens, self.run, lengths, last=True)
         for k, slot in enumerate(slots):
             n = int(lengths[k])
             self.store.fill_row(slot, {name: value[k:k + 1] for name, value in out.items()
                                        if name.startswith("cache.")}, n)
-            self._take(slot, np.asarray(out["logits"][k, n - 1], np.float32))
+            self._take(slot, np.asarray(out["logits"][k], np.float32))
 
     def _take(self, slot: int, logits: np.ndarray) -> None:
         row = self.rows[slot]
