@@ -71,6 +71,29 @@ def _fixture(hf_fixture):
     return cfg, weights, np.load(path / "greedy_prompt.npy"), np.load(path / "greedy_out.npy")
 
 
+def test_a_steps_softmax_stores_no_masked_scores_or_exponentials(hf_fixture):
+    """The decode and verify steps' softmax runs in the prefill's passes (max, sum, then the
+    probabilities, each reading the scores as the product wrote them): per layer two tensors of
+    the scores' size are written (the scores, the probabilities), and a step over an empty past
+    (every store row masked) still gives the one-token softmax (its own key alone), no NaN."""
+    from einpage.ir.graph import Einsum
+    from einpage.models import llama
+    cfg, weights = resolve(str(hf_fixture("tiny-llama-f32")))
+    for graph, big in ((llama.decode_graph(cfg).bind(B=2, C=8), "bngst"),
+                       (llama.verify_graph(cfg).bind(B=2, T=3, C=8), "bngst")):
+        wide = [n for n in graph.nodes if isinstance(n.op, Einsum)
+                and "".join(n.op.spec.output) == big]
+        assert len(wide) == 2 * cfg.layers
+    step = generation.decode_step_graph(cfg, 1, 8)
+    store = KVStore(cfg, 1, 8)  # nothing in it: position 0
+    tokens = np.array([[5]])
+    got = dense_runner(weights)(step, {"tokens": tokens, "pos": store.pos.copy(),
+                                      **store.view(8)})
+    want = generation.prefill(cfg, tokens, dense_runner(weights))["logits"][:, 0]
+    assert np.isfinite(got["logits"]).all()
+    np.testing.assert_allclose(got["logits"][:, 0], want, rtol=1e-5, atol=F32_ATOL)
+
+
 @pytest.mark.parametrize("backend", ["threads", "numpy"])
 @pytest.mark.parametrize("share", [None, 4])
 def test_fixture_greedy_on_reused_plans(hf_fixture, backend, share):

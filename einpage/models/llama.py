@@ -286,19 +286,23 @@ class _Llama:
         q, k, v = self.projections(x, layer, rot, "burj")
         past = g.einsum("bsnguj,btnuj->bngst", q, past_k, join=lambda a, c: a * c * scale,
                         agg="sum", dtype=DType.f32)
-        past = g.einsum("bngst,bt->bngst", past, mask, join=lambda a, c: a + c)
         own = g.einsum("bsnguj,bsnuj->bngs", q, k, join=lambda a, c: a * c * scale, agg="sum",
                        dtype=DType.f32)
-        top = g.einsum("bngst->bngs", past, join=lambda a: a, agg="max")
-        top = g.einsum("bngs,bngs->bngs", top, own, join=lambda a, c: sympy.Max(a, c))
-        e_past = g.einsum("bngst,bngs->bngst", past, top, join=lambda a, c: scalar.exp(a - c))
-        e_own = g.einsum("bngs,bngs->bngs", own, top, join=lambda a, c: scalar.exp(a - c))
-        total = g.einsum("bngst->bngs", e_past, join=lambda a: a, agg="sum")
-        total = g.einsum("bngs,bngs->bngs", total, e_own, join=lambda a, c: a + c)
+        # one softmax over the store's masked rows and the step's own key, in the passes of
+        # `masked_softmax` (the masked scores and the exponentials never stored): the maximum
+        # (max over t of max(past + mask, own) is max(max over t of past + mask, own)), the
+        # sum of the store's exponentials, then the own key's added to it
+        top = g.einsum("bngst,bt,bngs->bngs", past, mask, own, agg="max",
+                       join=lambda a, m, o: sympy.Max(a + m, o))
+        total = g.einsum("bngst,bt,bngs->bngs", past, mask, top, agg="sum",
+                         join=lambda a, m, c: scalar.exp(a + m - c))
+        total = g.einsum("bngs,bngs,bngs->bngs", total, own, top,
+                         join=lambda z, o, c: z + scalar.exp(o - c))
         # probabilities in the model dtype, as the prefill's softmax gives them
-        p_past = g.einsum("bngst,bngs->bngst", e_past, total, join=lambda a, c: a / c,
-                          dtype=self.dt)
-        p_own = g.einsum("bngs,bngs->bngs", e_own, total, join=lambda a, c: a / c, dtype=self.dt)
+        p_past = g.einsum("bngst,bt,bngs,bngs->bngst", past, mask, top, total, dtype=self.dt,
+                          join=lambda a, m, c, z: scalar.exp(a + m - c) / z)
+        p_own = g.einsum("bngs,bngs,bngs->bngs", own, top, total, dtype=self.dt,
+                         join=lambda o, c, z: scalar.exp(o - c) / z)
         out = g.einsum("bngst,btnrj->bsngrj", p_past, past_v, dtype=DType.f32)
         out = g.einsum("bsngrj,bngs,bsnrj->bsngrj", out, p_own, v, dtype=self.dt,
                        join=lambda o, a, c: o + a * c)
@@ -317,24 +321,25 @@ class _Llama:
         q, k, v = self.projections(x, layer, rot, "bsurj")
         past = g.einsum("bsnguj,btnuj->bngst", q, past_k, join=lambda a, c: a * c * scale,
                         agg="sum", dtype=DType.f32)
-        past = g.einsum("bngst,bst->bngst", past, self.verify_store_mask(seq, capacity, window),
-                        join=lambda a, c: a + c)
+        mask = self.verify_store_mask(seq, capacity, window)
         own = g.einsum("bsnguj,bwnuj->bngsw", q, k, join=lambda a, c: a * c * scale, agg="sum",
                        dtype=DType.f32)
-        own = g.einsum("bngsw,sw->bngsw", own, self.own_mask(seq, window),
-                       join=lambda a, c: a + c)
-        top = g.einsum("bngst->bngs", past, join=lambda a: a, agg="max")
-        top_own = g.einsum("bngsw->bngs", own, join=lambda a: a, agg="max")
-        top = g.einsum("bngs,bngs->bngs", top, top_own, join=lambda a, c: sympy.Max(a, c))
-        e_past = g.einsum("bngst,bngs->bngst", past, top, join=lambda a, c: scalar.exp(a - c))
-        e_own = g.einsum("bngsw,bngs->bngsw", own, top, join=lambda a, c: scalar.exp(a - c))
-        total = g.einsum("bngst->bngs", e_past, join=lambda a: a, agg="sum")
-        total_own = g.einsum("bngsw->bngs", e_own, join=lambda a: a, agg="sum")
+        own_mask = self.own_mask(seq, window)
+        # one softmax over the store's rows and the step's own keys, in the passes of
+        # `masked_softmax` (masked scores and exponentials never stored): the maximum (the
+        # own keys' max of max(own + mask, the store's max)), the sums of the exponentials
+        top = g.einsum("bngst,bst->bngs", past, mask, join=lambda a, m: a + m, agg="max")
+        top = g.einsum("bngsw,sw,bngs->bngs", own, own_mask, top, agg="max",
+                       join=lambda a, m, c: sympy.Max(a + m, c))
+        total = g.einsum("bngst,bst,bngs->bngs", past, mask, top, agg="sum",
+                         join=lambda a, m, c: scalar.exp(a + m - c))
+        total_own = g.einsum("bngsw,sw,bngs->bngs", own, own_mask, top, agg="sum",
+                             join=lambda a, m, c: scalar.exp(a + m - c))
         total = g.einsum("bngs,bngs->bngs", total, total_own, join=lambda a, c: a + c)
-        p_past = g.einsum("bngst,bngs->bngst", e_past, total, join=lambda a, c: a / c,
-                          dtype=self.dt)
-        p_own = g.einsum("bngsw,bngs->bngsw", e_own, total, join=lambda a, c: a / c,
-                         dtype=self.dt)
+        p_past = g.einsum("bngst,bst,bngs,bngs->bngst", past, mask, top, total, dtype=self.dt,
+                          join=lambda a, m, c, z: scalar.exp(a + m - c) / z)
+        p_own = g.einsum("bngsw,sw,bngs,bngs->bngsw", own, own_mask, top, total, dtype=self.dt,
+                         join=lambda a, m, c, z: scalar.exp(a + m - c) / z)
         out = g.einsum("bngst,btnrj->bsngrj", p_past, past_v, dtype=DType.f32)
         mine = g.einsum("bngsw,bwnrj->bsngrj", p_own, v, dtype=DType.f32)
         out = g.einsum("bsngrj,bsngrj->bsngrj", out, mine, dtype=self.dt,
