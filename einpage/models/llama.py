@@ -83,9 +83,10 @@ class _Llama:
         keep = "".join(c for c in spec if c not in over)
         size = math.prod(x.shape[spec.index(c)] for c in over)
         ss = g.einsum(f"{spec}->{keep}", x, join=lambda a: a * a, agg="sum", dtype=DType.f32)
-        inv = g.einsum(f"{keep}->{keep}", ss,
-                       join=lambda a: scalar.rsqrt(a / size + cfg.rms_eps))
-        normed = g.einsum(f"{spec},{keep}->{spec}", x, inv, dtype=self.dt)
+        # the inverse root inline (one op less a norm): rounded to the model dtype before the
+        # weight scales it, as transformers' LlamaRMSNorm does
+        normed = g.einsum(f"{spec},{keep}->{spec}", x, ss, dtype=self.dt,
+                          join=lambda a, s: a * scalar.rsqrt(s / size + cfg.rms_eps))
         return g.einsum(f"{spec},{over}->{spec}", normed, w)
 
     def add(self, x: Tensor, y: Tensor) -> Tensor:
