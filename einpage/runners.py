@@ -395,12 +395,7 @@ class RanksRunner:
         """The predicted seconds of a pass of `graph`'s programs, the ranks simulated together
         on the options' device profile (compiled once)."""
         if graph not in self._predicted:
-            from einpage.predict.devices import DEFAULT_DEVICE, get_device
-            from einpage.predict.simulator import simulate_ranks
-            programs = self.plan(graph).programs
-            profile = self.options.device or get_device(DEFAULT_DEVICE)
-            self._predicted[graph] = simulate_ranks(programs,
-                                                    [profile] * len(programs)).makespan_s
+            self._predicted[graph] = self.plan(graph).makespan_s(self.options.device)
         return self._predicted[graph]
 
     def close(self) -> None:

@@ -59,6 +59,24 @@ def record_error():
     return record
 
 
+def _merge_errors(errors) -> None:
+    for label, value in dict(errors).items():
+        _ERRORS[label] = max(float(value), _ERRORS.get(label, 0.0))
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist a worker sends its measured errors to the controller, which prints
+    them (`pytest_testnodedown`)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["measured_errors"] = dict(_ERRORS)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_testnodedown(node, error):  # the controller: a worker is done
+    _merge_errors(getattr(node, "workeroutput", {}).get("measured_errors", {}))
+
+
 def pytest_terminal_summary(terminalreporter):
     if _ERRORS:
         terminalreporter.section("measured max abs errors")

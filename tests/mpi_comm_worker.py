@@ -105,7 +105,24 @@ def die(comm: MpiCommunicator) -> int:
     return 0
 
 
-SCENARIOS = {"pingpong": pingpong, "abort": abort, "timeout": timeout, "die": die}
+def bug(comm: MpiCommunicator) -> int:
+    """Rank 1's command raises an unexpected exception (a bug, not an EinpageError) in the CLI's
+    `main`, outside any plan's run: every rank must stop at once (`comm.abort_world`), not leave
+    rank 0 in its recv."""
+    import importlib
+    cli_main = importlib.import_module("einpage.cli.main")
+
+    def command(args) -> None:
+        if comm.rank == 1:
+            time.sleep(0.3)
+            raise KeyError("cache.0.k")
+        comm.recv(np.empty(4, np.float32), peer=1, tag=0, timeout=60.0)
+
+    cli_main.check_outputs = command  # the first thing `main` calls with the parsed args
+    return cli_main.main(["models"])
+
+
+SCENARIOS = {"pingpong": pingpong, "abort": abort, "timeout": timeout, "die": die, "bug": bug}
 
 
 def main(argv: list[str]) -> int:

@@ -272,6 +272,16 @@ def test_mpi_receive_without_sender_times_out():
 
 
 @needs_mpi
+def test_mpi_a_bug_on_one_rank_stops_every_rank():
+    """An unexpected exception in one process's command (a bug outside any plan's run): its
+    traceback, one line naming the rank and the cause, and every rank stopped at once."""
+    rc, records, output, took = mpirun("bug", timeout=60.0)
+    assert rc != 0 and not records, output
+    assert "einpage: error: rank 1 failed: KeyError: 'cache.0.k'; stopping every rank" in output
+    assert "Traceback" in output and took < 15.0, output
+
+
+@needs_mpi
 def test_mpi_a_rank_that_dies_ends_the_others():
     """A process killed mid-run (no abort sent): the launcher ends the rest at once, far
     inside the 60 s the waiting rank would give its peer."""

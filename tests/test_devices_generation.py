@@ -5,9 +5,12 @@ joint simulation."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+from mpi_launch import mpiexec, needs_mpi
 from test_cli import assert_one_line_error as one_line
 from test_cli import cli
 
@@ -16,6 +19,9 @@ from einpage.errors import InputError
 from einpage.models.checkpoint import RandomWeights
 from einpage.models import config
 from einpage.runners import RanksRunner
+
+
+EINPAGE = Path(sys.executable).parent / "einpage"
 
 
 def _generate(capsys, *argv) -> dict:
@@ -78,3 +84,29 @@ def test_timing_is_refused_for_ranks_in_other_processes():
                                          "process"):
         RanksRunner(RandomWeights(cfg, 0), CompileOptions(1 << 20), 2, comm=object(),
                     timing=True)
+
+
+def test_timing_of_one_plans_passes_on_two_devices_numbers_them(hf_fixture, capsys):
+    path = hf_fixture("tiny-llama-f32")
+    assert cli("run", path, "--tokens", "1,2,3", "--devices", 2, "--gpu-mem", "100KB",
+               "--timing", "--passes", 3) == 0
+    out = capsys.readouterr().out
+    assert "pass 1 on 2 devices" in out and "pass 3 on 2 devices" in out
+    assert "decode step" not in out
+
+
+@needs_mpi
+def test_a_draft_model_under_mpiexec_gives_one_devices_tokens(hf_fixture, capsys, tmp_path):
+    """Each process keeps only its own rank's KV rows, the draft model's as the model's (a
+    pipeline's rank holds its layers alone)."""
+    model, draft = hf_fixture("tiny-llama31"), hf_fixture("tiny-llama31-draft")
+    argv = [model, "--tokens", "1,5,9,22,5,9,22,5", "--max-new-tokens", 8, "--gpu-mem",
+            "300KB", "--ignore-eos"]
+    plain = _generate(capsys, *argv[:-1])
+    for parallel in ("pipeline", "tensor"):
+        rc, output, _ = mpiexec(2, [EINPAGE, "generate", *argv, "--devices", 2, "--parallel",
+                                    parallel, "--draft", draft, "--draft-gpu-mem", "60KB",
+                                    "--out", tmp_path / f"{parallel}.npy"])
+        assert rc == 0, output
+        np.testing.assert_array_equal(np.load(tmp_path / f"{parallel}.npy"),
+                                      np.array(plain["tokens"]))

@@ -13,7 +13,7 @@ from einpage.compiler import (CompileOptions, PartitionOptions, compile_graph, m
 from einpage.compiler.cuts import AxisClasses, CutOp, choose_class_parts
 from einpage.compiler.resident import working_set
 from einpage.ir import GraphBuilder
-from einpage.ir.graph import Einsum
+from einpage.ir.graph import Einsum, Graph
 from einpage.ir.ops import CopyOp
 from einpage.models import llama, resolve
 from einpage.models.config import preset
@@ -154,31 +154,44 @@ def test_exits_reading_one_weight_block_run_together():
     assert len(runs) == len(set(runs)), reads  # each table block's tasks in one run
 
 
+def _gather_then_logits(seq: int, vocab: int, hidden: int) -> Graph:
+    g = GraphBuilder()
+    ids = g.input("ids", (1, seq), dtype="i64")
+    table = g.input("table", (vocab, hidden), role="weight")
+    with g.stage(0):
+        x = g.gather(table, ids)
+    with g.stage(1):
+        g.output("logits", g.einsum("bsm,vm->bsv", x, table))
+    return g.build()
+
+
+def _gather_reads(tg) -> list[int]:
+    return [next(b for b in tg.tasks[t].reads if tg.blocks[b].role == "weight")
+            for t in memory_aware_order(tg) if tg.tasks[t].stage == 0]
+
+
 def test_gather_sums_run_in_lockstep_over_the_table():
     """An embedding gather (its own stage) cut into token blocks and table blocks (the table cut
     by vocabulary for the tied logits projection) is, per token block, a sum over the table's
     blocks: the sums run term by term, so each table block's gather tasks run together (a
     streamed table is read once for all token blocks, not once per token block), each sum's
-    terms in order, and the plan still gives the reference's answer."""
-    g = GraphBuilder()
-    ids = g.input("ids", (1, 256), dtype="i64")
-    table = g.input("table", (256, 64), role="weight")
-    with g.stage(0):
-        x = g.gather(table, ids)
-    with g.stage(1):
-        g.output("logits", g.einsum("bsm,vm->bsv", x, table))
-    graph = g.build()
+    terms in order, and the plan still gives the reference's answer. Where the partial sums
+    would take more than LOCKSTEP_ROOM table blocks, each sum runs alone as before."""
+    graph = _gather_then_logits(64, 1024, 16)  # 4 partials of 1 KB; table blocks of 2 KB
     tg = partition(graph, PartitionOptions(8_000))
-    reads = [next(b for b in tg.tasks[t].reads if tg.blocks[b].role == "weight")
-             for t in memory_aware_order(tg) if tg.tasks[t].stage == 0]
+    reads = _gather_reads(tg)
     assert len(set(reads)) > 1 and len(reads) > len(set(reads)), "cuts expected"
     runs = [b for k, b in enumerate(reads) if k == 0 or reads[k - 1] != b]
     assert len(runs) == len(set(runs)), reads
     rng = np.random.default_rng(0)
-    weights = {"table": rng.standard_normal((256, 64)).astype(np.float32)}.__getitem__
-    tokens = rng.integers(0, 256, (1, 256))
+    weights = {"table": rng.standard_normal((1024, 16)).astype(np.float32)}.__getitem__
+    tokens = rng.integers(0, 1024, (1, 64))
     want = evaluate(graph, {"ids": tokens}, weights)["logits"]
-    compiled = compile_graph(graph, CompileOptions(60_000))
+    compiled = compile_graph(graph, CompileOptions(120_000))
     for order in ("sequential", 5):
         got = run(compiled.memgraph, {"ids": tokens}, weights, order=order)
         np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-5)
+    wide = partition(_gather_then_logits(256, 256, 64), PartitionOptions(8_000))
+    reads = _gather_reads(wide)  # 16 partials of 1 KB a run against table blocks of 2 KB
+    assert len(reads) > len(set(reads))
+    assert all(a != b for a, b in zip(reads, reads[1:]))  # each sum alone: no block twice in a row

@@ -178,8 +178,8 @@ def test_bad_device_flags_for_run_and_generate_are_one_line(plans, capsys):
     one_line(capsys, cli("run", f32, "--tokens", TOKENS, "--gpu-mem", "200KB", "--devices", 2,
                          "--backend", "numpy"), "plans for several devices run on threads")
     one_line(capsys, cli("generate", f32, "--tokens", TOKENS, "--max-new-tokens", 2,
-                         "--gpu-mem", "200KB", "--devices", 2, "--timing"),
-             "--timing is not taken with --devices yet")
+                         "--gpu-mem", "200KB", "--devices", 2, "--trace", "t.json"),
+             "--trace is not taken with --devices yet")
 
 
 @needs_mpi

@@ -278,7 +278,9 @@ def test_ctrl_c_stops_the_server_cleanly_with_a_request_in_flight(model):
         proc.kill()
     assert proc.returncode in (0, 130) and "Traceback" not in out, out
     assert f"127.0.0.1:{port}" in out and took < 20
-    assert not client.is_alive() and got  # the stream ended (cancelled, or cut)
+    assert not client.is_alive() and got
+    # the engine ended the stream after the grace (a last chunk, then [DONE]): not cut mid-way
+    assert "cut" not in got and "data: [DONE]" in got, got[-3:]
 
 
 class _Letters:

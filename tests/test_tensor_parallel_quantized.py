@@ -131,3 +131,23 @@ def test_a_packed_slice_off_the_groups_is_handed_out_dequantized():
     assert whole.storage("w") == st and whole("w").shape == (6, 34)
     np.testing.assert_array_equal(dequantize(whole("w"), st, (6, 32), np.float32),
                                   dequantize(quantize(dense, st), st, (6, 64), np.float32)[:, 32:])
+
+
+def test_a_q8_0_kv_store_split_by_kv_heads_gives_one_devices_tokens():
+    """--kv-dtype q8_0: each rank reads and writes its kv heads' packed rows of the store (a
+    cut before the packed head dimension), and generation on two ranks picks one device's
+    tokens, rows of different lengths."""
+    from einpage.ir.dtypes import DType
+    from einpage.models import config
+    from einpage.models.generation import generate
+    from einpage.runners import PlanRunner
+    cfg = replace(config.preset("small").with_dtype(DType.f32), head_dim=32, kv_format="q8_0")
+    weights = RandomWeights(cfg, 1)
+    prompt = (np.arange(2 * 7).reshape(2, 7) * 7 + 3) % cfg.vocab
+    lengths = np.array([7, 1])
+    options = CompileOptions(cfg.weight_bytes() // 3)
+    one = generate(cfg, prompt, 6, PlanRunner(weights, options, "threads"), lengths=lengths,
+                   ignore_eos=True)
+    two = generate(cfg, prompt, 6, RanksRunner(weights, options, 2, parallel="tensor"),
+                   lengths=lengths, ignore_eos=True)
+    np.testing.assert_array_equal(two.tokens, one.tokens)

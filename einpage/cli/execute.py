@@ -158,7 +158,7 @@ def add_commands(sub) -> None:
                           "takes (default: chosen by simulated step time, as compile --draft "
                           "does); the model gets the rest. With --devices N: of each device's "
                           "budget, the draft split over the devices as the model is (default: "
-                          "1/N of its weights and KV store)")
+                          "1/N of the one-device default, 1.25x its weights and KV store)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object: tokens (rows padded after their EOS), "
                           "new_lengths, finish_reason (eos or length), text (each row's "
@@ -167,10 +167,11 @@ def add_commands(sub) -> None:
                           "decode_tokens_per_s, ...")
 
 
-def _runner(args, weights, reserved: int = 0, budget: int | None = None):
+def _runner(args, weights, reserved: int = 0, budget: int | None = None, timed: bool = True):
     """Graph runner: the dense reference, or a plan per graph run on the chosen backend.
     `reserved`: bytes of --gpu-mem (--arena) another runner takes (a draft model's); `budget`:
-    this runner's own instead (the draft's)."""
+    this runner's own instead (the draft's); `timed` False: its passes are not kept for
+    --timing / --trace (a draft model's, which they do not show)."""
     from einpage import runners
     if (args.device or args.device_file) and not args.timing:
         raise InputError("--device and --device-file price the passes --timing prints: add "
@@ -197,7 +198,7 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None):
         budget = None  # no --gpu-mem: the draft is not constrained either
     if getattr(args, "devices", 1) != 1 or getattr(args, "parallel", "pipeline") != "pipeline":
         from einpage.cli.ranks import ranks_runner
-        return ranks_runner(args, weights, budget)
+        return ranks_runner(args, weights, budget, timed)
     if args.policy and budget is None:
         raise InputError("--policy chooses what a --gpu-mem budget evicts: give --gpu-mem too")
     profile = _profile(args)
@@ -209,7 +210,8 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None):
                              device=_profile(args), host_bytes=host_bytes,
                              host_compute=args.host_compute == "auto")
     return runners.PlanRunner(weights, options, args.backend,
-                              timing=bool(args.timing or args.trace), arena=bool(args.arena),
+                              timing=bool(args.timing or args.trace) and timed,
+                              arena=bool(args.arena),
                               graphs=not args.trace)  # a trace shows every node of every pass
 
 
@@ -239,7 +241,8 @@ def _after(args, runner, repeated: bool = False, later: str = "decode step") -> 
         if args.timing:
             from einpage.cli.timing import print_ranks_timing
             print_ranks_timing(runner.passes, _profile(args) if predicted else None,
-                               later=later)
+                               first="pass 1" if repeated else "prefill pass",
+                               later="pass" if repeated else later, offset=int(repeated))
         return
     reservation = getattr(runner, "reservation", None)
     if args.timing and reservation is not None:  # cupy: what the budget holds besides the plan
@@ -437,7 +440,7 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
     if isinstance(draft, tuple):  # a draft model: its runner on the same backend, its budget
         from einpage.models.speculative import ModelDraft
         dcfg, dweights = draft
-        draft = ModelDraft(dcfg, _runner(args, dweights, budget=draft_bytes), k,
+        draft = ModelDraft(dcfg, _runner(args, dweights, budget=draft_bytes, timed=False), k,
                            args.kv_granule)
     printer = (TextPrinter(given.codec, given.tokens.shape[0], out)
                if given.text and not args.json else None)

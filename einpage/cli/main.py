@@ -51,6 +51,12 @@ def main(argv=None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # a bug: its traceback; under mpiexec every rank stops with it
+        import traceback
+        traceback.print_exc()
+        from einpage.runtime.comm import abort_world
+        abort_world(f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
     return 0
 
 

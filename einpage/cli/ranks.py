@@ -169,10 +169,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
 
 
-def ranks_runner(args, weights, budget: int | None = None):
+def ranks_runner(args, weights, budget: int | None = None, timed: bool = True):
     """`--devices N`: plans for N devices, every rank here or this process's under mpiexec;
     `budget`: each device's bytes for these plans (default --gpu-mem: a draft model's runner
-    and the model's take their shares of it)."""
+    and the model's take their shares of it); `timed` False: --timing does not keep its passes."""
     from einpage import runners
     from einpage.cli.common import host_budget
     from einpage.cli.execute import _profile
@@ -209,7 +209,7 @@ def ranks_runner(args, weights, budget: int | None = None):
                              host_bytes=host_bytes, host_compute=args.host_compute == "auto")
     return runners.RanksRunner(weights, options, devices, args.backend, comm=comm,
                                parallel=getattr(args, "parallel", "pipeline"),
-                               timing=bool(getattr(args, "timing", False)))
+                               timing=bool(getattr(args, "timing", False)) and timed)
 
 
 def quiet_rank(runner) -> bool:

@@ -96,14 +96,15 @@ def print_timing(passes, first: str = "prefill pass", later: str = "decode step"
 
 
 def print_ranks_timing(passes, profile, first: str = "prefill pass",
-                       later: str = "decode step") -> None:
+                       later: str = "decode step", offset: int = 0) -> None:
     """Every pass of a run on several devices (`runners.RanksPass`): the pass's wall (its
     slowest rank), then each rank's figures next to its part of the programs simulated
-    together on `profile` (None: measured only); one simulation per set of programs."""
+    together on `profile` (None: measured only); one simulation per set of programs. The passes
+    after the first are `later` k + `offset` (`offset` 1: one plan's passes, numbered 2, 3, ...)."""
     from einpage.predict.simulator import simulate_ranks
     sims: dict[int, object] = {}
     for k, p in enumerate(passes):
-        title = first if k == 0 else f"{later} {k}"
+        title = first if k == 0 else f"{later} {k + offset}"
         sim = None
         if profile is not None:
             if id(p.programs) not in sims:

@@ -43,7 +43,8 @@ def memory_aware_order(tg: TaskGraph) -> list[int]:
             onto[t] = prev
     exits = sorted((t for t in range(n) if not consumed_in_stage[t]),
                    key=lambda t: (stage[t], weight_group(t), t))
-    roots = _lockstep(exits, lambda t: (stage[t], weight_group(t)), onto, stage)
+    roots = _lockstep(exits, lambda t: (stage[t], weight_group(t)), onto, stage,
+                      lambda t: blocks[tg.tasks[t].write].bytes, lambda b: blocks[b].bytes)
 
     def producers(t: int) -> list[int]:
         if onto[t] < 0:
@@ -78,13 +79,21 @@ def memory_aware_order(tg: TaskGraph) -> list[int]:
     return order
 
 
-def _lockstep(exits: list[int], group, onto: list[int], stage: list[int]) -> list[int]:
+#: the most weight blocks' bytes the partial sums run in lockstep may hold (`_lockstep`)
+LOCKSTEP_ROOM = 2
+
+
+def _lockstep(exits: list[int], group, onto: list[int], stage: list[int], written,
+              weight_bytes) -> list[int]:
     """The walk's roots: `exits` in order, except that a run of exits of one weight group
     (`group(t)[1] >= 0`) that each end a sum of equally many terms (chains of `onto` in their
     stage) becomes its terms in lockstep: every exit's first term, then every exit's second, ...
     A term's walk runs its own inputs first, so the terms that read one weight block run
     together and a streamed block is loaded once for all the sums, while one partial sum per
-    exit stays live."""
+    exit stays live: only where those partials (`written(t)` bytes each) take at most
+    LOCKSTEP_ROOM weight blocks (`weight_bytes(b)`), so that a plan that had room for one sum
+    at a time still has room (an embedding gather: 4 token blocks of 4 MB over 16 MB table
+    blocks)."""
     roots: list[int] = []
     k = 0
     while k < len(exits):
@@ -95,7 +104,8 @@ def _lockstep(exits: list[int], group, onto: list[int], stage: list[int]) -> lis
         run = exits[k:j]
         chains = [_chain(t, onto, stage) for t in run]
         if key[1] >= 0 and len(run) > 1 and len({len(c) for c in chains}) == 1 \
-                and len(chains[0]) > 1:
+                and len(chains[0]) > 1 \
+                and sum(written(t) for t in run) <= LOCKSTEP_ROOM * weight_bytes(key[1]):
             roots.extend(c[i] for i in range(len(chains[0])) for c in chains)
         else:
             roots.extend(run)

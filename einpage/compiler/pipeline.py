@@ -37,7 +37,7 @@ from einpage.ir.memgraph import (InputNode, MemGraph, OffloadNode, RecvNode, Sen
                                  boxes_meet)
 from einpage.ir.peers import boundary_name, is_boundary
 from einpage.ir.storage import tensor_bytes
-from einpage.predict.devices import DEFAULT_DEVICE, get_device
+from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
 
 #: the share of a device's budget the stage model counts as holding weights (the rest holds the
 #: activations, the blocks in flight and the KV store)
@@ -249,6 +249,13 @@ class ParallelPlan:
     @property
     def programs(self) -> tuple[MemGraph, ...]:
         return tuple(r.memgraph for r in self.ranks)
+
+    def makespan_s(self, profile: DeviceProfile | None = None) -> float:
+        """The predicted seconds of one pass of the programs run together on `profile`
+        (default: the default device's)."""
+        from einpage.predict.simulator import simulate_ranks
+        profile = profile or get_device(DEFAULT_DEVICE)
+        return simulate_ranks(self.programs, [profile] * self.world).makespan_s
 
 
 def compile_pipeline(graph: Graph, world: int, options,

@@ -123,7 +123,8 @@ class ModelDraft:
         and the rows a pass writes past them."""
         from einpage.models.generation import prefill
         out = prefill(self.cfg, prompt, self.run, lengths, last=True)  # its KV rows
-        self.store = KVStore(self.cfg, prompt.shape[0], capacity + self.tokens + 1)
+        self.store = KVStore(self.cfg, prompt.shape[0], capacity + self.tokens + 1,
+                             names=getattr(self.run, "kv_names", None))
         self.store.fill(out, lengths)
 
     def step_seconds(self, batch: int) -> float | None:

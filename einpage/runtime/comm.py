@@ -24,6 +24,7 @@ so this module imports without it.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import defaultdict, deque
@@ -314,6 +315,17 @@ def mpi_world() -> tuple[int, int]:
     except CommError:
         return 0, 1
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def abort_world(cause: str) -> None:
+    """A process of several under an MPI launcher failed outside any plan's run (a bug raised
+    in the driver): stop every process of COMM_WORLD now (`MPI_Abort`), rather than leave the
+    peers waiting for messages this one will never send. Nothing when not under MPI."""
+    rank, size = mpi_world()
+    if size > 1:
+        print(f"einpage: error: rank {rank} failed: {_one_line(cause)}; stopping every rank",
+              file=sys.stderr, flush=True)
+        _mpi().COMM_WORLD.Abort(1)
 
 
 def communicator_for(world: int, timeout: float = DEFAULT_TIMEOUT) -> list[Communicator]:
