@@ -195,7 +195,8 @@ def test_a_generations_prefill_computes_each_rows_last_logits_alone(hf_fixture, 
     tokens = np.array([[1, 5, 9, 2, 33, 7, 8], [3, 3, 60, 0, 12, 4, 0]])
     lengths = np.array([7, 5])
     reference = lambda g, i: evaluate(g, i, weights)  # noqa: E731
-    whole = prefill(cfg, tokens, reference, lengths)["logits"]
+    every = prefill(cfg, tokens, reference, lengths)
+    whole = every["logits"]
     want = whole[np.arange(2), lengths - 1]
     got = prefill(cfg, tokens, reference, lengths, last=True)
     assert got["logits"].shape == (2, cfg.vocab) and got["logits"].dtype == want.dtype
@@ -213,7 +214,7 @@ def test_a_generations_prefill_computes_each_rows_last_logits_alone(hf_fixture, 
     close(paged["logits"], want)
     for name in got:
         if name.startswith("cache."):
-            np.testing.assert_array_equal(got[name], prefill(cfg, tokens, reference)[name])
+            np.testing.assert_array_equal(got[name], every[name])
     pick = last_position(lengths, 7, np.float32)
     assert pick.shape == (2, 7, 1) and pick.sum() == 2 and pick[1, 4, 0] == 1
     graph = llama.prefill_graph(cfg, last=True).bind(B=2, S=7)

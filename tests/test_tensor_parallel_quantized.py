@@ -123,11 +123,11 @@ def test_a_packed_slice_off_the_groups_is_handed_out_dequantized():
         def storage(self, name):
             return st
 
-    on = ShardedWeights(Packed(), {"w": (1, 16, 32)}, {"w": (6, 16)}, world=4)
+    on = ShardedWeights(Packed(), {"w": (1, 16, 32)}, {"w": (6, 64)})
     assert on.storage("w") is None
     want = dequantize(quantize(dense, st), st, (6, 64), np.float32)[:, 16:32]
     np.testing.assert_array_equal(on("w"), want)
-    whole = ShardedWeights(Packed(), {"w": (1, 32, 64)}, {"w": (6, 32)}, world=2)
+    whole = ShardedWeights(Packed(), {"w": (1, 32, 64)}, {"w": (6, 64)})
     assert whole.storage("w") == st and whole("w").shape == (6, 34)
     np.testing.assert_array_equal(dequantize(whole("w"), st, (6, 32), np.float32),
                                   dequantize(quantize(dense, st), st, (6, 64), np.float32)[:, 32:])

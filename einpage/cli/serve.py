@@ -71,7 +71,7 @@ def cmd_serve(args) -> None:
 
 def _graceful(server_class, engine):
     """uvicorn's server, which on Ctrl-C gives the requests in flight GRACE seconds, then has
-    the engine cancel them: each stream ends with finish_reason "cancelled" and its connection
+    the engine cancel them: each stream ends (its last chunk, then `[DONE]`) and its connection
     closes, before uvicorn's own timeout would cancel the connection's task mid-response (which
     logs a traceback)."""
     import asyncio

@@ -6,6 +6,10 @@ from __future__ import annotations
 from einpage.units import format_size
 
 
+NO_PREDICTION = ("  (no prediction: pass --device-file PROFILE, e.g. from "
+                 "`einpage calibrate -o cpu.json`, or --device NAME)")
+
+
 def _secs(s: float | None) -> str:
     if s is None:
         return "-"
@@ -80,8 +84,7 @@ def print_repeated(passes) -> None:
         print(f"  {spread} wall: min {_secs(walls[0])}, median {_secs(median.wall_s)}, "
               f"max {_secs(walls[-1])}")
     if sim is None:
-        print("  (no prediction: pass --device-file PROFILE, e.g. from "
-              "`einpage calibrate -o cpu.json`, or --device NAME)")
+        print(NO_PREDICTION)
 
 
 def print_timing(passes, first: str = "prefill pass", later: str = "decode step") -> None:
@@ -91,8 +94,7 @@ def print_timing(passes, first: str = "prefill pass", later: str = "decode step"
     for k, (_, measured, sim) in enumerate(passes):
         print_measured(measured, sim, first if k == 0 else f"{later} {k}")
     if passes and all(sim is None for _, _, sim in passes):
-        print("  (no prediction: pass --device-file PROFILE, e.g. from "
-              "`einpage calibrate -o cpu.json`, or --device NAME)")
+        print(NO_PREDICTION)
 
 
 def print_ranks_timing(passes, profile, first: str = "prefill pass",
@@ -118,5 +120,4 @@ def print_ranks_timing(passes, profile, first: str = "prefill pass",
             print_measured(p.measured[r], sim.passes[r][0] if sim else None,
                            f"  {title}, rank {r}")
     if passes and profile is None:
-        print("  (no prediction: pass --device-file PROFILE, e.g. from "
-              "`einpage calibrate -o cpu.json`, or --device NAME)")
+        print(NO_PREDICTION)

@@ -7,9 +7,9 @@ exactly by what it needs that is not done yet; exits that read a weight block th
 grouped by that block (the logits projection's blocks: each streamed table block once for every
 query block, not once per query block), and where such exits end sums over weight blocks (the
 embedding gather: each token block's rows summed over the table's blocks) their sums run in
-lockstep, term by term, so each table block is read once for every token block. So one row block (a batch or sequence block, and
-inside attention one head) goes through the layer as far as dependencies allow before the next
-starts; a reduction's row is finished (all its tiles, then the ops that read it again) before
+lockstep, term by term, so each table block is read once for every token block. So one row
+block (a batch or sequence block, and inside attention one head) goes through the layer as far
+as dependencies allow before the next starts; a reduction's row is finished (all its tiles, then the ops that read it again) before
 another row is begun; tasks with no producer (fills) run just before their first consumer; and an
 activation that must wait for later work (a query block's keys that a later row projects) is only
 what that row needs. Among a task's producers, the one it accumulates onto goes first (tiles of a

@@ -261,15 +261,17 @@ class _States:
 
 def _check_packed_slice(op: Input, shape: tuple[int, ...], axis: int, world: int) -> None:
     """A rank's slice of an input kept in a block format (`einpage.ir.storage`) must be a box of
-    the packed bytes: cut along an axis before the packed rows, or along the rows' first axis
-    at whole groups (a down projection's rows of FFN columns split in N)."""
+    the packed bytes (`Storage.packed_box`): cut along an axis before the packed rows, or along
+    the rows' first axis at whole groups (a down projection's rows of FFN columns split in N)."""
     st = op.storage
-    k = len(shape) - st.span
-    part = shape[axis] // world
-    if axis > k or (axis == k and part % st.quantum(shape)):
+    part = tuple(s // world if a == axis else s for a, s in enumerate(shape))
+    origin = tuple(part[axis] if a == axis else 0 for a in range(len(shape)))
+    try:
+        st.packed_box(origin, part, shape)  # the second rank's slice: every cut is like it
+    except PlanError:
         raise PlanError(f"tensor parallelism: input {op.name!r} is kept in {st.format} rows of "
                         f"{st.row(shape)} elements, which {world} devices cannot split at "
-                        f"whole groups of {st.group}: use a pipeline (--parallel pipeline)")
+                        f"whole groups of {st.group}: use a pipeline (--parallel pipeline)") from None
 
 
 def _conflict(n: Node):

@@ -39,19 +39,19 @@ class ShardedWeights:
     slice holds whole groups (`Storage.packed_box`), and otherwise handed out dequantized, its
     `storage` then None. `locate` (the disk tier) points into the file where the slice is one
     run of bytes (a cut of the first axis of an unpacked weight); `config`, ... pass through.
-    `shapes`: each sharded weight's shape on this rank; `world`: the ranks it is split over."""
+    `wholes`: each sharded weight's whole logical shape (`whole_shape`)."""
 
     def __init__(self, source: WeightSource, shards: Mapping[str, tuple[int, int, int]],
-                 shapes: Mapping[str, tuple[int, ...]] | None = None, world: int = 1):
+                 wholes: Mapping[str, tuple[int, ...]] | None = None):
         self.source, self.shards = source, dict(shards)
-        self.shapes, self.world = dict(shapes or {}), world
+        self.wholes = dict(wholes or {})
 
     def _box(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(origin, shape, whole shape) of this rank's slice of packed weight `name`, logical."""
         axis, start, stop = self.shards[name]
-        shape = tuple(self.shapes[name])
-        full = tuple(s * self.world if a == axis else s for a, s in enumerate(shape))
-        origin = tuple(start if a == axis else 0 for a in range(len(shape)))
+        full = tuple(self.wholes[name])
+        shape = tuple(stop - start if a == axis else s for a, s in enumerate(full))
+        origin = tuple(start if a == axis else 0 for a in range(len(full)))
         return origin, shape, full
 
     def _packed_cut(self, name: str, held: Storage) -> tuple[slice, ...] | None:
@@ -101,9 +101,9 @@ def rank_weights(weights: WeightSource | None, mg: MemGraph) -> WeightSource | N
     shards = shards_of(mg)
     if weights is None or not shards:
         return weights
-    shapes = {t.source.input: tuple(t.source.full_shape) for t in mg.tensors
-              if t.source is not None and t.source.input in shards}
-    return ShardedWeights(weights, shards, shapes, mg.world)
+    wholes = {t.source.input: whole_shape(mg, t.source.input, t.source.full_shape)
+              for t in mg.tensors if t.source is not None and t.source.input in shards}
+    return ShardedWeights(weights, shards, wholes)
 
 
 def rank_inputs(mg: MemGraph, inputs: Mapping[str, np.ndarray] | None
