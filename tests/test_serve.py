@@ -204,20 +204,51 @@ def test_malformed_json_and_keys(server):
     assert httpx.get(f"{base}/v2/nothing").status_code == 404
 
 
+class _Slow:
+    """A runner whose held-open plans take at least `seconds` a pass: a reply of hundreds of
+    tokens outlasts its client however loaded the machine (a tiny model's whole reply could
+    otherwise be generated before the client read its first chunk)."""
+
+    def __init__(self, run, seconds: float):
+        self.inner, self.seconds = run, seconds
+
+    def __call__(self, graph, inputs):
+        return self.inner(graph, inputs)
+
+    def open(self, graph):
+        session, seconds = self.inner.open(graph), self.seconds
+        step = session.run
+
+        def run(inputs):
+            time.sleep(seconds)
+            return step(inputs)
+
+        session.run = run
+        return session
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def test_a_client_that_goes_away_frees_its_row(server):
     _, service, port = server
     body = {"messages": [{"role": "user", "content": "Tell me everything."}],
             "max_tokens": 400, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and '"content"' in line:
-                break
-        assert service.engine.active == 1
-    deadline = time.time() + 10
-    while service.engine.active and time.time() < deadline:
-        time.sleep(0.05)
-    assert service.engine.active == 0
+    engine = service.engine
+    fast, engine.run = engine.run, _Slow(engine.run, 0.02)  # 400 steps: 8 s at least
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    break
+            assert engine.active == 1
+        deadline = time.time() + 5
+        while engine.active and time.time() < deadline:
+            time.sleep(0.05)
+        assert engine.active == 0
+    finally:
+        engine.run = fast
 
 
 def test_stopping_the_engine_cancels_what_is_in_flight(model):
