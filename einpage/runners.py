@@ -339,12 +339,13 @@ class RanksRunner:
     compiling the same programs (checked: `ranks.check_same`). `open(graph)` holds the plans open across passes (`RanksSession`): a
     generation's decode steps. `kv_names`: the KV-store inputs this process's plans read (every
     layer's in one process; its own rank's layers under MPI), so that a generation keeps only
-    those (`KVStore(names=...)`). With `timing` (every rank in this process) each pass is kept
-    in `passes` (`RanksPass`)."""
+    those (`KVStore(names=...)`). With `timing` (every rank in this process; a flag's name,
+    such as "--trace", for the line refusing it under MPI) each pass is kept in `passes`
+    (`RanksPass`)."""
 
     def __init__(self, weights: WeightSource, options: CompileOptions, world: int,
                  backend: str = "threads", comm=None, parallel: str = "pipeline",
-                 timing: bool = False):
+                 timing: bool | str = False):
         from einpage.runtime.backends import resolve
         if backend not in ("threads", "cupy", "auto"):
             from einpage.errors import InputError
@@ -359,9 +360,10 @@ class RanksRunner:
         self.backend = resolve(backend)
         if timing and comm is not None:
             from einpage.errors import InputError
-            raise InputError("--timing with --devices measures every rank in one process: "
+            flag = timing if isinstance(timing, str) else "--timing"
+            raise InputError(f"{flag} with --devices measures every rank in one process: "
                              "run it without mpiexec")
-        self.timing = timing
+        self.timing = bool(timing)
         self.passes: list[RanksPass] = []
         self._predicted: dict[Graph, float] = {}
         self._plans: dict[Graph, object] = {}

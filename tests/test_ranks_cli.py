@@ -178,8 +178,90 @@ def test_bad_device_flags_for_run_and_generate_are_one_line(plans, capsys):
     one_line(capsys, cli("run", f32, "--tokens", TOKENS, "--gpu-mem", "200KB", "--devices", 2,
                          "--backend", "numpy"), "plans for several devices run on threads")
     one_line(capsys, cli("generate", f32, "--tokens", TOKENS, "--max-new-tokens", 2,
-                         "--gpu-mem", "200KB", "--devices", 2, "--trace", "t.json"),
-             "--trace is not taken with --devices yet")
+                         "--devices", 2, "--arena", "100KB"), "an --arena is a plan's for one")
+    from einpage.errors import InputError
+    from einpage.runners import RanksRunner
+    with pytest.raises(InputError, match="--trace with --devices measures every rank in one"):
+        RanksRunner(None, None, 2, comm=object(), timing="--trace")
+
+
+def _slices(path) -> list[dict]:
+    return [e for e in json.loads(Path(path).read_text())["traceEvents"] if e["ph"] == "X"]
+
+
+def _processes(path) -> dict[int, str]:
+    return {e["pid"]: e["args"]["name"] for e in json.loads(Path(path).read_text())["traceEvents"]
+            if e["ph"] == "M" and e["name"] == "process_name"}
+
+
+def test_the_predicted_trace_of_several_devices_has_a_process_per_rank(plans, tmp_path, capsys):
+    """`compile --devices --trace`: the ranks' joint simulation, each micro-batch's slices
+    named, every message sent on rank 0 and received on rank 1, ending at the makespan;
+    `inspect --trace` of the saved programs writes the same trace."""
+    f32, _ = plans
+    assert cli("compile", f32, "--gpu-mem", "200KB", "--seq", 5, "--batch", 2, "--devices", 2,
+               "--micro-batches", 2, "--quiet", "--json", "-o", tmp_path / "mb.json",
+               "--trace", tmp_path / "compiled.json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert any(n.startswith("trace: ") for n in report["notes"])
+    assert _processes(tmp_path / "compiled.json") == {1: "rank 0 predicted (h100-pcie)",
+                                                      2: "rank 1 predicted (h100-pcie)"}
+    slices = _slices(tmp_path / "compiled.json")
+    sends = [e for e in slices if e["cat"] == "send"]
+    recvs = [e for e in slices if e["cat"] == "recv"]
+    assert sends and {e["pid"] for e in sends} == {1} and {e["pid"] for e in recvs} == {2}
+    assert len(sends) == len(recvs) and all(" to rank 1" in e["name"] for e in sends)
+    assert {e["name"][:4] for e in slices} == {"mb0 ", "mb1 "}
+    assert all(e["dur"] >= 0 for e in slices)
+    end = max(e["ts"] + e["dur"] for e in slices)
+    assert end == pytest.approx(report["makespan_s"] * 1e6, rel=1e-6)
+    assert cli("inspect", tmp_path / "mb.json", "--trace", tmp_path / "inspected.json") == 0
+    assert "trace: " in capsys.readouterr().out
+    assert _slices(tmp_path / "inspected.json") == slices
+
+
+def test_a_saved_plan_of_several_devices_is_timed_and_traced(plans, tmp_path, capsys):
+    """`run PLAN --timing --trace --passes 2` of two ranks (two micro-batches each): every pass
+    of every rank measured, beside the prediction; the logits those of one device."""
+    f32, _ = plans
+    tokens = tmp_path / "ids.npy"
+    np.save(tokens, np.array([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]))
+    for name, extra in (("one.json", ()), ("two.json", ("--devices", 2, "--micro-batches", 2))):
+        assert cli("compile", f32, "--gpu-mem", "200KB", "--seq", 5, "--batch", 2, "--quiet",
+                   "-o", tmp_path / name, *extra) == 0
+    assert cli("run", tmp_path / "one.json", "--checkpoint", f32, "--tokens-file", tokens,
+               "--out", tmp_path / "one.npy") == 0
+    capsys.readouterr()
+    assert cli("run", tmp_path / "two.json", "--checkpoint", f32, "--tokens-file", tokens,
+               "--timing", "--passes", 2, "--device", "h100-pcie", "--trace",
+               tmp_path / "t.json", "--out", tmp_path / "two.npy") == 0
+    out = capsys.readouterr().out
+    assert "wrote the measured trace of 2 pass(es) of 2 ranks" in out
+    for title in ("pass 1 on 2 devices: measured", "pass 2 on 2 devices: measured",
+                  "pass 2, rank 1 on threads: measured"):
+        assert title in out, out
+    assert "predicted" in out.split("pass 1 on 2 devices")[1].splitlines()[0]
+    np.testing.assert_allclose(np.load(tmp_path / "two.npy"), np.load(tmp_path / "one.npy"),
+                               rtol=1e-6, atol=1e-7)
+    assert _processes(tmp_path / "t.json") == {1: "rank 0 measured (threads)",
+                                               2: "rank 1 measured (threads)"}
+    slices = _slices(tmp_path / "t.json")
+    assert {e["name"][:7] for e in slices} == {"pass 0 ", "pass 1 "}
+    assert any(e["cat"] == "recv" and e["pid"] == 2 for e in slices)
+    assert any(e["cat"] == "send" and e["pid"] == 1 for e in slices)
+
+
+def test_a_generation_on_several_devices_is_traced(plans, tmp_path, capsys):
+    f32, _ = plans
+    assert cli("generate", f32, "--tokens", TOKENS, "--max-new-tokens", 3, "--gpu-mem",
+               "200KB", "--devices", 2, "--parallel", "tensor", "--trace",
+               tmp_path / "g.json") == 0
+    assert "wrote the measured trace of 3 pass(es) of 2 ranks" in capsys.readouterr().out
+    slices = _slices(tmp_path / "g.json")
+    assert {e["pid"] for e in slices} == {1, 2}
+    assert {e["name"][:7] for e in slices} == {"pass 0 ", "pass 1 ", "pass 2 "}
+    for pid in (1, 2):  # tensor parallel: every rank sends its partial sums and receives
+        assert {e["cat"] for e in slices if e["pid"] == pid} >= {"apply", "send", "recv"}
 
 
 @needs_mpi

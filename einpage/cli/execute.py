@@ -238,11 +238,19 @@ def _after(args, runner, repeated: bool = False, later: str = "decode step") -> 
     what the passes after the first are called."""
     predicted = bool(args.device or args.device_file)
     if getattr(runner, "world", 1) > 1:  # several devices: each rank's pass, simulated together
+        written = Deferred()
+        if args.trace:
+            from einpage.cli.trace import ranks_measured_events, trace_text
+            events = trace_text(ranks_measured_events(runner.passes))
+            if written.write(write_text, args.trace, events):
+                print(f"wrote the measured trace of {len(runner.passes)} pass(es) of "
+                      f"{runner.world} ranks to {args.trace}")
         if args.timing:
             from einpage.cli.timing import print_ranks_timing
             print_ranks_timing(runner.passes, _profile(args) if predicted else None,
                                first="pass 1" if repeated else "prefill pass",
                                later="pass" if repeated else later, offset=int(repeated))
+        written.finish()
         return
     reservation = getattr(runner, "reservation", None)
     if args.timing and reservation is not None:  # cupy: what the budget holds besides the plan

@@ -10,6 +10,7 @@ import time
 from argparse import Namespace
 from dataclasses import replace
 
+from einpage.cli.outputs import Deferred
 from einpage.errors import EinpageError, InputError
 from einpage.units import format_size, parse_rate, parse_size
 
@@ -40,7 +41,7 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
     if args.parallel == "tensor" and counts != [1]:
         raise InputError("--micro-batches pipelines a batch through the devices; tensor "
                          "parallelism runs it whole (drop it, or --parallel pipeline or auto)")
-    for flag, value in (("--trace", args.trace), ("--lookahead", args.lookahead),
+    for flag, value in (("--lookahead", args.lookahead),
                         ("--block-bytes", args.block_bytes), ("--plot", args.plot),
                         ("--max-new-tokens", args.max_new_tokens), ("--draft", args.draft)):
         if value:
@@ -80,16 +81,30 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
             + f"; kept {workload['parallel']} x {m}")
     if over:
         notes.append(f"warning: {over}")
-    if args.output:
-        save_programs(pipeline.programs, args.output,
-                      {**workload, "cut": list(getattr(pipeline.split, "cut", ())),
-                       "stages": pipeline.split.stages, "host_compute": pipeline.host_compute,
-                       "peer_bandwidth": profile.peer_bandwidth})
+    written = Deferred()
+    if args.output and written.write(
+            save_programs, pipeline.programs, args.output,
+            {**workload, "cut": list(getattr(pipeline.split, "cut", ())),
+             "stages": pipeline.split.stages, "host_compute": pipeline.host_compute,
+             "peer_bandwidth": profile.peer_bandwidth}):
         notes.append(f"plan: {args.output} ({devices} programs, one per rank)")
+    if args.trace and written.write(write_ranks_trace, args.trace, pipeline.programs, profile, m):
+        notes.append(f"trace: {args.trace} (the ranks simulated together, one process each)")
     if args.json:
         print(json.dumps({**report.to_json(), "notes": notes}, sort_keys=True))
     else:
         print_ranks(report, cfg.name, workload, notes)
+    written.finish()
+
+
+def write_ranks_trace(path: str, programs, profile, micro_batches: int) -> None:
+    """The predicted trace of `programs`: their joint simulation on `profile`, `micro_batches`
+    passes of each rank."""
+    from einpage.cli.common import write_text
+    from einpage.cli.trace import ranks_predicted_events, trace_text
+    from einpage.predict.simulator import simulate_ranks
+    sim = simulate_ranks(programs, [profile] * len(programs), micro_batches)
+    write_text(path, trace_text(ranks_predicted_events(programs, sim)))
 
 
 def inspect_ranks(args, programs, meta) -> None:
@@ -99,7 +114,7 @@ def inspect_ranks(args, programs, meta) -> None:
     from einpage.ir.peers import validate_ranks
     from einpage.predict import PROFILES
     from einpage.cli.common import profile_from_args
-    for flag in ("dot", "plot", "trace"):
+    for flag in ("dot", "plot"):
         if getattr(args, flag, None):
             raise InputError(f"--{flag} shows one plan; {args.plan} holds {len(programs)}")
     validate_ranks(programs)
@@ -119,13 +134,18 @@ def inspect_ranks(args, programs, meta) -> None:
     report = programs_report(programs, profile, m, stages, bool(meta.get("host_compute", True)),
                              tokens=int(tokens) * m if tokens else None)
     workload = {k: v for k, v in meta.items() if k in ("model", "phase", "batch", "parallel")}
+    notes = [f"plan: {args.plan} ({len(programs)} programs, validated together)"]
+    written = Deferred()
+    if args.trace and written.write(write_ranks_trace, args.trace, programs, profile, m):
+        notes.append(f"trace: {args.trace} (the ranks simulated together, one process each)")
     if args.json:
-        print(json.dumps({**report.to_json(), **workload, "plan": args.plan}, sort_keys=True))
+        print(json.dumps({**report.to_json(), **workload, "plan": args.plan, "notes": notes},
+                         sort_keys=True))
     else:
         print_ranks(report, str(meta.get("model", args.plan)),
                     {"phase": meta.get("phase", "?"), "batch": meta.get("batch", "?"),
-                     "parallel": meta.get("parallel", "pipeline")},
-                    [f"plan: {args.plan} ({len(programs)} programs, validated together)"])
+                     "parallel": meta.get("parallel", "pipeline")}, notes)
+    written.finish()
 
 
 def micro_batch_counts(text: str, batch: int) -> list[int]:
@@ -186,10 +206,8 @@ def ranks_runner(args, weights, budget: int | None = None, timed: bool = True):
         raise InputError(f"--parallel {parallel} spreads a model over several devices: add "
                          "--devices 2 or more")
     if not args.gpu_mem:
-        raise InputError("--devices N needs --gpu-mem: the budget of each device")
-    for flag, given in (("--arena", args.arena), ("--trace", args.trace)):
-        if given:
-            raise InputError(f"{flag} is not taken with --devices yet")
+        raise InputError("--devices N needs --gpu-mem: the budget of each device"
+                         + (" (an --arena is a plan's for one device)" if args.arena else ""))
     if args.backend not in ("auto", "threads", "cupy"):
         raise InputError(f"--backend {args.backend}: plans for several devices run on threads "
                          "or cupy")
@@ -209,7 +227,13 @@ def ranks_runner(args, weights, budget: int | None = None, timed: bool = True):
                              host_bytes=host_bytes, host_compute=args.host_compute == "auto")
     return runners.RanksRunner(weights, options, devices, args.backend, comm=comm,
                                parallel=getattr(args, "parallel", "pipeline"),
-                               timing=bool(getattr(args, "timing", False)) and timed)
+                               timing=timed and _measures(args))
+
+
+def _measures(args) -> str | None:
+    """The flag that has a run on several devices keep each rank's passes, if any."""
+    return next((flag for flag in ("--timing", "--trace") if getattr(args, flag[2:], None)),
+                None)
 
 
 def quiet_rank(runner) -> bool:
@@ -223,17 +247,15 @@ def run_ranks_plan(args, programs) -> None:
     program over MPI; otherwise every rank runs here, one thread each. The rank that makes the
     logits reports them; a rank that fails stops every rank (one line each)."""
     from einpage.cli.common import report_logits
-    from einpage.cli.execute import _passes, _plan_input
+    from einpage.cli.execute import _plan_input
     from einpage.ir.peers import validate_ranks
-    from einpage.runners import plan_weights
+    from einpage.cli.execute import _passes
+    from einpage.runners import RanksPass, plan_weights
     from einpage.runtime.comm import MpiCommunicator, mpi_world
     from einpage.runtime.ranks import gather_results, rank_backend, run_rank, run_ranks
     from einpage.runtime.shards import assemble, gathered_of
     world = len(programs)
-    for flag, given in (("--timing", args.timing), ("--trace", args.trace),
-                        ("--passes", _passes(args) != 1)):
-        if given:
-            raise InputError(f"{flag} is not measured for a plan of several devices yet")
+    repeat = _passes(args)
     backend = None if args.backend == "numpy" else args.backend
     validate_ranks(programs)
     want = {t.name: t for mg in programs for t in mg.inputs}
@@ -249,6 +271,10 @@ def run_ranks_plan(args, programs) -> None:
         if size != world:
             raise InputError(f"{args.model} is a plan for {world} devices; mpiexec started "
                              f"{size} processes (use mpiexec -n {world})")
+        flag = _measures(args)
+        if flag:
+            raise InputError(f"{flag} with a plan of several devices measures every rank in "
+                             "one process: run it without mpiexec")
         mg = programs[rank]
         with MpiCommunicator() as comm:
             try:
@@ -257,14 +283,40 @@ def run_ranks_plan(args, programs) -> None:
                 comm.abort(str(exc))
                 raise
             out = run_rank(mg, comm, batches, weights,
-                           backend=rank_backend(backend, rank) if backend else None)
+                           backend=rank_backend(backend, rank) if backend else None,
+                           repeat=repeat)
             if gathered_of(mg):  # tensor parallel: every rank holds a slice; rank 0 reports
                 out = assemble(programs, gather_results(comm, programs, out))
                 if rank != 0:
                     return
     else:
         weights = [plan_weights(mg, source) for mg in programs]
-        out = run_ranks(programs, batches, weights, backend=backend)
+        measured = {r: [] for r in range(world)} if _measures(args) else None
+        out = run_ranks(programs, batches, weights, backend=backend, repeat=repeat,
+                        measured=measured)
+        if measured is not None:
+            _show_rank_passes(args, [RanksPass(tuple(programs),
+                                               {r: measured[r][k] for r in range(world)})
+                                     for k in range(repeat)], passes)
     if "logits" in out:
         report_logits(out["logits"], args.out, given.lengths,
                       given.codec if given.text else None)
+
+
+def _show_rank_passes(args, passes, micro_batches: int) -> None:
+    """--trace and --timing of a saved plan of several devices run here: each pass (every
+    micro-batch of the batch) of each rank, next to the ranks simulated together on --device
+    where given."""
+    from einpage.cli.common import write_text
+    from einpage.cli.execute import _profile
+    written = Deferred()
+    if args.trace:
+        from einpage.cli.trace import ranks_measured_events, trace_text
+        if written.write(write_text, args.trace, trace_text(ranks_measured_events(passes))):
+            print(f"wrote the measured trace of {len(passes)} pass(es) of {len(passes[0].programs)} "
+                  f"ranks to {args.trace}")
+    if args.timing:
+        from einpage.cli.timing import print_ranks_timing
+        print_ranks_timing(passes, _profile(args) if args.device or args.device_file else None,
+                           first="pass 1", later="pass", offset=1, micro_batches=micro_batches)
+    written.finish()

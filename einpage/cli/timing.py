@@ -98,11 +98,14 @@ def print_timing(passes, first: str = "prefill pass", later: str = "decode step"
 
 
 def print_ranks_timing(passes, profile, first: str = "prefill pass",
-                       later: str = "decode step", offset: int = 0) -> None:
+                       later: str = "decode step", offset: int = 0,
+                       micro_batches: int = 1) -> None:
     """Every pass of a run on several devices (`runners.RanksPass`): the pass's wall (its
     slowest rank), then each rank's figures next to its part of the programs simulated
     together on `profile` (None: measured only); one simulation per set of programs. The passes
-    after the first are `later` k + `offset` (`offset` 1: one plan's passes, numbered 2, 3, ...)."""
+    after the first are `later` k + `offset` (`offset` 1: one plan's passes, numbered 2, 3, ...).
+    With `micro_batches` M > 1 a pass is M passes of each rank in a row, compared whole (a
+    rank's figures against its M simulated passes together)."""
     from einpage.predict.simulator import simulate_ranks
     sims: dict[int, object] = {}
     for k, p in enumerate(passes):
@@ -110,14 +113,15 @@ def print_ranks_timing(passes, profile, first: str = "prefill pass",
         sim = None
         if profile is not None:
             if id(p.programs) not in sims:
-                sims[id(p.programs)] = simulate_ranks(p.programs, [profile] * len(p.programs))
+                sims[id(p.programs)] = simulate_ranks(p.programs, [profile] * len(p.programs),
+                                                      micro_batches)
             sim = sims[id(p.programs)]
         wall = max(m.wall_s for m in p.measured.values())
         print(f"{title} on {len(p.programs)} devices: measured {_secs(wall)} (the slowest rank)"
               + (f" | predicted {_secs(sim.makespan_s)} on {profile.name} "
                  f"({wall / sim.makespan_s:.2f}x)" if sim else ""))
         for r in sorted(p.measured):
-            print_measured(p.measured[r], sim.passes[r][0] if sim else None,
-                           f"  {title}, rank {r}")
+            print_measured(p.measured[r], sim.passes[r][0] if sim and micro_batches == 1
+                           else None, f"  {title}, rank {r}")
     if passes and profile is None:
         print(NO_PREDICTION)

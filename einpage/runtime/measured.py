@@ -3,7 +3,8 @@ wall time, busy time per queue, compute stall, bytes and achieved bandwidth each
 span of every node on its queue, for traces."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 from einpage.runtime.streams import QUEUES
 
@@ -68,6 +69,19 @@ class Measured:
             out[f"{q}_bytes_per_s"] = None if whole else self.rate(q)
         out["h2d_hidden_fraction"] = None if whole else self.hidden_fraction("h2d")
         return out
+
+
+def joined(parts: Sequence[tuple[float, Measured]]) -> Measured:
+    """Passes run one after another as one (a rank's micro-batches): each `(start, Measured)`
+    with its start in seconds on one clock; the spans moved onto the first's clock, the wall
+    from the first start to the last end."""
+    (t0, first), *_ = parts
+    spans = tuple(replace(s, start=s.start + t - t0, end=s.end + t - t0)
+                  for t, m in parts for s in m.spans)
+    end = max(t - t0 + m.wall_s for t, m in parts)
+    return replace(first, wall_s=end, spans=spans,
+                   replayed=any(m.replayed for _, m in parts),
+                   captured=any(m.captured for _, m in parts))
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

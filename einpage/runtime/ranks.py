@@ -10,6 +10,7 @@ a message that will never come; the error raised names the rank that failed firs
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ from einpage.ir.tensors import WeightSource
 from einpage.runtime import executor
 from einpage.runtime.comm import (DEFAULT_TIMEOUT, MAX_TAG, CommError, Communicator,
                                   LocalCommunicator)
+from einpage.runtime.measured import Measured, joined
 
 #: the tag a generation's driver sends the last rank's logits under, to every other rank (a
 #: plan's own tags count up from 0)
@@ -52,27 +54,49 @@ def rank_backend(name: str, rank: int):
 
 def run_rank(mg: MemGraph, comm: Communicator, inputs: Inputs | Sequence[Inputs] | None = None,
              weights: WeightSource | None = None, order: str | int = "sequential",
-             poison_freed: bool = True, backend=None) -> dict[str, np.ndarray]:
+             poison_freed: bool = True, backend=None, repeat: int = 1,
+             measured: list[Measured] | None = None) -> dict[str, np.ndarray]:
     """Run this rank's program, on the NumPy executor in `order`, or on a stream `backend` (a
     name or a `Backend`, the plan held open across passes); its results without the values it
     only sends to later ranks. `inputs` may be a list, one pass per entry (the micro-batches of
     a batch, in order: pass m's messages meet the peers' pass m), the results then joined along
-    their first axis (the batch). A failure here aborts the group first, so the peers stop
-    too."""
+    their first axis (the batch). `repeat`: the whole batch this many times (the results of the
+    last); `measured`, where given, gets one `Measured` per batch (its micro-batches `joined`;
+    the NumPy executor's has the wall only). A failure here aborts the group first, so the
+    peers stop too."""
     from einpage.runtime.shards import rank_inputs, rank_weights
     passes = [rank_inputs(mg, given) for given in
               (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
     weights = rank_weights(weights, mg)
-    outs = []
+    timed = measured is not None
     try:
         if backend is None:
-            for given in passes:
-                outs.append(executor.run(mg, given, weights, order, poison_freed, comm=comm))
+            def one(given) -> tuple[dict, Measured]:
+                t0 = time.perf_counter()
+                out = executor.run(mg, given, weights, order, poison_freed, comm=comm)
+                return out, Measured("numpy", time.perf_counter() - t0, 0.0, 0, ())
+            session = None
         else:
             from einpage.runtime.stream_executor import StreamSession
-            with StreamSession(mg, weights, backend, timing=False, comm=comm) as session:
+            session = StreamSession(mg, weights, backend, timing=timed, comm=comm,
+                                    graphs=not timed)
+
+            def one(given) -> tuple[dict, Measured]:
+                result = session.run(given or {})
+                return result.outputs, result.measured
+        try:
+            for _ in range(repeat):
+                outs, parts = [], []
                 for given in passes:
-                    outs.append(session.run(given or {}).outputs)
+                    t0 = time.perf_counter()
+                    out, m = one(given)
+                    outs.append(out)
+                    parts.append((t0, m))
+                if timed:
+                    measured.append(joined(parts))
+        finally:
+            if session is not None:
+                session.close()
     except CommError:
         raise
     except Exception as exc:
@@ -88,13 +112,15 @@ def run_ranks(programs: Sequence[MemGraph], inputs: Inputs | Sequence[Inputs] | 
               order: str | int = "sequential",
               poison_freed: bool = True, timeout: float = DEFAULT_TIMEOUT,
               backend: str | None = None,
-              delays: int | None = None) -> dict[str, np.ndarray]:
+              delays: int | None = None, repeat: int = 1,
+              measured: Mapping[int, list[Measured]] | None = None) -> dict[str, np.ndarray]:
     """Run every rank's program in this process, one thread each, and return all their results
     by name: on the NumPy executor (rank r in order `order`, or in the random order of seed
     `order + r`), or on the stream `backend` named, each rank's queues delayed at random from
     seed `[delays, r]` where `delays` is given. `weights`: one source for every rank, or one
-    per rank; `inputs`: one pass, or a list of passes (`run_rank`). The programs are validated
-    together first (`einpage.ir.peers.validate_ranks`)."""
+    per rank; `inputs`: one pass, or a list of passes; `repeat`, and `measured` (rank -> the
+    list rank r's measurements go to): as `run_rank`. The programs are validated together
+    first (`einpage.ir.peers.validate_ranks`)."""
     validate_ranks(programs)
     world = len(programs)
     comms = LocalCommunicator.group(world, timeout=timeout)
@@ -108,7 +134,8 @@ def run_ranks(programs: Sequence[MemGraph], inputs: Inputs | Sequence[Inputs] | 
                 from einpage.runtime.backends.inject import Delayed
                 engine = Delayed(engine, seed=delays * 1000 + r)
         source = weights[r] if isinstance(weights, (list, tuple)) else weights
-        return run_rank(programs[r], comms[r], inputs, source, rank_order, poison_freed, engine)
+        return run_rank(programs[r], comms[r], inputs, source, rank_order, poison_freed, engine,
+                        repeat, None if measured is None else measured[r])
 
     try:
         results = run_together({r: (lambda r=r: work(r)) for r in range(world)}, comms)
