@@ -60,6 +60,47 @@ def test_a_draft_model_split_over_two_devices_gives_one_devices_tokens(hf_fixtur
                          "--draft-gpu-mem", "300KB"), "no room is left for the model")
 
 
+def test_speculation_forecast_on_two_devices(hf_fixture, capsys):
+    """`compile --phase decode --devices 2 --draft`: the plain step is the plan `compile
+    --devices 2` makes of it, every step planned for the two devices (the verify steps on its
+    stage cut), the k picked and the command that runs it."""
+    path = hf_fixture("tiny-llama-f32")
+    argv = (path, "--gpu-mem", "200KB", "--phase", "decode", "--past", 20, "--devices", 2,
+            "--quiet")
+    assert cli("compile", *argv, "--json") == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli("compile", *argv, "--draft", "ngram", "--draft-tokens", 2, "--json") == 0
+    f = json.loads(capsys.readouterr().out)
+    assert f["devices"] == 2 and f["parallel"] == "pipeline" and f["device_bytes"] == 200_000
+    assert f["plain_step_s"] == pytest.approx(plain["makespan_s"], rel=1e-9)
+    (v,) = f["verify"]
+    assert v["k"] == 2 and v["verify_s"] > f["plain_step_s"] and v["speedup"] > 1
+    assert cli("compile", *argv, "--draft", "ngram", "--parallel", "tensor") == 0
+    out = capsys.readouterr().out
+    assert "on 2 devices (tensor parallel), budget 200.00 KB each" in out
+    assert "--devices 2 --parallel tensor)" in out
+    one_line(capsys, cli("compile", *argv, "--draft", "ngram", "--micro-batches", 2, "--batch",
+                         2), "--draft forecasts generation steps, each run whole")
+
+
+def test_a_draft_models_share_of_each_device_is_searched_as_compile_does(hf_fixture, capsys):
+    """Without --draft-gpu-mem, `generate --devices 2 --draft MODEL` gives the draft the share
+    of each device that `compile --devices 2 --draft MODEL` keeps for the same step (the
+    generation's last KV bucket, k = 4, acceptance 0.7), and the tokens of plain decoding."""
+    model, draft = hf_fixture("tiny-llama31"), hf_fixture("tiny-llama31-draft")
+    assert cli("compile", model, "--gpu-mem", "300KB", "--phase", "decode", "--past", 8,
+               "--capacity", 16, "--devices", 2, "--parallel", "tensor", "--draft", draft,
+               "--draft-tokens", 4, "--quiet", "--json") == 0
+    f = json.loads(capsys.readouterr().out)
+    shares = [s["draft_bytes"] for s in f["draft_splits"]]
+    assert len(shares) > 1 and f["draft_bytes"] in shares and f["parallel"] == "tensor"
+    argv = (model, "--tokens", "1,5,9,22,5,9,22,5", "--max-new-tokens", 8, "--gpu-mem",
+            "300KB")
+    plain = _generate(capsys, *argv)
+    got = _generate(capsys, *argv, "--devices", 2, "--parallel", "tensor", "--draft", draft)
+    assert got["draft_bytes"] == f["draft_bytes"] and got["tokens"] == plain["tokens"]
+
+
 def test_timing_on_two_devices_prints_every_ranks_pass_and_the_joint_prediction(hf_fixture,
                                                                                capsys):
     path = hf_fixture("tiny-llama-f32")

@@ -290,7 +290,6 @@ def test_micro_batches_auto_keeps_the_fastest_count(plans, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (("--devices", 2, "--max-new-tokens", 3), "--max-new-tokens is an option of a plan for one"),
-    (("--devices", 2, "--draft", "ngram", "--phase", "decode"), "--draft is an option of a plan"),
     (("--peer-link", "nvlink"), "--peer-link is the link between devices: add --devices N"),
 ])
 def test_options_of_one_device_are_refused_with_several(plans, capsys, argv, message):

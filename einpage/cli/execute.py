@@ -157,8 +157,8 @@ def add_commands(sub) -> None:
                      help="with a draft model and --gpu-mem: the part of the budget the draft "
                           "takes (default: chosen by simulated step time, as compile --draft "
                           "does); the model gets the rest. With --devices N: of each device's "
-                          "budget, the draft split over the devices as the model is (default: "
-                          "1/N of the one-device default, 1.25x its weights and KV store)")
+                          "budget, the draft split over the devices as the model is (the "
+                          "default chosen by the steps planned for the devices)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object: tokens (rows padded after their EOS), "
                           "new_lengths, finish_reason (eos or length), text (each row's "
@@ -548,23 +548,22 @@ def _draft_from_args(args, cfg, k: int | None, given):
     check_vocabulary(dcfg, cfg, args.draft, args.model)
     budget = 0
     devices = max(1, getattr(args, "devices", 1))
-    if (args.gpu_mem and args.draft_gpu_mem is None and args.backend != "reference"
-            and devices == 1):
-        budget = _searched_split(args, cfg, dcfg, k, given)
-    elif args.gpu_mem or args.arena:  # with --devices N: each device's share (the draft is
+    if args.gpu_mem and args.draft_gpu_mem is None and args.backend != "reference":
+        budget = _searched_split(args, cfg, dcfg, k, given, devices)
+    elif args.gpu_mem or args.arena:
         budget = (parse_size(args.draft_gpu_mem, "--draft-gpu-mem") if args.draft_gpu_mem
-                  else draft_bytes(dcfg, given.tokens.shape[0],  # split as the model is)
-                                   int(given.lengths.max()) + args.max_new_tokens + k + 1)
-                  // devices)
+                  else draft_bytes(dcfg, given.tokens.shape[0],
+                                   int(given.lengths.max()) + args.max_new_tokens + k + 1))
     elif args.draft_gpu_mem is not None:
         raise InputError("--draft-gpu-mem splits a --gpu-mem budget: give --gpu-mem too")
     return (dcfg, dweights), budget
 
 
-def _searched_split(args, cfg, dcfg, k: int, given) -> int:
+def _searched_split(args, cfg, dcfg, k: int, given, devices: int = 1) -> int:
     """The draft's share of --gpu-mem by simulated step time (`forecast.search_draft_split`, as
     `compile --draft` chooses it), at the last KV bucket of the generation, an acceptance of
-    0.7 and the proposals per pass it will run."""
+    0.7 and the proposals per pass it will run; with --devices N, each device's share, every
+    step planned for the devices as the generation will run it."""
     from einpage.compiler import CompileOptions
     from einpage.forecast import search_draft_split
     from einpage.models.kvstore import capacity_for
@@ -577,7 +576,8 @@ def _searched_split(args, cfg, dcfg, k: int, given) -> int:
     capacity = min(capacity_for(int(given.lengths.max()) + args.max_new_tokens,
                                 args.kv_granule), int(given.lengths.max()) + args.max_new_tokens)
     f, _ = search_draft_split(cfg, given.tokens.shape[0], capacity, 0.7, ks, options,
-                              {"past": int(given.lengths.max())}, dcfg)
+                              {"past": int(given.lengths.max())}, dcfg, devices,
+                              getattr(args, "parallel", "pipeline"))
     return f.draft_bytes
 
 

@@ -189,7 +189,7 @@ def cmd_compile(args) -> None:
     if args.concurrent is not None:
         raise InputError("--concurrent forecasts a served load: add --max-new-tokens N")
     if args.draft is not None:
-        return _speculation_report(args, profile, device_bytes, over)
+        return speculation_report(args, profile, device_bytes, over)
     for flag, value in (("--draft-tokens", args.draft_tokens),
                         ("--acceptance", args.acceptance),
                         ("--draft-gpu-mem", args.draft_gpu_mem)):
@@ -218,9 +218,11 @@ def cmd_compile(args) -> None:
     written.finish()  # a failed output: the report above, then one line and exit 2
 
 
-def _speculation_report(args, profile, device_bytes: int, over: str | None) -> None:
+def speculation_report(args, profile, device_bytes: int, over: str | None,
+                        devices: int = 1) -> None:
     """`compile --phase decode --draft ngram`: the plain decode step and verify passes of
-    k = 1..8 proposals (or --draft-tokens), predicted, at --acceptance; the k it picks."""
+    k = 1..8 proposals (or --draft-tokens), predicted, at --acceptance; the k it picks. On
+    `devices` > 1 (`--devices N`) every step is planned for them, spread as --parallel says."""
     from einpage.compiler import CompileOptions
     from einpage.forecast import forecast_speculation, search_draft_split
     if args.phase != "decode":
@@ -241,7 +243,8 @@ def _speculation_report(args, profile, device_bytes: int, over: str | None) -> N
         draft, _ = resolve(args.draft, dtype=as_dtype(args.dtype) if args.dtype else None)
         check_vocabulary(draft, cfg, args.draft, args.model)
         draft_bytes = (parse_size(args.draft_gpu_mem, "--draft-gpu-mem") if args.draft_gpu_mem
-                       else default_bytes(draft, args.batch, workload["capacity"] + max(ks) + 1))
+                       else default_bytes(draft, args.batch, workload["capacity"] + max(ks) + 1)
+                       // devices)
     elif args.draft_gpu_mem is not None:
         raise InputError("--draft-gpu-mem is the budget of a draft model; ngram has none")
     host_bytes, _ = host_budget(args)
@@ -251,13 +254,15 @@ def _speculation_report(args, profile, device_bytes: int, over: str | None) -> N
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         **lookahead_options(args.lookahead))
     tried = []
+    spread = {"devices": devices, "parallel": getattr(args, "parallel", "pipeline")}
     if draft is not None and args.draft_gpu_mem is None:  # the split by simulated step time
         f, tried = search_draft_split(cfg, args.batch, workload["capacity"], acceptance, ks,
-                                      options, {"past": workload["past"]}, draft)
+                                      options, {"past": workload["past"]}, draft, **spread)
         draft_bytes = f.draft_bytes  # (a smaller share that won was tried at its k only)
     else:
         f = forecast_speculation(cfg, args.batch, workload["capacity"], acceptance, ks,
-                                 options, {"past": workload["past"]}, draft, draft_bytes)
+                                 options, {"past": workload["past"]}, draft, draft_bytes,
+                                 **spread)
     if over:
         print(f"einpage: warning: {over}", file=sys.stderr)
     if args.json:
@@ -266,20 +271,22 @@ def _speculation_report(args, profile, device_bytes: int, over: str | None) -> N
             out["draft_splits"] = [{"draft_bytes": b, "tokens_per_s": r} for b, r in tried]
         print(json.dumps(out, sort_keys=True))
         return
-    plain = f.plain.simulation.makespan_s
+    plain = f.plain.seconds
+    each = " each" if devices > 1 else ""
     what = ("ngram drafts (no draft pass)" if draft is None else
-            f"draft model {draft.name} ({format_size(draft_bytes)} of the budget, the model the "
-            f"rest)")
+            f"draft model {draft.name} ({format_size(draft_bytes)} of the budget{each}, the "
+            f"model the rest)")
+    where = "" if devices == 1 else f" on {devices} devices ({f.parallel} parallel),"
     print(f"einpage speculative decoding: {cfg.name} decode, batch {f.batch}, position "
-          f"{workload['past']} (KV store of {f.capacity} slots), {cfg.dtype.value}, budget "
-          f"{format_size(device_bytes)}; {what}, acceptance {f.acceptance:.2f} per proposal  "
-          "(GB = 10^9 bytes)")
+          f"{workload['past']} (KV store of {f.capacity} slots), {cfg.dtype.value},{where} "
+          f"budget {format_size(device_bytes)}{each}; {what}, acceptance {f.acceptance:.2f} per "
+          "proposal  (GB = 10^9 bytes)")
     print(f"  predicted on {profile.name}: plain decode step {_s(plain)} "
-          f"({f.plain_tokens_per_s:.3g} tokens/s), {format_size(f.plain.simulation.h2d_bytes)} "
+          f"({f.plain_tokens_per_s:.3g} tokens/s), {format_size(f.plain.h2d_bytes)} "
           "host->device")
     if draft is not None:
         print(f"  draft step {_s(f.draft_step_s)} "
-              f"({format_size(f.draft.simulation.h2d_bytes)} host->device); a pass is k + 1 "
+              f"({format_size(f.draft.h2d_bytes)} host->device); a pass is k + 1 "
               "draft steps, then the verify pass")
     print("  k | pass | tokens per pass | tokens/s | vs plain")
     for v in f.verify:
@@ -292,6 +299,8 @@ def _speculation_report(args, profile, device_bytes: int, over: str | None) -> N
               + f"; keeps {format_size(f.draft_bytes)}")
     best = f.best
     split = f" --draft-gpu-mem {f.draft_bytes}" if draft is not None else ""
+    if devices > 1:
+        split += f" --devices {devices} --parallel {f.parallel}"
     print(f"  picks k = {best.k}: {f.tokens_per_s(best):.3g} tokens/s, "
           f"{f.tokens_per_s(best) / f.plain_tokens_per_s:.2f}x plain decode (einpage generate "
           f"--draft {args.draft} --draft-tokens {best.k}{split})")

@@ -43,11 +43,17 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
                          "parallelism runs it whole (drop it, or --parallel pipeline or auto)")
     for flag, value in (("--lookahead", args.lookahead),
                         ("--block-bytes", args.block_bytes), ("--plot", args.plot),
-                        ("--max-new-tokens", args.max_new_tokens), ("--draft", args.draft)):
+                        ("--max-new-tokens", args.max_new_tokens)):
         if value:
             raise InputError(f"{flag} is an option of a plan for one device; drop it with "
                              "--devices")
     profile = peer_profile(profile, args.peer_link)
+    if args.draft is not None:
+        if counts != [1]:
+            raise InputError("--draft forecasts generation steps, each run whole on the "
+                             "devices: drop --micro-batches")
+        from einpage.cli.plan import speculation_report
+        return speculation_report(args, profile, device_bytes, over, devices)
     from einpage.cli.common import host_budget
     host_bytes, host_source = host_budget(args)
     tried = []
