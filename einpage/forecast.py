@@ -252,13 +252,13 @@ def forecast_speculation(cfg: LlamaConfig, batch: int, capacity: int, acceptance
     sources = {name: schema.hf_tensor(name) for name in schema.weight_shapes(cfg)}
     base = {"model": cfg.name, "batch": batch, "dtype": cfg.dtype.value, "capacity": capacity,
             **(workload or {})}
-    spread = {"parallel": parallel, "cut": None}
+    spread = {"parallel": parallel, "cut": None, "group": None}
 
     def step(graph, opts: CompileOptions) -> PricedStep:
         if devices == 1:
             return priced(compile_graph(graph, opts), profile)
         return priced(compile_parallel(graph, devices, opts, spread["parallel"],
-                                       cut=spread["cut"]), profile)
+                                       cut=spread["cut"], group=spread["group"]), profile)
 
     def compile_for(graph, **more) -> PricedStep:
         return step(graph, replace(options, sources=sources, workload={**base, **more}))
@@ -268,6 +268,7 @@ def forecast_speculation(cfg: LlamaConfig, batch: int, capacity: int, acceptance
                             seq=1, tokens=batch)
     if devices > 1:  # the verify steps and the draft spread as the plain step is
         spread["parallel"] = plain.plan.programs[0].meta.get("parallel", "pipeline")
+        spread["group"] = plain.plan.programs[0].meta.get("group")
     drafted = None
     if draft is not None:
         if options.device_bytes is not None and draft_bytes >= options.device_bytes:

@@ -368,6 +368,7 @@ class RanksRunner:
         self._predicted: dict[Graph, float] = {}
         self._plans: dict[Graph, object] = {}
         self.cut: tuple[int, ...] | None = None
+        self.group: int | None = None  # ranks per tensor-parallel group of a hybrid plan
         self.compile_s = 0.0
 
     @property
@@ -382,7 +383,7 @@ class RanksRunner:
             from einpage.compiler.parallel import compile_parallel
             t0 = time.perf_counter()
             pipeline = compile_parallel(graph, self.world, self.options, self.parallel,
-                                        cut=self.cut)
+                                        cut=self.cut, group=self.group)
             if self.comm is not None:  # every process compiles: the same programs, or stop
                 from einpage.ir.peers import messages_digest
                 from einpage.runtime.ranks import check_same
@@ -390,6 +391,7 @@ class RanksRunner:
             self._plans[graph] = pipeline
             self.parallel = pipeline.programs[0].meta.get("parallel", "pipeline")
             self.cut = getattr(pipeline.split, "cut", None)
+            self.group = pipeline.programs[0].meta.get("group")
             self.compile_s += time.perf_counter() - t0
         return self._plans[graph]
 
@@ -475,18 +477,23 @@ class RanksSession:
                                                 {r: result.measured
                                                  for r, result in results.items()}))
         comm = self.runner.comm
-        if comm is not None and gathered_of(self.programs[comm.rank]):
+        if comm is not None:  # the gathered slices of every rank, on every process
             outs = gather_results(comm, self.programs, outs[comm.rank])
         merged = assemble(self.programs, outs)
-        if comm is not None and "logits" not in merged:  # a pipeline: the last rank has them
-            last = len(self.programs) - 1
-            t = next(t for t in self.programs[last].results if t.name == "logits")
-            merged["logits"] = np.empty(t.shape, t.dtype.numpy)
-            comm.recv(merged["logits"], last, RESULTS_TAG)
-        elif comm is not None and comm.rank == len(self.programs) - 1 and not gathered_of(
-                self.programs[comm.rank]):
-            for r in range(comm.rank):
-                comm.send(np.ascontiguousarray(merged["logits"]), r, RESULTS_TAG)
+        last = len(self.programs) - 1
+        if comm is not None and "logits" not in gathered_of(self.programs[last]):
+            # made whole on the last rank (and on the others of its group, if any): it sends
+            # them to every rank that does not make them, so each picks the same next token
+            makers = {r for r, mg in enumerate(self.programs)
+                      if any(t.name == "logits" for t in mg.results)}
+            if comm.rank == last:
+                for r in range(len(self.programs)):
+                    if r not in makers:
+                        comm.send(np.ascontiguousarray(merged["logits"]), r, RESULTS_TAG)
+            elif comm.rank not in makers:
+                t = next(t for t in self.programs[last].results if t.name == "logits")
+                merged["logits"] = np.empty(t.shape, t.dtype.numpy)
+                comm.recv(merged["logits"], last, RESULTS_TAG)
         return merged
 
     def write(self, name: str, lead: tuple[int, ...], values: np.ndarray) -> None:

@@ -3,6 +3,7 @@ needs in a container, and one run of `mpiexec -n N ...` that never hangs the sui
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -55,3 +56,15 @@ def mpiexec(n: int, argv: list[str], timeout: float = 60.0) -> tuple[int, str, f
         output, _ = proc.communicate()
         pytest.fail(f"mpiexec {' '.join(map(str, argv))} hung past {timeout} s:\n{output}")
     return proc.returncode, output, time.monotonic() - start
+
+
+def result_records(output: str) -> list[dict]:
+    """The JSON records the worker processes print after `RESULT ` (two processes' lines may
+    interleave on the one pipe, a record then following another on its line)."""
+    decoder = json.JSONDecoder()
+    records, at = [], output.find("RESULT ")
+    while at >= 0:
+        record, end = decoder.raw_decode(output, at + len("RESULT "))
+        records.append(record)
+        at = output.find("RESULT ", end)
+    return records

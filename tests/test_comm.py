@@ -3,7 +3,6 @@
 `mpich` wheel by tests/mpi_comm_worker.py; skipped without mpi4py or mpiexec)."""
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from mpi_launch import mpiexec, needs_mpi
+from mpi_launch import mpiexec, needs_mpi, result_records
 
 from einpage.errors import EinpageError
 from einpage.runtime import comm as comm_mod
@@ -236,8 +235,7 @@ def mpirun(scenario: str, timeout: float = 60.0):
     """`mpiexec -n 2 python tests/mpi_comm_worker.py SCENARIO`: (exit status, RESULT records,
     output, seconds). On a timeout the whole process group is killed and the test fails."""
     rc, output, took = mpiexec(2, [sys.executable, WORKER, scenario], timeout)
-    records = [json.loads(line[len("RESULT "):]) for line in output.splitlines()
-               if line.startswith("RESULT ")]
+    records = result_records(output)
     return rc, records, output, took
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi_launch import mpiexec, needs_mpi
+from mpi_launch import mpiexec, needs_mpi, result_records
 from safetensors.numpy import load_file, save_file
 from test_cli import assert_one_line_error as one_line
 from test_cli import cli
@@ -270,8 +270,7 @@ def test_ranks_over_mpi_with_random_delays_per_queue_and_rank(seed):
     worker = Path(__file__).parent / "mpi_ranks_worker.py"
     rc, output, _ = mpiexec(2, [sys.executable, worker, seed])
     assert rc == 0, output
-    (line,) = [x for x in output.splitlines() if x.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT "):])
+    (result,) = result_records(output)
     assert result["rank"] == 1 and result["recvs"] >= 2 and result["error"] < 1e-5, result
 
 

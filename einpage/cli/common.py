@@ -322,7 +322,10 @@ def load_plan(path: str, mg=None):
 
 def add_parallel_arg(p) -> None:
     """`--parallel`: how `--devices N` spreads the model (`einpage.compiler.parallel`)."""
-    p.add_argument("--parallel", choices=("pipeline", "tensor", "auto"), default="pipeline",
+    p.add_argument("--parallel", choices=("pipeline", "tensor", "hybrid", "auto"),
+                   default="pipeline",
                    help="with --devices: pipeline (consecutive layers per device; default), "
                         "tensor (every layer's heads and FFN columns split over the devices, "
-                        "all-reduced), or auto: the one predicted faster")
+                        "all-reduced), hybrid (a pipeline of tensor-parallel groups: 4 devices "
+                        "as 2 stages of 2, the group size predicted fastest), or auto: the one "
+                        "predicted fastest")

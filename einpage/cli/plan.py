@@ -93,6 +93,10 @@ def add_commands(sub) -> None:
                    help="with --devices: the link between devices: pcie (a peer copy at the "
                         "host link's rate; default), nvlink, net-100g, net-400g, or a rate "
                         "(25GB/s)")
+    c.add_argument("--group-link",
+                   help="with --parallel hybrid (or auto): the link among the devices of one "
+                        "tensor-parallel group (one machine's GPUs: nvlink), where --peer-link "
+                        "joins the groups (net-100g); default: --peer-link")
     i = sub.add_parser("inspect", help="report on a saved plan (validated and simulated)")
     i.add_argument("plan", help="a plan file (einpage compile -o)")
     i.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -180,8 +184,10 @@ def cmd_compile(args) -> None:
     if args.devices != 1 or args.micro_batches != "1" or args.parallel != "pipeline":
         from einpage.cli.ranks import compile_ranks
         return compile_ranks(args, profile, device_bytes, over)
-    if args.peer_link != "pcie":
-        raise InputError("--peer-link is the link between devices: add --devices N")
+    for flag, given in (("--peer-link", args.peer_link != "pcie"),
+                        ("--group-link", args.group_link is not None)):
+        if given:
+            raise InputError(f"{flag} is the link between devices: add --devices N")
     if args.max_new_tokens is not None:
         if over:
             print(f"einpage: warning: {over}", file=sys.stderr)

@@ -15,16 +15,24 @@ from einpage.errors import EinpageError, InputError
 from einpage.units import format_size, parse_rate, parse_size
 
 
-def peer_profile(profile, link: str):
-    """`profile` with the device-to-device link `--peer-link` names (a preset or a rate)."""
+def peer_profile(profile, link: str, group_link: str | None = None):
+    """`profile` with the device-to-device link `--peer-link` names (a preset or a rate) and,
+    where given, the link among the devices of a tensor-parallel group (`--group-link`)."""
+    profile = replace(profile, peer_bandwidth=_link(link, "--peer-link"))
+    if group_link is not None:
+        profile = replace(profile, group_bandwidth=_link(group_link, "--group-link"))
+    return profile
+
+
+def _link(text: str, flag: str) -> float | None:
     from einpage.predict.devices import PEER_LINKS
-    if link in PEER_LINKS:
-        return replace(profile, peer_bandwidth=PEER_LINKS[link])
+    if text in PEER_LINKS:
+        return PEER_LINKS[text]
     try:
-        return replace(profile, peer_bandwidth=parse_rate(link, "--peer-link", "B"))
+        return parse_rate(text, flag, "B")
     except InputError:
-        raise InputError(f"--peer-link {link!r}: use one of {', '.join(PEER_LINKS)} or a rate "
-                         "such as 25GB/s") from None
+        raise InputError(f"{flag} {text!r}: use one of {', '.join(PEER_LINKS)} or a rate such "
+                         "as 25GB/s") from None
 
 
 def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
@@ -40,14 +48,18 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
     counts = micro_batch_counts(args.micro_batches, args.batch)
     if args.parallel == "tensor" and counts != [1]:
         raise InputError("--micro-batches pipelines a batch through the devices; tensor "
-                         "parallelism runs it whole (drop it, or --parallel pipeline or auto)")
+                         "parallelism runs it whole (drop it, or --parallel pipeline, hybrid "
+                         "or auto)")
     for flag, value in (("--lookahead", args.lookahead),
                         ("--block-bytes", args.block_bytes), ("--plot", args.plot),
                         ("--max-new-tokens", args.max_new_tokens)):
         if value:
             raise InputError(f"{flag} is an option of a plan for one device; drop it with "
                              "--devices")
-    profile = peer_profile(profile, args.peer_link)
+    if args.group_link is not None and args.parallel not in ("hybrid", "auto"):
+        raise InputError("--group-link is the link within a tensor-parallel group of a "
+                         "pipeline of them: add --parallel hybrid (or auto)")
+    profile = peer_profile(profile, args.peer_link, args.group_link)
     if args.draft is not None:
         if counts != [1]:
             raise InputError("--draft forecasts generation steps, each run whole on the "
@@ -66,16 +78,18 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
                                  device=profile, sources=sources, workload=workload,
                                  host_bytes=host_bytes, host_compute=args.host_compute == "auto")
         kinds = [args.parallel] if args.parallel != "auto" else (
-            ["pipeline", "tensor"] if m == 1 else ["pipeline"])
+            ["pipeline", "tensor", "hybrid"] if m == 1 else ["pipeline", "hybrid"])
         for kind in kinds:
             t0 = time.perf_counter()
             try:
                 plan = compile_parallel(graph, devices, options, kind)
             except EinpageError:
-                if args.parallel == "auto" and kind == "tensor":
+                if args.parallel == "auto" and kind != "pipeline":
                     continue  # a graph tensor parallelism cannot split: the pipeline alone
                 raise
             kept = {**workload, "parallel": kind}
+            if kind == "hybrid":
+                kept["group"] = plan.split.group
             report = ranks_report(plan, profile, m, time.perf_counter() - t0, tokens * m,
                                   tuple(kept.items()))
             tried.append((report.makespan_s, m, plan, report, kept))
@@ -83,8 +97,8 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
     notes = []
     if len(tried) > 1:
         notes.append("tried: " + ", ".join(
-            f"{w['parallel']} x {k}: {_ms(t)}" for t, k, _, _, w in tried)
-            + f"; kept {workload['parallel']} x {m}")
+            f"{_short(w)} x {k}: {_ms(t)}" for t, k, _, _, w in tried)
+            + f"; kept {_short(workload)} x {m}")
     if over:
         notes.append(f"warning: {over}")
     written = Deferred()
@@ -92,7 +106,8 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
             save_programs, pipeline.programs, args.output,
             {**workload, "cut": list(getattr(pipeline.split, "cut", ())),
              "stages": pipeline.split.stages, "host_compute": pipeline.host_compute,
-             "peer_bandwidth": profile.peer_bandwidth}):
+             "peer_bandwidth": profile.peer_bandwidth,
+             "group_bandwidth": profile.group_bandwidth}):
         notes.append(f"plan: {args.output} ({devices} programs, one per rank)")
     if args.trace and written.write(write_ranks_trace, args.trace, pipeline.programs, profile, m):
         notes.append(f"trace: {args.trace} (the ranks simulated together, one process each)")
@@ -126,11 +141,15 @@ def inspect_ranks(args, programs, meta) -> None:
     validate_ranks(programs)
     saved = programs[0].meta.get("device")
     profile = profile_from_args(args, default=saved if saved in PROFILES else None)
-    if meta.get("peer_bandwidth") is not None:
-        profile = replace(profile, peer_bandwidth=float(meta["peer_bandwidth"]))
+    for link in ("peer_bandwidth", "group_bandwidth"):
+        if meta.get(link) is not None:
+            profile = replace(profile, **{link: float(meta[link])})
     bounds = (0, *meta.get("cut", ()), int(meta.get("stages", 0)))
+    group = int(meta.get("group") or 1)  # ranks per tensor-parallel group of a hybrid plan
     if meta.get("parallel") == "tensor":  # every rank runs every stage
         stages = [(0, int(meta.get("stages", 0)) - 1)] * len(programs)
+    elif len(bounds) * group == len(programs) + group:
+        stages = [(bounds[r // group], bounds[r // group + 1] - 1) for r in range(len(programs))]
     elif len(bounds) == len(programs) + 1:
         stages = [(bounds[r], bounds[r + 1] - 1) for r in range(len(programs))]
     else:
@@ -139,7 +158,8 @@ def inspect_ranks(args, programs, meta) -> None:
     tokens = meta.get("tokens")
     report = programs_report(programs, profile, m, stages, bool(meta.get("host_compute", True)),
                              tokens=int(tokens) * m if tokens else None)
-    workload = {k: v for k, v in meta.items() if k in ("model", "phase", "batch", "parallel")}
+    workload = {k: v for k, v in meta.items()
+                if k in ("model", "phase", "batch", "parallel", "group")}
     notes = [f"plan: {args.plan} ({len(programs)} programs, validated together)"]
     written = Deferred()
     if args.trace and written.write(write_ranks_trace, args.trace, programs, profile, m):
@@ -150,7 +170,8 @@ def inspect_ranks(args, programs, meta) -> None:
     else:
         print_ranks(report, str(meta.get("model", args.plan)),
                     {"phase": meta.get("phase", "?"), "batch": meta.get("batch", "?"),
-                     "parallel": meta.get("parallel", "pipeline")}, notes)
+                     "parallel": meta.get("parallel", "pipeline"), "group": meta.get("group")},
+                    notes)
     written.finish()
 
 
@@ -171,9 +192,10 @@ def micro_batch_counts(text: str, batch: int) -> list[int]:
 def print_ranks(r, model: str, workload: dict, notes: list[str], out=None) -> None:
     out = out or sys.stdout  # looked up at the call: a test's capture replaces it
     link = format_size(r.peer_bandwidth) + "/s"
+    if r.group_bandwidth is not None and workload.get("parallel") == "hybrid":
+        link += f", within a group {format_size(r.group_bandwidth)}/s"
     print(f"{model} {workload['phase']} batch {workload['batch']} on {len(r.ranks)} x "
-          f"{format_size(r.device_bytes)} {r.device} (peer link {link}), "
-          f"{workload.get('parallel', 'pipeline')} parallel, "
+          f"{format_size(r.device_bytes)} {r.device} (peer link {link}), {_kind(workload)}, "
           f"{r.micro_batches} micro-batch{'es' if r.micro_batches > 1 else ''}", file=out)
     print(f"{'rank':>4}  {'stages':>7}  {'weights':>9}  {'resident':>9}  {'streamed':>9}  "
           f"{'least':>9}  {'sent':>9}  {'pass':>9}  {'bound':>9}", file=out)
@@ -189,6 +211,22 @@ def print_ranks(r, model: str, workload: dict, notes: list[str], out=None) -> No
           f"{_ms(r.bound_s)}, efficiency {r.efficiency:.3f}{compiled}", file=out)
     for note in notes:
         print(note, file=out)
+
+
+def _short(workload: dict) -> str:
+    """How a plan spreads the model, in a word (a hybrid's stages x group)."""
+    if workload["parallel"] == "hybrid":
+        g = workload["group"]
+        return f"hybrid {workload['devices'] // g}x{g}"
+    return workload["parallel"]
+
+
+def _kind(workload: dict) -> str:
+    """How a plan spreads the model, in words."""
+    kind = workload.get("parallel", "pipeline")
+    if kind == "hybrid":
+        return f"pipeline of tensor-parallel groups of {workload.get('group', '?')}"
+    return f"{kind} parallel"
 
 
 def _ms(seconds: float) -> str:
@@ -259,7 +297,7 @@ def run_ranks_plan(args, programs) -> None:
     from einpage.runners import RanksPass, plan_weights
     from einpage.runtime.comm import MpiCommunicator, mpi_world
     from einpage.runtime.ranks import gather_results, rank_backend, run_rank, run_ranks
-    from einpage.runtime.shards import assemble, gathered_of
+    from einpage.runtime.shards import assemble
     world = len(programs)
     repeat = _passes(args)
     backend = None if args.backend == "numpy" else args.backend
@@ -291,10 +329,9 @@ def run_ranks_plan(args, programs) -> None:
             out = run_rank(mg, comm, batches, weights,
                            backend=rank_backend(backend, rank) if backend else None,
                            repeat=repeat)
-            if gathered_of(mg):  # tensor parallel: every rank holds a slice; rank 0 reports
-                out = assemble(programs, gather_results(comm, programs, out))
-                if rank != 0:
-                    return
+            out = assemble(programs, gather_results(comm, programs, out))  # the slices of a
+            if rank != _reporter(programs):  # tensor-parallel rank's results, on every process
+                return
     else:
         weights = [plan_weights(mg, source) for mg in programs]
         measured = {r: [] for r in range(world)} if _measures(args) else None
@@ -307,6 +344,16 @@ def run_ranks_plan(args, programs) -> None:
     if "logits" in out:
         report_logits(out["logits"], args.out, given.lengths,
                       given.codec if given.text else None)
+
+
+def _reporter(programs) -> int:
+    """The one rank of a run under mpiexec that reports the logits: rank 0 where they are
+    gathered from slices (every rank then has them whole), else the lowest that makes them."""
+    from einpage.runtime.shards import gathered_of
+    if "logits" in gathered_of(programs[-1]):
+        return 0
+    return min((r for r, mg in enumerate(programs)
+                if any(t.name == "logits" for t in mg.results)), default=0)
 
 
 def _show_rank_passes(args, passes, micro_batches: int) -> None:

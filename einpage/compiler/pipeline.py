@@ -481,6 +481,7 @@ class RanksReport:
     chain_s: float = 0.0          # `chain_seconds`
     tokens: int | None = None     # tokens of all micro-batches together
     workload: tuple = ()
+    group_bandwidth: float | None = None  # within a tensor-parallel group (None: the peer link)
 
     @property
     def bound_s(self) -> float:
@@ -495,6 +496,7 @@ class RanksReport:
         out = {"device": self.device, "devices": len(self.ranks),
                "device_bytes": self.device_bytes,
                "peer_bandwidth": self.peer_bandwidth, "micro_batches": self.micro_batches,
+               "group_bandwidth": self.group_bandwidth,
                "makespan_s": self.makespan_s, "bubble": self.bubble, "bound_s": self.bound_s,
                "efficiency": self.efficiency, "compile_seconds": self.compile_seconds,
                "chain_s": self.chain_s,
@@ -537,7 +539,8 @@ def programs_report(programs, profile, micro_batches: int, stages, host_compute:
     chain = 0.0 if host_compute else chain_seconds(programs, profile)
     return RanksReport(profile.name, programs[0].device_bytes, profile.peer_rate,
                        micro_batches, tuple(figures), sim.makespan_s, sim.bubble,
-                       compile_seconds, chain, tokens, tuple(workload))
+                       compile_seconds, chain, tokens, tuple(workload),
+                       profile.group_bandwidth)
 
 
 def chain_seconds(programs, profile) -> float:

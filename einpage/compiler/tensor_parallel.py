@@ -418,16 +418,21 @@ def compile_tensor_parallel(graph: Graph, world: int, options,
     split = shard_graph(graph, world)
     compiled = [compile_fn(g, options) for g in split.graphs]
     programs = join_exchanges(split, [c.memgraph for c in compiled])
-    programs = [replace(mg, meta=MappingProxyType({**mg.meta, "parallel": "tensor",
-                                  "shards": {k: list(v) for k, v in split.shards[r].items()},
-                                  "gathered": dict(split.gathered)}))
-                for r, mg in enumerate(programs)]
+    programs = [with_shards(mg, split, r, parallel="tensor") for r, mg in enumerate(programs)]
     if options.validate:
         from einpage.ir.peers import validate_ranks
         validate_ranks(programs)
     return ParallelPlan(split, tuple(RankPlan(r, mg, c) for r, (mg, c)
                                      in enumerate(zip(programs, compiled))),
                         options.host_compute)
+
+
+def with_shards(mg: MemGraph, split: TensorSplit, r: int, **meta) -> MemGraph:
+    """`mg` (rank r of `split`) with what its meta says of the split: how its inputs are sliced
+    and its outputs gathered, and `meta`."""
+    return replace(mg, meta=MappingProxyType({
+        **mg.meta, **meta, "shards": {k: list(v) for k, v in split.shards[r].items()},
+        "gathered": dict(split.gathered)}))
 
 
 # ------------------------------------------------------------------ joining the programs

@@ -9,10 +9,15 @@ and recvs, and that it computes its rank graph). Across ranks:
   with no recv, a recv with no send, or a tag used twice, is refused); the pair agrees on the
   value (the sender's output name is the receiver's input name), the box (the output block's
   origin and shape are the recv's), the dtype and the bytes;
-- every send goes to a higher rank (a pipeline), or every message belongs to an *exchange* (a
-  tensor-parallel all-reduce, `einpage.compiler.tensor_parallel`) and each rank keeps the
-  exchanges' order: a recv of exchange k depends on every send of exchange k of its own rank,
-  and a send of exchange k depends on every recv of the exchange before k on its rank.
+- a message is a pipeline's (its value `pipe.<node>`) or belongs to an *exchange* (a
+  tensor-parallel all-reduce, `einpage.compiler.tensor_parallel`). The ranks that exchanges
+  join form *groups* (every rank alone, where there are none; all of them, for tensor
+  parallelism; consecutive ranks of each stage, for a pipeline of tensor-parallel groups,
+  `einpage.compiler.hybrid`). Every pipeline message goes to a later group (ordered by their
+  lowest ranks; for ranks alone: to a higher rank), and within each group every rank takes part
+  in the exchanges in one order and keeps it: a recv of exchange k depends on every send of
+  exchange k of its own rank, and a send of exchange k depends on every recv of the exchange
+  before k on its rank.
 
 A file holds the programs of every rank (`save_programs`, `load_programs`): `{"format":
 "einpage.ranks", "version": 2, "world": N, "meta": {...}, "programs": [plan, ...]}`, each plan
@@ -24,6 +29,12 @@ however long its sends wait to be matched: rank 0 receives nothing, so it runs t
 induction, when ranks 0..r-1 run to the end, every send to rank r is posted, so each recv of
 rank r is eventually matched and rank r runs to the end too. A pipeline's stages send only
 forward, so this costs nothing.
+
+Both together (a pipeline of groups): the first group receives no pipeline message, so the
+exchange argument below holds for it alone and it runs to the end; by induction, when the
+groups before group g have run to the end, every pipeline message to group g has been posted,
+so a rank of group g can wait for good only at a recv of an exchange, and the argument holds for
+group g.
 
 Why the exchange rule is enough, when messages go both ways (sends never wait to be matched:
 they are posted and the rank goes on). Exchanges are numbered in the order every rank keeps.
@@ -54,7 +65,8 @@ from einpage.ir.validator import ValidationReport, checked
 #: receiver's input
 BOUNDARY_PREFIX = "pipe."
 #: the name a partial sum of a tensor-parallel all-reduce leaves its rank under; rank r receives
-#: rank q's as `<name>.<q>`
+#: rank q's as `<name>.<q>`, q the sender's place in its group (its rank, where one group holds
+#: every rank)
 EXCHANGE_PREFIX = "tp."
 
 
@@ -115,7 +127,8 @@ def validate_ranks(programs: Sequence[MemGraph]) -> tuple[ValidationReport, ...]
                     raise PlanError(f"rank {q}: node %{n.id} (send) and node %{sends[key][1].id} "
                                     f"both send to rank {n.peer} under tag {n.tag}")
                 sends[key] = (q, n)
-    backward = [(q, s) for q, s in sends.values() if s.peer <= q]
+    kinds = {key: _exchange(programs[q], s) is not None for key, (q, s) in sends.items()}
+    group = _groups(world, [(q, r) for (q, r, _), exchange in kinds.items() if exchange])
     for r, mg in enumerate(programs):
         inputs = {t.name: t for t in mg.inputs}
         for n in mg.nodes:
@@ -126,13 +139,37 @@ def validate_ranks(programs: Sequence[MemGraph]) -> tuple[ValidationReport, ...]
                 raise PlanError(f"rank {r}: node %{n.id} (recv) waits for tag {n.tag} from rank "
                                 f"{n.peer}, which sends no such message")
             q, s = sends.pop(key)
-            _check_pair(programs[q], q, s, mg, r, n, inputs[n.input])
+            _check_pair(programs[q], q, s, mg, r, n, inputs[n.input], q - group[q])
     for (q, r, tag), (_, s) in sorted(sends.items()):
         raise PlanError(f"rank {q}: node %{s.id} (send) sends tag {tag} to rank {r}, which "
                         "receives no such message")
-    if backward:
-        _check_exchanges(programs, backward[0])
+    for (q, r, tag), exchange in sorted(kinds.items()):
+        if not exchange and group[r] <= group[q]:
+            where = (f"rank {r}, a rank of its own group" if group[r] == group[q] else
+                     f"rank {r}, of a group before its own")
+            raise PlanError(f"rank {q}: a pipeline's message (tag {tag}) goes back to {where}: "
+                            "a pipeline sends only to later ranks, and messages go both ways "
+                            "only within all-reduces")
+    if any(kinds.values()):
+        _check_exchanges(programs, group)
     return tuple(reports)
+
+
+def _groups(world: int, pairs) -> list[int]:
+    """Each rank's group: the ranks that exchange messages join, numbered by their lowest rank
+    (a rank alone is a group of its own)."""
+    parent = list(range(world))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for q, r in pairs:
+        a, b = find(q), find(r)
+        parent[max(a, b)] = min(a, b)
+    return [find(r) for r in range(world)]
 
 
 def _exchange(mg: MemGraph, n) -> tuple[int, tuple[int, ...]] | None:
@@ -147,21 +184,24 @@ def _exchange(mg: MemGraph, n) -> tuple[int, tuple[int, ...]] | None:
     return (found[0], origin) if found else None
 
 
-def _check_exchanges(programs: Sequence[MemGraph], backward: tuple[int, SendNode]) -> None:
-    """The exchange rule (the module's docstring): each rank's exchanges, in the order of its
-    first send of each, are the same sequence on every rank, and each rank's program keeps it."""
-    orders = [_check_exchange_order(mg, backward) for mg in programs]
+def _check_exchanges(programs: Sequence[MemGraph], group: list[int]) -> None:
+    """The exchange rule (the module's docstring): within each group, each rank's exchanges, in
+    the order of its first send of each, are the same sequence on every rank, and each rank's
+    program keeps it."""
+    orders = [_check_exchange_order(mg) for mg in programs]
     for r, got in enumerate(orders):
-        if got != orders[0]:
-            at = next((i for i, (a, b) in enumerate(zip(got, orders[0])) if a != b),
-                      min(len(got), len(orders[0])))
-            raise PlanError(f"rank {r} takes part in the exchanges in another order than rank 0 "
-                            f"(they differ at position {at}): the ranks could deadlock")
+        first = group[r]
+        if got != orders[first]:
+            at = next((i for i, (a, b) in enumerate(zip(got, orders[first])) if a != b),
+                      min(len(got), len(orders[first])))
+            raise PlanError(f"rank {r} takes part in the exchanges in another order than rank "
+                            f"{first} (they differ at position {at}): the ranks could deadlock")
 
 
-def _check_exchange_order(mg: MemGraph, backward: tuple[int, SendNode]) -> list:
+def _check_exchange_order(mg: MemGraph) -> list:
     """One rank's exchanges in order, checked: a recv of an exchange waits for every send of
-    it on this rank, a send for every recv of the exchange before."""
+    it on this rank, a send for every recv of the exchange before (a pipeline's messages take
+    no part)."""
     from einpage.ir.ancestry import Ancestry
     r = mg.rank
     sends: dict[tuple, list[int]] = {}
@@ -169,12 +209,8 @@ def _check_exchange_order(mg: MemGraph, backward: tuple[int, SendNode]) -> list:
     for n in mg.nodes:
         if isinstance(n, (SendNode, RecvNode)):
             e = _exchange(mg, n)
-            if e is None:
-                q, s = backward
-                raise PlanError(f"rank {r}: node %{n.id} ({n.kind}) is a pipeline's message, "
-                                f"but rank {q}'s node %{s.id} sends back to rank {s.peer}: "
-                                "messages go both ways only within all-reduces")
-            (sends if isinstance(n, SendNode) else recvs).setdefault(e, []).append(n.id)
+            if e is not None:
+                (sends if isinstance(n, SendNode) else recvs).setdefault(e, []).append(n.id)
     for e, ids in recvs.items():
         if e not in sends:
             raise PlanError(f"rank {r}: node %{ids[0]} (recv) is of an exchange this rank sends "
@@ -200,13 +236,15 @@ def _check_exchange_order(mg: MemGraph, backward: tuple[int, SendNode]) -> list:
 
 
 def _check_pair(sender: MemGraph, q: int, s: SendNode, receiver: MemGraph, r: int,
-                n: RecvNode, whole) -> None:
+                n: RecvNode, whole, place: int) -> None:
+    """A send and the recv it pairs with agree (`place`: the sender's place in its group, which
+    names its addend of an exchange on the receivers)."""
     t = sender.tensors[s.tensor]
     out = next((o for o in sender.outputs if o.tensor == s.tensor), None)
     where = f"rank {q} node %{s.id} (send) and rank {r} node %{n.id} (recv), tag {n.tag}"
     pair = exchange_of(n.input)
     same = out is not None and (out.name == n.input or (
-        pair is not None and pair[1] == q and out.name == exchange_name(pair[0])))
+        pair is not None and pair[1] == place and out.name == exchange_name(pair[0])))
     if not same:
         raise PlanError(f"{where}: rank {q} sends {out.name if out else t.name!r}, rank {r} "
                         f"receives {n.input!r}")

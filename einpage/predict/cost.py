@@ -147,9 +147,11 @@ def d2h_seconds(profile: DeviceProfile, nbytes: int) -> float:
     return nbytes / profile.d2h_bandwidth + profile.copy_latency
 
 
-def peer_seconds(profile: DeviceProfile, nbytes: int) -> float:
-    """A send to a peer device: its bytes over the peer link plus the copy latency."""
-    return nbytes / profile.peer_rate + profile.copy_latency
+def peer_seconds(profile: DeviceProfile, nbytes: int, in_group: bool = False) -> float:
+    """A send to a peer device: its bytes over the peer link (the group's, `in_group`: to a
+    device of the sender's own tensor-parallel group of a pipeline of them) plus the copy
+    latency."""
+    return nbytes / (profile.group_rate if in_group else profile.peer_rate) + profile.copy_latency
 
 
 def disk_seconds(profile: DeviceProfile, nbytes: int) -> float:

@@ -59,10 +59,17 @@ class DeviceProfile:
     #: bytes/s from this device to a peer device (a pipeline's sends); None: a PCIe peer copy,
     #: at the host link's rate (`PEER_LINKS` names others)
     peer_bandwidth: float | None = None
+    #: bytes/s among the devices of one tensor-parallel group of a pipeline of them (one
+    #: machine's GPUs over NVLink, where the groups talk over a network); None: the peer link
+    group_bandwidth: float | None = None
 
     @property
     def peer_rate(self) -> float:
         return self.peer_bandwidth if self.peer_bandwidth is not None else self.d2h_bandwidth
+
+    @property
+    def group_rate(self) -> float:
+        return self.group_bandwidth if self.group_bandwidth is not None else self.peer_rate
 
     def replayed(self) -> "DeviceProfile":
         """This profile for a pass replayed as one captured graph: each kernel costs the graph's
@@ -87,7 +94,9 @@ class DeviceProfile:
                 **({"graph_launch_overhead": self.graph_launch_overhead}
                    if self.graph_launch_overhead is not None else {}),
                 **({"peer_bandwidth": self.peer_bandwidth}
-                   if self.peer_bandwidth is not None else {})}
+                   if self.peer_bandwidth is not None else {}),
+                **({"group_bandwidth": self.group_bandwidth}
+                   if self.group_bandwidth is not None else {})}
 
 
 T = 1e12
@@ -202,7 +211,9 @@ def load_device_file(path: str | Path, name: str | None = None) -> DeviceProfile
                                    _non_negative(data["graph_launch_overhead"],
                                                  "graph_launch_overhead")),
             peer_bandwidth=(None if data.get("peer_bandwidth") is None else
-                            _positive(data["peer_bandwidth"], "peer_bandwidth")))
+                            _positive(data["peer_bandwidth"], "peer_bandwidth")),
+            group_bandwidth=(None if data.get("group_bandwidth") is None else
+                             _positive(data["group_bandwidth"], "group_bandwidth")))
     except InputError as exc:
         raise InputError(f"{path}: {exc}") from None
     return profile

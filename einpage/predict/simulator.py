@@ -17,7 +17,8 @@ is read, once.
 Efficiency is lower bound / makespan.
 
 A program of one rank of several also runs its sends, in order, on a sixth engine, the link to
-its peers (`peer_seconds`: bytes over the profile's peer link); a recv takes no time and
+its peers (`peer_seconds`: bytes over the profile's peer link, or its group link for a message
+within a tensor-parallel group of a pipeline of them); a recv takes no time and
 finishes when its message arrives (`arrivals`: the matched send's end on the sender's clock).
 `simulate_ranks` runs the programs of a pipeline together, `micro_batches` passes of each in a
 row (a rank's next pass starts when its last one ended: the passes share the arena's offsets),
@@ -80,6 +81,7 @@ class Simulation:
 def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
     """Predicted duration of every node (0 for input and free)."""
     tensors = mg.tensors
+    group = mg.meta.get("group") if mg.meta.get("parallel") == "hybrid" else None
     out = []
     priced: dict = {}  # blocks of one layer repeat: price each distinct (op, shapes) once
     for n in mg.nodes:
@@ -100,7 +102,8 @@ def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
         elif n.kind == "read":
             out.append(disk_seconds(profile, tensors[n.tensor].bytes))
         elif n.kind == "send":
-            out.append(peer_seconds(profile, tensors[n.tensor].bytes))
+            out.append(peer_seconds(profile, tensors[n.tensor].bytes,
+                                    group is not None and n.peer // group == mg.rank // group))
         else:
             out.append(0.0)
     return out

@@ -148,31 +148,49 @@ def run_ranks(programs: Sequence[MemGraph], inputs: Inputs | Sequence[Inputs] | 
 
 def gather_results(comm: Communicator, programs: Sequence[MemGraph],
                    mine: Mapping[str, np.ndarray]) -> dict[int, Mapping[str, np.ndarray]]:
-    """Under MPI, every rank's results of a tensor-parallel plan on every process (for
-    `shards.assemble`): each rank sends the slices of the gathered outputs it holds, packed in
-    one message, to every other rank; the replicated ones are equal everywhere. A plan that
-    gathers nothing (a pipeline's) gives this rank's alone."""
+    """Under MPI, every rank's results of a tensor-parallel plan (or of a pipeline of
+    tensor-parallel groups) on every process (for `shards.assemble`): each rank sends the slices
+    of the gathered outputs it holds, packed in one message, to every other rank, and takes each
+    other rank's, whose sizes its program says; the replicated ones are equal on the ranks that
+    make them. A plan that gathers nothing (a pipeline's) gives this rank's alone."""
     from einpage.runtime.shards import gathered_of
-    names = sorted(n for n in gathered_of(programs[comm.rank]) if n in mine)
-    if not names:
+
+    def packed_names(q: int) -> list[str]:
+        made = {t.name for t in programs[q].results}
+        return sorted(n for n in gathered_of(programs[q]) if n in made)
+
+    if not any(packed_names(q) for q in range(comm.world)):
         return {comm.rank: mine}
-    parts = [np.ascontiguousarray(mine[n]) for n in names]
-    packed = np.concatenate([p.reshape(-1).view(np.uint8) for p in parts])
-    for q in range(comm.world):
-        if q != comm.rank:
-            comm.send(packed, q, GATHER_TAG)
+    names = packed_names(comm.rank)
+    if names:
+        packed = np.concatenate([np.ascontiguousarray(mine[n]).reshape(-1).view(np.uint8)
+                                 for n in names])
+        for q in range(comm.world):
+            if q != comm.rank:
+                comm.send(packed, q, GATHER_TAG)
     outs: dict[int, Mapping[str, np.ndarray]] = {comm.rank: mine}
     for q in range(comm.world):
-        if q == comm.rank:
+        theirs = packed_names(q)
+        if q == comm.rank or not theirs:
             continue
-        got = np.empty_like(packed)
+        results = {t.name: t for t in programs[q].results}
+        shapes = {n: _result_shape(programs[q], results[n]) for n in theirs}
+        got = np.empty(sum(int(np.prod(s)) * results[n].dtype.itemsize
+                           for n, s in shapes.items()), np.uint8)
         comm.recv(got, q, GATHER_TAG)
-        theirs, at = dict(mine), 0
-        for n, p in zip(names, parts):  # every rank's slice has the shape of this rank's
-            theirs[n] = got[at:at + p.nbytes].view(p.dtype).reshape(p.shape)
-            at += p.nbytes
-        outs[q] = theirs
+        outs[q], at = {}, 0
+        for n in theirs:
+            size = int(np.prod(shapes[n])) * results[n].dtype.itemsize
+            outs[q][n] = got[at:at + size].view(results[n].dtype.numpy).reshape(shapes[n])
+            at += size
     return outs
+
+
+def _result_shape(mg: MemGraph, result) -> tuple[int, ...]:
+    """The shape rank `mg.rank`'s result arrives in: its micro-batches' joined along the batch
+    (`run_rank`)."""
+    m = int(mg.meta.get("micro_batches", 1))
+    return (int(result.shape[0]) * m, *(int(s) for s in result.shape[1:]))
 
 
 def run_together(jobs: Mapping[int, Callable[[], object]], comms) -> dict[int, object]:

@@ -123,12 +123,14 @@ def whole_shape(mg: MemGraph, name: str, shape: Sequence[int]) -> tuple[int, ...
     if box is None:
         return tuple(shape)
     axis, start, stop = box
-    return tuple(s * mg.world if a == axis else s for a, s in enumerate(shape))
+    parts = int(mg.meta.get("group") or mg.world)  # the ranks the input is split over
+    return tuple(s * parts if a == axis else s for a, s in enumerate(shape))
 
 
 def assemble(programs: Sequence[MemGraph], outs: Mapping[int, Mapping[str, np.ndarray]]
              ) -> dict[str, np.ndarray]:
-    """The model's results from each rank's (`outs[r]`): a gathered output is its ranks' slices
+    """The model's results from each rank's (`outs[r]`): a gathered output is the slices of the
+    ranks that make it (every rank of a tensor-parallel plan, a group of a pipeline of them)
     joined along its axis, in rank order; any other is taken from the lowest rank that has it
     (a tensor-parallel rank's replicated outputs are equal on every rank; a pipeline's are made
     on one). Values that only cross ranks are left out."""
@@ -140,10 +142,13 @@ def assemble(programs: Sequence[MemGraph], outs: Mapping[int, Mapping[str, np.nd
             if is_boundary(name) or name in merged:
                 continue
             if name in gathered:
-                if len(ranks) != len(programs):
-                    raise ValueError(f"{name!r} is gathered from every rank; the results of "
-                                     f"{len(ranks)} of {len(programs)} are here")
-                merged[name] = np.concatenate([outs[q][name] for q in ranks],
+                makers = [q for q, mg in enumerate(programs)
+                          if any(t.name == name for t in mg.results)]
+                missing = [q for q in makers if q not in outs]
+                if missing:
+                    raise ValueError(f"{name!r} is gathered from ranks {makers}; the results "
+                                     f"of {missing} are not here")
+                merged[name] = np.concatenate([outs[q][name] for q in makers],
                                               axis=gathered[name])
             else:
                 merged[name] = value
