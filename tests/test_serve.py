@@ -390,11 +390,12 @@ def test_greedy_takes_a_seed_and_a_key_of_any_text_is_checked(server):
     assert r.status_code == 401
 
 
-@pytest.mark.parametrize("parallel", ["tensor", "pipeline"])
-def test_the_engine_serves_a_model_spread_over_two_devices(model, parallel):
+@pytest.mark.parametrize("parallel,devices", [("tensor", 2), ("pipeline", 2), ("hybrid", 4)])
+def test_the_engine_serves_a_model_spread_over_several_devices(model, parallel, devices):
     """Every rank in this process (a `RanksRunner`): the joining requests answer as alone."""
     _, cfg, weights, codec, _ = model
-    run = runners.RanksRunner(weights, CompileOptions(BUDGET), 2, "threads", parallel=parallel)
+    run = runners.RanksRunner(weights, CompileOptions(BUDGET), devices, "threads",
+                              parallel=parallel)
     engine = Engine(cfg, run, codec, max_batch=4, context=256, granule=64)
     engine.start()
     try:
