@@ -60,3 +60,10 @@ class Interrupted(ExecutionError):
 
 class BackendError(EinpageError):
     """A runtime backend that cannot be used here (no GPU, CuPy missing) or an unknown one."""
+
+
+def named(exc: EinpageError, what: str) -> EinpageError:
+    """`exc` again, of its own type, its message led by `what` (the draft model, say)."""
+    if isinstance(exc, BudgetError):
+        return BudgetError(f"{what}: {exc}", exc.needed, exc.available)
+    return type(exc)(f"{what}: {exc}")

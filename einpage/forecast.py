@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from einpage.compiler import CompileOptions, Compiled, compile_graph
-from einpage.errors import InputError
+from einpage.errors import BudgetError, InputError, PlanError, named
 from einpage.models import llama, schema
 from einpage.models.config import LlamaConfig
 from einpage.models.kvstore import GRANULE, bucket_steps
@@ -275,12 +275,15 @@ def forecast_speculation(cfg: LlamaConfig, batch: int, capacity: int, acceptance
             raise InputError(f"the draft takes {format_size(draft_bytes)} of the "
                              f"{format_size(options.device_bytes)} budget: no room is left for "
                              "the model (a larger --gpu-mem, or a smaller --draft-gpu-mem)")
-        drafted = step(
-            llama.decode_graph(draft).bind(B=batch, C=capacity + max(ks) + 1),
-            replace(options, device_bytes=draft_bytes or None,
-                    sources={n: schema.hf_tensor(n) for n in schema.weight_shapes(draft)},
-                    workload={"model": draft.name, "batch": batch, "phase": "decode",
-                              "role": "draft", "tokens": batch}))
+        try:
+            drafted = step(
+                llama.decode_graph(draft).bind(B=batch, C=capacity + max(ks) + 1),
+                replace(options, device_bytes=draft_bytes or None,
+                        sources={n: schema.hf_tensor(n) for n in schema.weight_shapes(draft)},
+                        workload={"model": draft.name, "batch": batch, "phase": "decode",
+                                  "role": "draft", "tokens": batch}))
+        except (PlanError, BudgetError) as exc:
+            raise named(exc, f"the draft model {draft.name}") from None
         if options.device_bytes is not None:
             options = replace(options, device_bytes=options.device_bytes - draft_bytes)
     if devices > 1:

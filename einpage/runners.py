@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from einpage.compiler import CompileOptions, Compiled, compile_graph
-from einpage.errors import BudgetError
+from einpage.errors import BudgetError, PlanError, named
 from einpage.ir.graph import Graph
 from einpage.ir.memgraph import MemGraph
 from einpage.ir.tensors import WeightSource
@@ -345,7 +345,7 @@ class RanksRunner:
 
     def __init__(self, weights: WeightSource, options: CompileOptions, world: int,
                  backend: str = "threads", comm=None, parallel: str = "pipeline",
-                 timing: bool | str = False):
+                 timing: bool | str = False, role: str | None = None):
         from einpage.runtime.backends import resolve
         if backend not in ("threads", "cupy", "auto"):
             from einpage.errors import InputError
@@ -357,6 +357,7 @@ class RanksRunner:
             raise InputError(f"parallel {parallel!r}: one of {', '.join(PARALLEL)}")
         self.weights, self.options, self.world, self.comm = weights, options, world, comm
         self.parallel = parallel
+        self.role = role  # what it runs, named in a plan's error (a draft model)
         self.backend = resolve(backend)
         if timing and comm is not None:
             from einpage.errors import InputError
@@ -382,8 +383,13 @@ class RanksRunner:
         if graph not in self._plans:
             from einpage.compiler.parallel import compile_parallel
             t0 = time.perf_counter()
-            pipeline = compile_parallel(graph, self.world, self.options, self.parallel,
-                                        cut=self.cut, group=self.group)
+            try:
+                pipeline = compile_parallel(graph, self.world, self.options, self.parallel,
+                                            cut=self.cut, group=self.group)
+            except (PlanError, BudgetError) as exc:
+                if self.role is None:
+                    raise
+                raise named(exc, self.role) from None
             if self.comm is not None:  # every process compiles: the same programs, or stop
                 from einpage.ir.peers import messages_digest
                 from einpage.runtime.ranks import check_same
@@ -427,9 +433,10 @@ class RanksRunner:
 class RanksSession:
     """The programs of every rank held open for many passes: a `StreamSession` per rank of this
     process. A pass runs every rank (in this process, one thread each) and returns the results
-    the driver needs: under MPI the last rank sends its `logits` to every other rank (tag
-    `RESULTS_TAG`), so that each process picks the same next token, and each has its own
-    layers' new KV rows."""
+    the driver needs: under MPI every process gets the logits whole, so that each picks the
+    same next token (gathered from the slices of the ranks that make them, or sent by the last
+    rank under tag `RESULTS_TAG` to every rank that does not make them), and the new KV rows of
+    its own layers (`runtime.ranks.gather_results`)."""
 
     def __init__(self, runner: RanksRunner, programs):
         from einpage.runtime.comm import LocalCommunicator
@@ -466,7 +473,7 @@ class RanksSession:
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         from einpage.runtime.ranks import RESULTS_TAG, gather_results, run_together
-        from einpage.runtime.shards import assemble, gathered_of
+        from einpage.runtime.shards import assemble, gathered_of, makers_of
         from einpage.runtime.shards import rank_inputs
         results = run_together({r: (lambda r=r, s=s: s.run(rank_inputs(self.programs[r],
                                                                        inputs)))
@@ -484,8 +491,7 @@ class RanksSession:
         if comm is not None and "logits" not in gathered_of(self.programs[last]):
             # made whole on the last rank (and on the others of its group, if any): it sends
             # them to every rank that does not make them, so each picks the same next token
-            makers = {r for r, mg in enumerate(self.programs)
-                      if any(t.name == "logits" for t in mg.results)}
+            makers = makers_of(self.programs, "logits")
             if comm.rank == last:
                 for r in range(len(self.programs)):
                     if r not in makers:

@@ -101,6 +101,18 @@ def test_a_draft_models_share_of_each_device_is_searched_as_compile_does(hf_fixt
     assert got["draft_bytes"] == f["draft_bytes"] and got["tokens"] == plain["tokens"]
 
 
+def test_a_draft_that_cannot_spread_as_the_model_is_named(hf_fixture, capsys):
+    """The draft has fewer layers than the model: 4 pipeline stages fit the model, not it."""
+    model, draft = hf_fixture("tiny-llama31"), hf_fixture("tiny-llama31-draft")
+    one_line(capsys, cli("compile", model, "--phase", "decode", "--past", 8, "--devices", 4,
+                         "--draft", draft, "--gpu-mem", "300KB"),
+             "the draft model tiny-llama31-draft: 4 devices for a graph of 3 stages")
+    one_line(capsys, cli("generate", model, "--tokens", "1,2,3", "--max-new-tokens", 3,
+                         "--devices", 4, "--draft", draft, "--gpu-mem", "300KB",
+                         "--draft-gpu-mem", "50KB"),
+             "the draft model tiny-llama31-draft: 4 devices for a graph of 3 stages")
+
+
 def test_timing_on_two_devices_prints_every_ranks_pass_and_the_joint_prediction(hf_fixture,
                                                                                capsys):
     path = hf_fixture("tiny-llama-f32")

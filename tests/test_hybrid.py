@@ -157,6 +157,61 @@ def test_the_validator_refuses_broken_hybrid_programs(prefill, hybrid, monkeypat
         validate_ranks([a, b, c, other.programs[3]])
 
 
+def _messages_only(rank: int, world: int, items):
+    """A program of sends and recvs alone (the cross-rank rules under test; each program's own
+    validation stubbed out): items ('send', output name, peer, tag, deps) or ('recv', input
+    name, peer, tag, deps), one element of f32 each."""
+    from einpage.ir.dtypes import DType
+    from einpage.ir.memgraph import MemGraph, OutputRef, TensorInfo
+    from einpage.ir.tensors import LogicalTensor
+    tensors, nodes, outputs, inputs = [], [], [], {}
+    for i, (kind, name, peer, tag, deps) in enumerate(items):
+        if kind == "send":
+            tensors.append(TensorInfo(len(tensors), 4, DType.f32, (1,), name))
+            outputs.append(OutputRef(tensors[-1].id, "host", None, name, (0,)))
+            nodes.append(SendNode(i, tensors[-1].id, None, peer, tag, tuple(deps)))
+        else:
+            inputs[name] = LogicalTensor(name, "activation", (1,), DType.f32)
+            nodes.append(RecvNode(i, name, (0,), (1,), peer, tag, tuple(deps)))
+    return MemGraph(1024, tuple(tensors), tuple(nodes), tuple(outputs), tuple(inputs.values()),
+                    rank=rank, world=world)
+
+
+def test_a_send_after_an_exchange_this_rank_only_sends_in_waits_for_those_sends(monkeypatch):
+    """Rank 0 sends in exchange 1 and receives nothing of it: its send of exchange 2 must
+    still wait for that send, or rank 0 could block at its recv of exchange 2 before posting
+    the message of exchange 1 that rank 1 waits for (a deadlock the review found the rule let
+    through)."""
+    import einpage.ir.peers as peers
+    monkeypatch.setattr(peers, "checked", lambda mg: None)
+
+    def rank0(deps):
+        return _messages_only(0, 3, [("send", "tp.1", 1, 0, ()), ("send", "tp.2", 1, 1, deps),
+                                     ("recv", "tp.2.1", 1, 1, (1,))])
+
+    r1 = _messages_only(1, 3, [("send", "tp.1", 2, 0, ()), ("recv", "tp.1.0", 0, 0, (0,)),
+                               ("recv", "tp.1.2", 2, 0, (0,)), ("send", "tp.2", 0, 1, (1, 2)),
+                               ("send", "tp.2", 2, 1, (1, 2)), ("recv", "tp.2.0", 0, 1, (3, 4)),
+                               ("recv", "tp.2.2", 2, 1, (3, 4))])
+    r2 = _messages_only(2, 3, [("send", "tp.1", 1, 0, ()), ("recv", "tp.1.1", 1, 0, (0,)),
+                               ("send", "tp.2", 1, 1, (1,)), ("recv", "tp.2.1", 1, 1, (2,))])
+    with pytest.raises(PlanError, match=r"node %1 \(send of exchange 2 .* does not wait for "
+                                        r"node %0 \(send of the exchange before\)"):
+        validate_ranks([rank0(()), r1, r2])
+    validate_ranks([rank0((0,)), r1, r2])
+
+
+def test_a_pipeline_message_within_a_group_is_refused(monkeypatch):
+    import einpage.ir.peers as peers
+    monkeypatch.setattr(peers, "checked", lambda mg: None)
+    a = _messages_only(0, 2, [("send", "tp.1", 1, 0, ()), ("recv", "tp.1.1", 1, 0, (0,)),
+                              ("send", "pipe.7", 1, 1, (1,))])
+    b = _messages_only(1, 2, [("send", "tp.1", 0, 0, ()), ("recv", "tp.1.0", 0, 0, (0,)),
+                              ("recv", "pipe.7", 0, 1, ())])
+    with pytest.raises(PlanError, match="goes back to rank 1, a rank of its own group"):
+        validate_ranks([a, b])
+
+
 def test_auto_keeps_the_fastest_of_pipeline_tensor_and_hybrid():
     prefill = llama.prefill_graph(SMALL).bind(B=1, S=4)
     options = CompileOptions(SMALL.weight_bytes() // 8, block_bytes=32768)
@@ -168,7 +223,7 @@ def test_auto_keeps_the_fastest_of_pipeline_tensor_and_hybrid():
             for kind in ("pipeline", "tensor", "hybrid")}
     auto = compile_parallel(prefill, 4, options, "auto")
     assert seconds(auto) == pytest.approx(min(each.values()), rel=1e-9)
-    with pytest.raises(PlanError, match="needs 4 devices or more"):
+    with pytest.raises(PlanError, match="needs two groups of two devices or more"):
         compile_parallel(prefill, 2, options, "hybrid")
     with pytest.raises(PlanError, match="groups of 4 needs a multiple of 4 devices, at least 8"):
         compile_hybrid(prefill, 6, 4, options)
@@ -211,9 +266,15 @@ def test_compile_inspect_run_and_generate_on_four_devices(hf_fixture, tmp_path, 
                "--out", tmp_path / "new.npy") == 0
     np.testing.assert_array_equal(np.load(tmp_path / "new.npy"), np.load(f32 / "greedy_out.npy"))
     one_line(capsys, cli("compile", f32, "--gpu-mem", "200KB", "--devices", 2, "--parallel",
-                         "hybrid"), "needs 4 devices or more")
+                         "hybrid"), "needs two groups of two devices or more")
     one_line(capsys, cli("compile", f32, "--gpu-mem", "200KB", "--devices", 4, "--group-link",
                          "nvlink"), "--group-link is the link within a tensor-parallel group")
+    # more devices than the 4 stages: auto keeps what can be made (the pipeline cannot)
+    assert cli("compile", f32, "--gpu-mem", "1MB", "--seq", 5, "--devices", 8, "--parallel",
+               "auto", "--quiet", "--json") == 0
+    r = json.loads(capsys.readouterr().out)
+    (note,) = [n for n in r["notes"] if n.startswith("tried: ")]
+    assert "pipeline" not in note and "tensor x 1" in note and "hybrid " in note
     one_line(capsys, cli("compile", f32, "--gpu-mem", "200KB", "--group-link", "nvlink"),
              "--group-link is the link between devices: add --devices N")
     assert cli("compile", f32, "--gpu-mem", "200KB", "--seq", 5, "--devices", 4, "--parallel",
@@ -227,7 +288,23 @@ def test_compile_inspect_run_and_generate_on_four_devices(hf_fixture, tmp_path, 
 
 @needs_mpi
 def test_one_process_per_device_under_mpiexec(hf_fixture, tmp_path):
+    """A generation, and a saved plan of two micro-batches (each rank's results joined along
+    the batch before they are gathered)."""
     f32 = hf_fixture("tiny-llama-f32")
+    tokens = tmp_path / "ids.npy"
+    np.save(tokens, np.array([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]))
+    for name, extra in (("one.json", ()), ("mb.json", ("--devices", 4, "--parallel", "hybrid",
+                                                        "--micro-batches", 2))):
+        assert cli("compile", f32, "--gpu-mem", "200KB", "--seq", 5, "--batch", 2, "--quiet",
+                   "-o", tmp_path / name, *extra) == 0
+    assert cli("run", tmp_path / "one.json", "--checkpoint", f32, "--tokens-file", tokens,
+               "--out", tmp_path / "one.npy") == 0
+    rc, output, _ = mpiexec(4, [EINPAGE, "run", tmp_path / "mb.json", "--checkpoint", f32,
+                                "--tokens-file", tokens, "--out", tmp_path / "mb.npy"],
+                            timeout=120)
+    assert rc == 0, output
+    np.testing.assert_allclose(np.load(tmp_path / "mb.npy"), np.load(tmp_path / "one.npy"),
+                               rtol=1e-5, atol=1e-6)
     rc, output, _ = mpiexec(4, [EINPAGE, "generate", f32, "--tokens-file",
                                 f32 / "greedy_prompt.npy", "--max-new-tokens", 5, "--ignore-eos",
                                 "--gpu-mem", "200KB", "--devices", 4, "--parallel", "hybrid",

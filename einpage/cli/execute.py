@@ -167,11 +167,13 @@ def add_commands(sub) -> None:
                           "decode_tokens_per_s, ...")
 
 
-def _runner(args, weights, reserved: int = 0, budget: int | None = None, timed: bool = True):
+def _runner(args, weights, reserved: int = 0, budget: int | None = None, timed: bool = True,
+            role: str | None = None):
     """Graph runner: the dense reference, or a plan per graph run on the chosen backend.
     `reserved`: bytes of --gpu-mem (--arena) another runner takes (a draft model's); `budget`:
     this runner's own instead (the draft's); `timed` False: its passes are not kept for
-    --timing / --trace (a draft model's, which they do not show)."""
+    --timing / --trace (a draft model's, which they do not show); `role`: what the runner runs,
+    where an error of its plans for several devices must say it (the draft model)."""
     from einpage import runners
     if (args.device or args.device_file) and not args.timing:
         raise InputError("--device and --device-file price the passes --timing prints: add "
@@ -198,7 +200,7 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None, timed: 
         budget = None  # no --gpu-mem: the draft is not constrained either
     if getattr(args, "devices", 1) != 1 or getattr(args, "parallel", "pipeline") != "pipeline":
         from einpage.cli.ranks import ranks_runner
-        return ranks_runner(args, weights, budget, timed)
+        return ranks_runner(args, weights, budget, timed, role)
     if args.policy and budget is None:
         raise InputError("--policy chooses what a --gpu-mem budget evicts: give --gpu-mem too")
     profile = _profile(args)
@@ -448,7 +450,8 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
     if isinstance(draft, tuple):  # a draft model: its runner on the same backend, its budget
         from einpage.models.speculative import ModelDraft
         dcfg, dweights = draft
-        draft = ModelDraft(dcfg, _runner(args, dweights, budget=draft_bytes, timed=False), k,
+        draft = ModelDraft(dcfg, _runner(args, dweights, budget=draft_bytes, timed=False,
+                                         role=f"the draft model {dcfg.name}"), k,
                            args.kv_granule)
     printer = (TextPrinter(given.codec, given.tokens.shape[0], out)
                if given.text and not args.json else None)
@@ -570,6 +573,10 @@ def _searched_split(args, cfg, dcfg, k: int, given, devices: int = 1) -> int:
     from einpage.models.speculative import AUTO_TOKENS
     ks = tuple(n for n in AUTO_TOKENS if n <= k) if args.draft_tokens == "auto" else (k,)
     host_bytes, _ = host_budget(args)
+    if devices > 1 and getattr(args, "cpu_mem", None) is None and host_bytes is not None:
+        from einpage.runtime.comm import mpi_world
+        host_bytes //= mpi_world()[1]  # the processes of mpiexec share this machine, as the
+        # ranks' runner counts it (which then has rank 0's measure agreed by all)
     options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
                              policy=args.policy or "reuse-distance", device=_profile(args),
                              host_bytes=host_bytes, host_compute=args.host_compute == "auto")

@@ -245,12 +245,11 @@ def speculation_report(args, profile, device_bytes: int, over: str | None,
     draft, draft_bytes = None, 0
     if args.draft != "ngram":
         from einpage.models import resolve
-        from einpage.models.speculative import check_vocabulary, draft_bytes as default_bytes
+        from einpage.models.speculative import check_vocabulary
         draft, _ = resolve(args.draft, dtype=as_dtype(args.dtype) if args.dtype else None)
         check_vocabulary(draft, cfg, args.draft, args.model)
-        draft_bytes = (parse_size(args.draft_gpu_mem, "--draft-gpu-mem") if args.draft_gpu_mem
-                       else default_bytes(draft, args.batch, workload["capacity"] + max(ks) + 1)
-                       // devices)
+        if args.draft_gpu_mem:  # else searched below
+            draft_bytes = parse_size(args.draft_gpu_mem, "--draft-gpu-mem")
     elif args.draft_gpu_mem is not None:
         raise InputError("--draft-gpu-mem is the budget of a draft model; ngram has none")
     host_bytes, _ = host_budget(args)

@@ -68,7 +68,7 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
         return speculation_report(args, profile, device_bytes, over, devices)
     from einpage.cli.common import host_budget
     host_bytes, host_source = host_budget(args)
-    tried = []
+    tried, refused = [], None
     for m in counts:  # each count its own graph (B / m rows a pass) and pipeline
         micro = Namespace(**{**vars(args), "batch": args.batch // m})
         cfg, graph, sources, tokens, workload = graph_from_args(micro)
@@ -83,16 +83,19 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
             t0 = time.perf_counter()
             try:
                 plan = compile_parallel(graph, devices, options, kind)
-            except EinpageError:
-                if args.parallel == "auto" and kind != "pipeline":
-                    continue  # a graph tensor parallelism cannot split: the pipeline alone
-                raise
+            except EinpageError as exc:
+                if args.parallel != "auto":
+                    raise
+                refused = refused or exc  # a kind this graph cannot take: the others
+                continue
             kept = {**workload, "parallel": kind}
             if kind == "hybrid":
                 kept["group"] = plan.split.group
             report = ranks_report(plan, profile, m, time.perf_counter() - t0, tokens * m,
                                   tuple(kept.items()))
             tried.append((report.makespan_s, m, plan, report, kept))
+    if not tried:
+        raise refused
     _, m, pipeline, report, workload = min(tried, key=lambda t: (t[0], t[1]))
     notes = []
     if len(tried) > 1:
@@ -148,10 +151,8 @@ def inspect_ranks(args, programs, meta) -> None:
     group = int(meta.get("group") or 1)  # ranks per tensor-parallel group of a hybrid plan
     if meta.get("parallel") == "tensor":  # every rank runs every stage
         stages = [(0, int(meta.get("stages", 0)) - 1)] * len(programs)
-    elif len(bounds) * group == len(programs) + group:
+    elif len(bounds) * group == len(programs) + group:  # a group per stage (of 1: a pipeline)
         stages = [(bounds[r // group], bounds[r // group + 1] - 1) for r in range(len(programs))]
-    elif len(bounds) == len(programs) + 1:
-        stages = [(bounds[r], bounds[r + 1] - 1) for r in range(len(programs))]
     else:
         stages = [(0, -1)] * len(programs)
     m = int(meta.get("micro_batches", 1))
@@ -233,7 +234,8 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
 
 
-def ranks_runner(args, weights, budget: int | None = None, timed: bool = True):
+def ranks_runner(args, weights, budget: int | None = None, timed: bool = True,
+                 role: str | None = None):
     """`--devices N`: plans for N devices, every rank here or this process's under mpiexec;
     `budget`: each device's bytes for these plans (default --gpu-mem: a draft model's runner
     and the model's take their shares of it); `timed` False: --timing does not keep its passes."""
@@ -271,7 +273,7 @@ def ranks_runner(args, weights, budget: int | None = None, timed: bool = True):
                              host_bytes=host_bytes, host_compute=args.host_compute == "auto")
     return runners.RanksRunner(weights, options, devices, args.backend, comm=comm,
                                parallel=getattr(args, "parallel", "pipeline"),
-                               timing=timed and _measures(args))
+                               timing=timed and _measures(args), role=role)
 
 
 def _measures(args) -> str | None:
@@ -349,11 +351,10 @@ def run_ranks_plan(args, programs) -> None:
 def _reporter(programs) -> int:
     """The one rank of a run under mpiexec that reports the logits: rank 0 where they are
     gathered from slices (every rank then has them whole), else the lowest that makes them."""
-    from einpage.runtime.shards import gathered_of
+    from einpage.runtime.shards import gathered_of, makers_of
     if "logits" in gathered_of(programs[-1]):
         return 0
-    return min((r for r, mg in enumerate(programs)
-                if any(t.name == "logits" for t in mg.results)), default=0)
+    return min(makers_of(programs, "logits"), default=0)
 
 
 def _show_rank_passes(args, passes, micro_batches: int) -> None:

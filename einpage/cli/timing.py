@@ -104,8 +104,8 @@ def print_ranks_timing(passes, profile, first: str = "prefill pass",
     slowest rank), then each rank's figures next to its part of the programs simulated
     together on `profile` (None: measured only); one simulation per set of programs. The passes
     after the first are `later` k + `offset` (`offset` 1: one plan's passes, numbered 2, 3, ...).
-    With `micro_batches` M > 1 a pass is M passes of each rank in a row, compared whole (a
-    rank's figures against its M simulated passes together)."""
+    With `micro_batches` M > 1 a pass is M passes of each rank in a row: the ranks' wall is set
+    beside their M simulated passes together, each rank's figures measured only."""
     from einpage.predict.simulator import simulate_ranks
     sims: dict[int, object] = {}
     for k, p in enumerate(passes):

@@ -131,7 +131,7 @@ def ranks_measured_events(passes, label: str = "measured") -> list[dict]:
             spans = [(s.node, s.queue, s.start, s.end, s.nbytes) for s in m.spans]
             events += pass_events(p.programs[r], spans, r + 1,
                                   f"rank {r} {label} ({m.backend})" if k == 0 else None, offset,
-                                  prefix=f"pass {k} " if len(passes) > 1 else "")
+                                  prefix=f"pass {k + 1} " if len(passes) > 1 else "")
         offset += max(m.wall_s for m in p.measured.values())
     return events
 

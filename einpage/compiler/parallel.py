@@ -3,7 +3,7 @@ parallelism (`einpage.compiler.tensor_parallel`), a pipeline of tensor-parallel 
 (`einpage.compiler.hybrid`), or whichever of them the simulator predicts fastest."""
 from __future__ import annotations
 
-from einpage.errors import PlanError
+from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
 
 #: how a model is spread over several devices (`RanksRunner`, `compile --parallel`)
@@ -34,8 +34,9 @@ def compile_parallel(graph: Graph, world: int, options, parallel: str,
             return compile_hybrid(graph, world, group, options, cut)
         sizes = group_sizes(world)
         if not sizes:
-            raise PlanError(f"a pipeline of tensor-parallel groups needs 4 devices or more "
-                            f"(two groups of two at least); got {world}")
+            raise PlanError(f"a pipeline of tensor-parallel groups needs two groups of two "
+                            f"devices or more, all of one size (4, 6, 8, 9, ... devices); got "
+                            f"{world}")
         plans, refused = [], None
         for t in sizes:
             try:
@@ -45,11 +46,14 @@ def compile_parallel(graph: Graph, world: int, options, parallel: str,
         if not plans:
             raise refused
         return fastest(plans)
-    tried = [compile_pipeline(graph, world, options, cut=cut)]
-    for kind in ["tensor", *group_sizes(world)]:
-        try:
-            tried.append(compile_tensor_parallel(graph, world, options) if kind == "tensor"
+    tried, refused = [], None
+    for kind in ["pipeline", "tensor", *group_sizes(world)]:
+        try:  # more devices than stages, heads the devices do not divide: the others
+            tried.append(compile_pipeline(graph, world, options, cut=cut) if kind == "pipeline"
+                         else compile_tensor_parallel(graph, world, options) if kind == "tensor"
                          else compile_hybrid(graph, world, kind, options))
-        except PlanError:  # nothing this graph splits that way: the others
-            pass
+        except (PlanError, BudgetError) as exc:
+            refused = refused or exc
+    if not tried:
+        raise refused
     return fastest(tried)

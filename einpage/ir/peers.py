@@ -17,7 +17,8 @@ and recvs, and that it computes its rank graph). Across ranks:
   lowest ranks; for ranks alone: to a higher rank), and within each group every rank takes part
   in the exchanges in one order and keeps it: a recv of exchange k depends on every send of
   exchange k of its own rank, and a send of exchange k depends on every recv of the exchange
-  before k on its rank.
+  before k on its rank (where the rank receives nothing of that exchange, on its sends of it and
+  on what those depend on, so that the chain below holds).
 
 A file holds the programs of every rank (`save_programs`, `load_programs`): `{"format":
 "einpage.ranks", "version": 2, "world": N, "meta": {...}, "programs": [plan, ...]}`, each plan
@@ -41,9 +42,10 @@ they are posted and the rank goes on). Exchanges are numbered in the order every
 Suppose the ranks could stop for good with some recv unmatched; each stopped rank waits at a
 recv. Take, among the recvs the ranks wait at, one of the lowest exchange j: rank r waits for
 rank q's send of exchange j. Rank q waits at a recv of some exchange i >= j. That recv depends
-on q's own sends of exchange i, which depend on q's recvs of exchange i - 1, which depend on q's
-sends of exchange i - 1, and so on down to q's sends of exchange j: q has posted them all, the
-one r waits for among them. So r's recv is matched, a contradiction; every run ends. This holds
+on q's own sends of exchange i, which depend on q's recvs of exchange i - 1 (or, where q
+receives none of it, directly on its sends of i - 1 and what those depend on), which depend on
+q's sends of exchange i - 1, and so on down to q's sends of exchange j: q has posted them all,
+the one r waits for among them. So r's recv is matched, a contradiction; every run ends. This holds
 whatever order each rank runs its nodes in. A stream runtime runs each queue in the order of
 the node list: its constraints (the deps, each queue's order, each send before its recv) are a
 subset of those of running every rank in list order, one node at a time, which the argument
@@ -223,15 +225,17 @@ def _check_exchange_order(mg: MemGraph) -> list:
             lost = ancestry.missing(before, s)
             if lost:
                 raise PlanError(f"rank {r}: node %{s} (send of exchange {e[0]} at {list(e[1])}) "
-                                f"does not wait for node %{lost[0]} (recv of the exchange "
-                                "before): the ranks could deadlock")
+                                f"does not wait for node %{lost[0]} ({mg.nodes[lost[0]].kind} "
+                                "of the exchange before): the ranks could deadlock")
         for v in recvs.get(e, ()):
             lost = ancestry.missing(sends[e], v)
             if lost:
                 raise PlanError(f"rank {r}: node %{v} (recv of exchange {e[0]} at {list(e[1])}) "
                                 f"does not wait for node %{lost[0]} (this rank's send of it): "
                                 "the ranks could deadlock")
-        before = recvs.get(e, [])
+        # the next exchange's sends wait for this one's recvs; where this rank receives none of
+        # it, for its sends of it and what they waited for (the chain of the proof holds)
+        before = recvs.get(e) or [*before, *sends[e]]
     return order
 
 

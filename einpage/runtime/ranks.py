@@ -23,6 +23,7 @@ from einpage.runtime import executor
 from einpage.runtime.comm import (DEFAULT_TIMEOUT, MAX_TAG, CommError, Communicator,
                                   LocalCommunicator)
 from einpage.runtime.measured import Measured, joined
+from einpage.runtime.shards import gathered_of
 
 #: the tag a generation's driver sends the last rank's logits under, to every other rank (a
 #: plan's own tags count up from 0)
@@ -148,41 +149,41 @@ def run_ranks(programs: Sequence[MemGraph], inputs: Inputs | Sequence[Inputs] | 
 
 def gather_results(comm: Communicator, programs: Sequence[MemGraph],
                    mine: Mapping[str, np.ndarray]) -> dict[int, Mapping[str, np.ndarray]]:
-    """Under MPI, every rank's results of a tensor-parallel plan (or of a pipeline of
-    tensor-parallel groups) on every process (for `shards.assemble`): each rank sends the slices
-    of the gathered outputs it holds, packed in one message, to every other rank, and takes each
-    other rank's, whose sizes its program says; the replicated ones are equal on the ranks that
-    make them. A plan that gathers nothing (a pipeline's) gives this rank's alone."""
-    from einpage.runtime.shards import gathered_of
+    """Under MPI, the slices of the gathered results every process needs (for
+    `shards.assemble`): each rank sends, packed in one message, the slices it holds of the
+    gathered outputs another rank makes too (the KV rows of its group's layers) and of the
+    logits (every process picks the next token) to that rank, and takes each other rank's
+    the same way, their sizes known from its program. A plan that gathers nothing (a
+    pipeline's) gives this rank's alone."""
+    def needed(q: int, r: int) -> list[str]:
+        """The gathered results of rank q that rank r takes."""
+        if q == r:
+            return []
+        made = {t.name for t in programs[r].results}
+        return sorted(n for n in gathered_of(programs[q]) if n in makes[q]
+                      and (n == "logits" or n in made))
 
-    def packed_names(q: int) -> list[str]:
-        made = {t.name for t in programs[q].results}
-        return sorted(n for n in gathered_of(programs[q]) if n in made)
-
-    if not any(packed_names(q) for q in range(comm.world)):
-        return {comm.rank: mine}
-    names = packed_names(comm.rank)
-    if names:
-        packed = np.concatenate([np.ascontiguousarray(mine[n]).reshape(-1).view(np.uint8)
-                                 for n in names])
-        for q in range(comm.world):
-            if q != comm.rank:
-                comm.send(packed, q, GATHER_TAG)
-    outs: dict[int, Mapping[str, np.ndarray]] = {comm.rank: mine}
+    makes = [{t.name for t in mg.results} for mg in programs]
+    me = comm.rank
     for q in range(comm.world):
-        theirs = packed_names(q)
-        if q == comm.rank or not theirs:
+        names = needed(me, q)
+        if names:
+            comm.send(np.concatenate([np.ascontiguousarray(mine[n]).reshape(-1).view(np.uint8)
+                                      for n in names]), q, GATHER_TAG)
+    outs: dict[int, Mapping[str, np.ndarray]] = {me: mine}
+    for q in range(comm.world):
+        names = needed(q, me)
+        if not names:
             continue
         results = {t.name: t for t in programs[q].results}
-        shapes = {n: _result_shape(programs[q], results[n]) for n in theirs}
-        got = np.empty(sum(int(np.prod(s)) * results[n].dtype.itemsize
-                           for n, s in shapes.items()), np.uint8)
+        shapes = {n: _result_shape(programs[q], results[n]) for n in names}
+        sizes = {n: int(np.prod(shapes[n])) * results[n].dtype.itemsize for n in names}
+        got = np.empty(sum(sizes.values()), np.uint8)
         comm.recv(got, q, GATHER_TAG)
         outs[q], at = {}, 0
-        for n in theirs:
-            size = int(np.prod(shapes[n])) * results[n].dtype.itemsize
-            outs[q][n] = got[at:at + size].view(results[n].dtype.numpy).reshape(shapes[n])
-            at += size
+        for n in names:
+            outs[q][n] = got[at:at + sizes[n]].view(results[n].dtype.numpy).reshape(shapes[n])
+            at += sizes[n]
     return outs
 
 

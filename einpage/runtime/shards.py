@@ -142,8 +142,7 @@ def assemble(programs: Sequence[MemGraph], outs: Mapping[int, Mapping[str, np.nd
             if is_boundary(name) or name in merged:
                 continue
             if name in gathered:
-                makers = [q for q, mg in enumerate(programs)
-                          if any(t.name == name for t in mg.results)]
+                makers = makers_of(programs, name)
                 missing = [q for q in makers if q not in outs]
                 if missing:
                     raise ValueError(f"{name!r} is gathered from ranks {makers}; the results "
@@ -153,6 +152,11 @@ def assemble(programs: Sequence[MemGraph], outs: Mapping[int, Mapping[str, np.nd
             else:
                 merged[name] = value
     return merged
+
+
+def makers_of(programs: Sequence[MemGraph], name: str) -> list[int]:
+    """The ranks whose programs make result `name` (all, some or one of them)."""
+    return [r for r, mg in enumerate(programs) if any(t.name == name for t in mg.results)]
 
 
 def rank_rows(mg: MemGraph, name: str, lead: tuple[int, ...], values: np.ndarray) -> np.ndarray:
