@@ -41,15 +41,13 @@ def test_compile_json_has_the_prediction(capsys):
 
 
 def test_slower_link_and_device_change_the_prediction(capsys):
-    fast = _json(capsys, "compile", "llama-13b", "--gpu-mem", "16GB", "--seq", "512")
-    slow = _json(capsys, "compile", "llama-13b", "--gpu-mem", "16GB", "--seq", "512",
-                 "--h2d-bandwidth", "5GB/s")
+    case = ("compile", "llama3.2-1b", "--gpu-mem", "1GB", "--seq", "256")  # 2.47 GB of weights
+    fast = _json(capsys, *case)
+    slow = _json(capsys, *case, "--h2d-bandwidth", "5GB/s")
     assert slow["h2d_s"] > 5 * fast["h2d_s"] and slow["makespan_s"] > fast["makespan_s"]
-    v100 = _json(capsys, "compile", "llama-13b", "--gpu-mem", "16GB", "--seq", "512",
-                 "--device", "v100")
+    v100 = _json(capsys, *case, "--device", "v100")
     assert v100["device"] == "v100" and v100["compute_s"] > fast["compute_s"]
-    flops = _json(capsys, "compile", "llama-13b", "--gpu-mem", "16GB", "--seq", "512",
-                  "--flops", "10T")
+    flops = _json(capsys, *case, "--flops", "10T")
     assert flops["compute_s"] > 10 * fast["compute_s"]
 
 

@@ -501,8 +501,8 @@ def test_a_generation_forecast_plans_the_formats_asked_for(capsys):
     formats given: every plan moves fewer bytes, so the forecast is faster."""
     seconds = {}
     for extra in ((), ("--quantize", "q4_0", "--kv-dtype", "q8_0")):
-        assert cli("compile", "llama-7b", "--gpu-mem", "8GB", "--max-new-tokens", "16",
-                   "--seq", "2048", "--cpu-mem", "unlimited", "--quiet", *extra) == 0
+        assert cli("compile", "llama3.2-1b", "--gpu-mem", "1GB", "--max-new-tokens", "16",
+                   "--seq", "512", "--cpu-mem", "unlimited", "--quiet", *extra) == 0
         line = capsys.readouterr().out.splitlines()[1]
         seconds[extra] = float(line.split(":")[1].split(" s ")[0])
     assert seconds[("--quantize", "q4_0", "--kv-dtype", "q8_0")] < 0.6 * seconds[()]
