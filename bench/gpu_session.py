@@ -28,7 +28,10 @@ short from outside still leaves what it did. A short table is printed last.
 `--dry-run` (any machine with g++): `tests/fake_cupy.FakeCupy` stands in for CuPy in every
 child, pip install is skipped, the sanitizer steps check the compute-sanitizer invocation and
 run the inner command directly, and workloads too large for a CPU are shrunk (recorded per
-step): the whole script runs end to end so that its first GPU run cannot die of a typo.
+step): the whole script runs end to end so that its first GPU run cannot die of a typo. Its
+test (`tests/test_gpu_session.py::test_dry_run_end_to_end`, about 40 s) is marked slow: run
+`python -m pytest -m slow tests/test_gpu_session.py` before a GPU session and after changing
+this script.
 
 Statuses: ok, failed, timeout, skipped-time (the deadline), skipped-dry-run, not-available
 (something the step needs is missing here: the reason is recorded), interrupted.

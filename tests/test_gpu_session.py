@@ -38,7 +38,8 @@ KINDS = {"env", "install", "pytest", "sanitizer", "calibrate", "measured", "agre
 PEERS = "peers"  # bench/peers.py needs torch, transformers and accelerate: not in the dry run
 
 
-def test_dry_run_end_to_end(tmp_path, gs):
+@pytest.mark.slow  # 35-40 s on 2 cores; run it (`pytest -m slow tests/test_gpu_session.py`)
+def test_dry_run_end_to_end(tmp_path, gs):  # before a GPU session and after changing the script
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler for the CuPy stand-in")
     if not (gs.FIXTURES / gs.SMALL_FIXTURE / "model.safetensors").exists():

@@ -15,7 +15,7 @@ from einpage.ir.memgraph import MemGraph
 from einpage.models import llama, resolve
 from einpage.models.generation import greedy, prefill
 from einpage.runners import run_paged
-from einpage.runtime import evaluate
+from einpage.runtime import evaluate, executor
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_tiny_activation_budget_forces_offloads():
     compiled = compile_graph(graph, options)
     assert compiled.report.traffic.offload_count > 0
     want = evaluate(graph, {"tokens": tokens}, weights)
-    got = run_paged(graph, {"tokens": tokens}, weights, options, order=5)
+    got = executor.run(compiled.memgraph, {"tokens": tokens}, weights, order=5)
     np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-4, atol=1e-5)
 
 
