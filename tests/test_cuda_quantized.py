@@ -18,6 +18,8 @@ The NVRTC compile of every dequantization (and dequantizing gather) kernel for s
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from types import SimpleNamespace
 
@@ -245,8 +247,14 @@ def quantized_plan(fmt: str, dtype: DType = DType.f32, phase: str = "prefill",
         from einpage.models.generation import decode_step_graph
         graph = decode_step_graph(cfg, 2, 8)
         inputs = None
-    compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // fraction))
-    return cfg, weights, inputs, compiled
+    return cfg, weights, inputs, _compiled(graph, cfg.weight_bytes() // fraction)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(graph, budget: int):
+    """A plan compiled once for the tests that read it (q4_g128's takes seconds); the weights
+    stay each test's own (a pinned store remembers its source)."""
+    return compile_graph(graph, CompileOptions(budget))
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_g128"])
