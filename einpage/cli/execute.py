@@ -13,6 +13,7 @@ import numpy as np
 from einpage.cli.common import (POLICY_HELP, add_host_args, add_parallel_arg, add_quantize_arg,
                                 check_budget, check_context, host_budget, input_from_args,
                                 load_plan, report_logits, write_text)
+from einpage.cli.draft import draft_from_args, draft_tokens
 from einpage.cli.outputs import Deferred, OutputPath
 from einpage.cli.ranks import quiet_rank
 from einpage.errors import InputError
@@ -432,7 +433,7 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
     if args.kv_granule < 1:
         raise InputError(f"--kv-granule must be at least 1, got {args.kv_granule}")
     sampling = _sampling_from_args(args)
-    k = _draft_tokens(args)
+    k = draft_tokens(args)
     cfg, weights = _resolve(args)
     eos = end_of_sequence(_checkpoint_dir(args.model))
     try:
@@ -441,7 +442,7 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
         raise CheckpointError(f"{eos.source or args.model}: {exc}") from None
     given = input_from_args(args, _checkpoint_dir(args.model), want_codec=args.json)
     check_context(cfg, int(given.lengths.max()), args.max_new_tokens)
-    draft, draft_bytes = _draft_from_args(args, cfg, k, given)
+    draft, draft_bytes = draft_from_args(args, cfg, k, given)
     runner = _runner(args, weights, reserved=draft_bytes)
     quiet = quiet_rank(runner)
     if quiet:
@@ -505,87 +506,6 @@ def cmd_generate(args, out: TextIO | None = None) -> None:
         _print_rates(summary, out)
     _after(args, runner, later="verify pass" if draft is not None else "decode step")
     written.finish()
-
-
-def _draft_tokens(args) -> int | None:
-    """`--draft-tokens K` (default 4) where there is a --draft; None without one."""
-    if args.draft is None:
-        for flag, value in (("--draft-tokens", args.draft_tokens),
-                            ("--draft-gpu-mem", args.draft_gpu_mem)):
-            if value is not None:
-                raise InputError(f"{flag} is an option of --draft: give --draft ngram or a "
-                                 "draft checkpoint")
-        return None
-    most = min(64, args.kv_granule)
-    if args.draft_tokens == "auto":
-        from einpage.models.speculative import AUTO_TOKENS
-        return min(max(AUTO_TOKENS), most)
-    try:
-        k = 4 if args.draft_tokens is None else int(args.draft_tokens)
-    except ValueError:
-        raise InputError(f"--draft-tokens takes a count or auto, got {args.draft_tokens!r}") \
-            from None
-    if not 1 <= k <= most:
-        raise InputError(f"--draft-tokens must be between 1 and {most} (64, and at most "
-                         f"--kv-granule), got {k}")
-    return k
-
-
-def _draft_from_args(args, cfg, k: int | None, given):
-    """(the draft: an NgramDraft, or (config, weights) of a draft model; the device bytes the
-    draft takes of --gpu-mem, 0 for prompt lookup or without a budget)."""
-    if args.draft is None:
-        return None, 0
-    if args.draft == "ngram":
-        if args.draft_gpu_mem is not None:
-            raise InputError("--draft-gpu-mem is the budget of a draft model; ngram has none")
-        from einpage.models.speculative import NgramDraft
-        return NgramDraft(k), 0
-    path = Path(args.draft)
-    if not (path.is_dir() or path.is_file()):
-        raise InputError(f"--draft takes ngram or a draft checkpoint (a directory or a GGUF "
-                         f"file); {args.draft!r} is neither")
-    from einpage.models import resolve
-    dcfg, dweights = resolve(args.draft, dtype=as_dtype(args.dtype) if args.dtype else None)
-    from einpage.models.speculative import check_vocabulary, draft_bytes
-    check_vocabulary(dcfg, cfg, args.draft, args.model)
-    budget = 0
-    devices = max(1, getattr(args, "devices", 1))
-    if args.gpu_mem and args.draft_gpu_mem is None and args.backend != "reference":
-        budget = _searched_split(args, cfg, dcfg, k, given, devices)
-    elif args.gpu_mem or args.arena:
-        budget = (parse_size(args.draft_gpu_mem, "--draft-gpu-mem") if args.draft_gpu_mem
-                  else draft_bytes(dcfg, given.tokens.shape[0],
-                                   int(given.lengths.max()) + args.max_new_tokens + k + 1))
-    elif args.draft_gpu_mem is not None:
-        raise InputError("--draft-gpu-mem splits a --gpu-mem budget: give --gpu-mem too")
-    return (dcfg, dweights), budget
-
-
-def _searched_split(args, cfg, dcfg, k: int, given, devices: int = 1) -> int:
-    """The draft's share of --gpu-mem by simulated step time (`forecast.search_draft_split`, as
-    `compile --draft` chooses it), at the last KV bucket of the generation, an acceptance of
-    0.7 and the proposals per pass it will run; with --devices N, each device's share, every
-    step planned for the devices as the generation will run it."""
-    from einpage.compiler import CompileOptions
-    from einpage.forecast import search_draft_split
-    from einpage.models.kvstore import capacity_for
-    from einpage.models.speculative import AUTO_TOKENS
-    ks = tuple(n for n in AUTO_TOKENS if n <= k) if args.draft_tokens == "auto" else (k,)
-    host_bytes, _ = host_budget(args)
-    if devices > 1 and getattr(args, "cpu_mem", None) is None and host_bytes is not None:
-        from einpage.runtime.comm import mpi_world
-        host_bytes //= mpi_world()[1]  # the processes of mpiexec share this machine, as the
-        # ranks' runner counts it (which then has rank 0's measure agreed by all)
-    options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
-                             policy=args.policy or "reuse-distance", device=_profile(args),
-                             host_bytes=host_bytes, host_compute=args.host_compute == "auto")
-    capacity = min(capacity_for(int(given.lengths.max()) + args.max_new_tokens,
-                                args.kv_granule), int(given.lengths.max()) + args.max_new_tokens)
-    f, _ = search_draft_split(cfg, given.tokens.shape[0], capacity, 0.7, ks, options,
-                              {"past": int(given.lengths.max())}, dcfg, devices,
-                              getattr(args, "parallel", "pipeline"))
-    return f.draft_bytes
 
 
 def _print_stops(s: dict, out: TextIO) -> None:

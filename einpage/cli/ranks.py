@@ -240,7 +240,6 @@ def ranks_runner(args, weights, budget: int | None = None, timed: bool = True,
     `budget`: each device's bytes for these plans (default --gpu-mem: a draft model's runner
     and the model's take their shares of it); `timed` False: --timing does not keep its passes."""
     from einpage import runners
-    from einpage.cli.common import host_budget
     from einpage.cli.execute import _profile
     from einpage.compiler import CompileOptions
     from einpage.runtime.comm import MpiCommunicator, mpi_world
@@ -259,21 +258,33 @@ def ranks_runner(args, weights, budget: int | None = None, timed: bool = True,
                          "or cupy")
     rank, size = mpi_world()
     comm = None
-    host_bytes, _ = host_budget(args)
     if size > 1:
         if size != devices:
             raise InputError(f"--devices {devices} but mpiexec started {size} processes")
         comm = MpiCommunicator()
-        if getattr(args, "cpu_mem", None) is None and host_bytes is not None:
-            # the ranks share this machine's memory, measured by rank 0: the same plans on all
-            from einpage.runtime.ranks import agree
-            host_bytes = agree(comm, host_bytes // size)
+    host_bytes = ranks_host_budget(args, comm)
     options = CompileOptions(device_bytes=budget or parse_size(args.gpu_mem, "--gpu-mem"),
                              policy=args.policy or "reuse-distance", device=_profile(args),
                              host_bytes=host_bytes, host_compute=args.host_compute == "auto")
     return runners.RanksRunner(weights, options, devices, args.backend, comm=comm,
                                parallel=getattr(args, "parallel", "pipeline"),
                                timing=timed and _measures(args), role=role)
+
+
+def ranks_host_budget(args, comm=None) -> int | None:
+    """Each rank's host budget: --cpu-mem, or under mpiexec this machine's measured memory
+    shared by its processes, rank 0's measure agreed by all where `comm` is given (the same
+    plans on every rank)."""
+    from einpage.cli.common import host_budget
+    from einpage.runtime.comm import mpi_world
+    host_bytes, _ = host_budget(args)
+    size = mpi_world()[1]
+    if size > 1 and getattr(args, "cpu_mem", None) is None and host_bytes is not None:
+        host_bytes //= size
+        if comm is not None:
+            from einpage.runtime.ranks import agree
+            host_bytes = agree(comm, host_bytes)
+    return host_bytes
 
 
 def _measures(args) -> str | None:

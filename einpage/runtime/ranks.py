@@ -159,9 +159,8 @@ def gather_results(comm: Communicator, programs: Sequence[MemGraph],
         """The gathered results of rank q that rank r takes."""
         if q == r:
             return []
-        made = {t.name for t in programs[r].results}
         return sorted(n for n in gathered_of(programs[q]) if n in makes[q]
-                      and (n == "logits" or n in made))
+                      and (n == "logits" or n in makes[r]))
 
     makes = [{t.name for t in mg.results} for mg in programs]
     me = comm.rank
