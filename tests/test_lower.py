@@ -329,3 +329,31 @@ def test_lowering_is_deterministic(policy, graph, slots, options):
     second = plan(graph(), slots, policy, **options)
     assert first.nodes == second.nodes
     assert str(first) == str(second)
+
+
+# ------------------------------------------------------------------ deferred writes
+
+def test_a_fresh_write_is_placed_only_near_the_execution_horizon(monkeypatch):
+    """The allocation horizon reloads weights tasks ahead, but a task's fresh write is placed
+    (pending) only once the execution horizon is fewer than FINALIZE_AHEAD tasks behind it: at
+    every apply, the pending writes are those of the next FINALIZE_AHEAD tasks at most, while
+    the weights of tasks further ahead are already reloaded."""
+    from einpage.compiler import lowering
+    tg = chain_graph()
+    seen = []
+    execute = lowering._Lowering.execute
+
+    def spy(self, p):
+        writers = {self.tg.tasks[self.order[q]].write: q for q in range(self.n)}
+        seen.append((p, sorted(writers[b] for b in self.pending),
+                     sum(1 for q in range(self.n) if self.blocks[self.tg.tasks[q].reads[-1]].offset
+                         is not None and self.tg.blocks[self.tg.tasks[q].reads[-1]].role
+                         == "weight")))
+        execute(self, p)
+
+    monkeypatch.setattr(lowering._Lowering, "execute", spy)
+    mg = plan(tg, 64)
+    assert all(q - p < lowering.FINALIZE_AHEAD for p, pending, _ in seen for q in pending)
+    assert seen[0][2] == CHAIN  # every weight reloaded before the first apply
+    assert [e for e in events(mg) if e[0] == "reload"] == [("reload", f"W{k}")
+                                                          for k in range(CHAIN)]

@@ -220,3 +220,29 @@ def test_a_generations_prefill_computes_each_rows_last_logits_alone(hf_fixture, 
     graph = llama.prefill_graph(cfg, last=True).bind(B=2, S=7)
     (logits,) = [n for n in graph.outputs if n.op.name == "logits"]
     assert tuple(logits.shape) == (2, 1, cfg.vocab)
+
+
+def test_reads_reserved_ahead_let_go_for_the_write_at_the_horizon_still_give_the_logits(
+        ckpt, monkeypatch):
+    """With no room claimed for the writes deferred (`lowering.CLAIM_SHARE` 0) and each placed
+    only at the execution horizon, the prefetch fills the budget and the write at the horizon
+    finds no room: the reads reserved for later tasks are let go (`unreserve`) and evicted or
+    kept as the policy says. The plans stay valid and give the unconstrained logits in random
+    orders."""
+    from einpage.compiler import lowering
+    monkeypatch.setattr(lowering, "FINALIZE_AHEAD", 1)
+    monkeypatch.setattr(lowering, "CLAIM_SHARE", 0.0)
+    released = []
+    unreserve = lowering._Lowering.unreserve
+    monkeypatch.setattr(lowering._Lowering, "unreserve",
+                        lambda self, a, b: (released.append(b - a), unreserve(self, a, b)))
+    cfg, weights = resolve(str(ckpt))
+    tokens = np.array([[1, 5, 9, 2, 33, 7], [3, 3, 60, 0, 12, 4]])
+    graph = llama.prefill_graph(cfg).bind(B=2, S=6)
+    want = evaluate(graph, {"tokens": tokens}, weights)
+    options = CompileOptions(_weights_bytes(cfg) // 8)
+    for order in (4, 9):
+        got = run_paged(graph, {"tokens": tokens}, weights, options, order=order)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
+    assert any(n > 0 for n in released)

@@ -45,8 +45,9 @@ def _matmul_cut_in_two():
 
 def test_memgraph_printer_golden_paged():
     """At the smallest budget (one task's 768 B) every block is reloaded and freed after its
-    task; the output stays where it was written, since no later block needs its bytes (a
-    write-back would only add a copy at the end of the pass)."""
+    task; the output, placed after its task's reads (near the execution horizon), stays where
+    it was written, since no later block needs its bytes (a write-back would only add a copy
+    at the end of the pass)."""
     graph, cuts = _matmul_cut_in_two()
     mg = compile_graph(graph, CompileOptions(768, block_bytes=64, cuts=cuts)).memgraph
     assert str(mg) == """\
@@ -55,17 +56,17 @@ memgraph device_bytes=768 tensors=5 nodes=14
 %1 = input %t2 at host
 %2 = input %t3 at host
 %3 = input %t4 at host
-%4 = reload %t1 @0x00000100 deps=[0]
-%5 = reload %t3 @0x00000200 deps=[2]
-%6 = apply einsum[ab,bc->ac] sum(%t1@0x00000100, %t3@0x00000200) -> %t0 @0x00000000 deps=[4,5]
-%7 = free %t1 @0x00000100 deps=[4,6]
-%8 = free %t3 @0x00000200 deps=[5,6]
-%9 = reload %t2 @0x00000100 deps=[1,7]
-%10 = reload %t4 @0x00000200 deps=[3,8]
-%11 = apply einsum[ab,bc->ac] sum(%t2@0x00000100, %t4@0x00000200) -> += %t0 @0x00000000 deps=[6,9,10]
-%12 = free %t2 @0x00000100 deps=[9,11]
-%13 = free %t4 @0x00000200 deps=[10,11]
-output y[0, 0] = %t0 at device @0x00000000"""
+%4 = reload %t1 @0x00000000 deps=[0]
+%5 = reload %t3 @0x00000100 deps=[2]
+%6 = apply einsum[ab,bc->ac] sum(%t1@0x00000000, %t3@0x00000100) -> %t0 @0x00000200 deps=[4,5]
+%7 = free %t1 @0x00000000 deps=[4,6]
+%8 = free %t3 @0x00000100 deps=[5,6]
+%9 = reload %t2 @0x00000000 deps=[1,7]
+%10 = reload %t4 @0x00000100 deps=[3,8]
+%11 = apply einsum[ab,bc->ac] sum(%t2@0x00000000, %t4@0x00000100) -> += %t0 @0x00000200 deps=[6,9,10]
+%12 = free %t2 @0x00000000 deps=[9,11]
+%13 = free %t4 @0x00000100 deps=[10,11]
+output y[0, 0] = %t0 at device @0x00000200"""
 
 
 def test_memgraph_printer_golden_resident():

@@ -215,3 +215,49 @@ def choose_class_parts(ops: list[CutOp], block_bytes: int,
             continue
         parts[best[1]] *= 2
     return {classes[k]: int(parts[k]) for k in range(pad) if parts[k] > 1}
+
+
+#: A weight is cut for streaming (`cap_streamed_weights`) only where each of its elements takes
+#: part in at least this many multiply-adds: a prefill's projections (one per token), not a
+#: decode step's (one per row of the batch), whose extra tasks would cost more in launches than
+#: their smaller blocks save in room.
+STREAM_REUSE = 64
+
+
+def cap_streamed_weights(ops: list[CutOp], weights: list[tuple[int, ...]],
+                         parts: dict[int, int], cap: int,
+                         max_parts: dict[int, int] | None = None) -> dict[int, int]:
+    """`parts` with more cuts so that no weight block some op reads is over `cap` bytes, where
+    that op reuses each weight element STREAM_REUSE times or more (`weights[i]`: the positions
+    among op i's operand terms that are weights). A streamed block needs room in flight beside
+    the resident weights and the activations while it is copied and while it is read: llama3.1-8b
+    prefill at 8 GB reads its 117 MB FFN matrices whole at the cut choice's 1 GB working sets,
+    and every one of them streamed holds that much room. Each doubling goes to the weight's
+    axis class that the fewest ops share (a feed-forward column, a head: not the model
+    dimension, which would cut every op of the graph), within its size and `max_parts`."""
+    parts = dict(parts)
+    users: dict[int, int] = {}
+    for op in ops:
+        for k in set(op.cls.values()):
+            users[k] = users.get(k, 0) + 1
+    limit = dict(max_parts or {})
+    for op, positions in zip(ops, weights):
+        work = float(np.prod([float(s) for s in op.sizes.values()]))
+        for i in positions:
+            letters, item = op.terms[i]
+            if work / float(np.prod([float(op.sizes[c]) for c in letters])) < STREAM_REUSE:
+                continue
+            while True:
+                size = float(item)
+                for c in letters:
+                    size *= op.sizes[c] / parts.get(op.cls[c], 1)
+                if size <= cap:
+                    break
+                free = [c for c in letters
+                        if parts.get(op.cls[c], 1) * 2 <= min(op.sizes[c],
+                                                               limit.get(op.cls[c], op.sizes[c]))]
+                if not free:
+                    break
+                c = min(free, key=lambda c: (users[op.cls[c]], op.cls[c]))
+                parts[op.cls[c]] = parts.get(op.cls[c], 1) * 2
+    return parts

@@ -35,7 +35,8 @@ import numpy as np
 
 from einpage.compiler.constants import (constant_expr, dtype_value, fill_constant, fold,
                                        identity)
-from einpage.compiler.cuts import AxisClasses, CutOp, choose_class_parts
+from einpage.compiler.cuts import (AxisClasses, CutOp, cap_streamed_weights,
+                                   choose_class_parts)
 from einpage.errors import BudgetError, GraphError
 from einpage.ir.graph import (Concat, Einsum, Fill, Gather, Graph, Input, Node, Output, Reshape,
                               Slice)
@@ -59,6 +60,9 @@ class PartitionOptions:
     # Drop the tasks of blocks whose value is known at partition time (masked-out attention
     # blocks; see the module docstring). False: every block gets its tasks, as before.
     drop_constant_blocks: bool = True
+    # Weights that ops reuse many times (a prefill's projections) cut into blocks of at most
+    # this many bytes for streaming (`cuts.cap_streamed_weights`); None: the cut choice alone.
+    weight_block_bytes: int | None = None
 
 
 def even_bounds(size: int, parts: int) -> tuple[int, ...]:
@@ -249,6 +253,13 @@ class _Partitioner:
         limits = {k: size // q for k, (q, size) in self.quantum.items()}
         limits.update({k: 1 for k in self.whole})
         self.class_parts = choose_class_parts(ops, self.opt.block_bytes, limits)
+        if self.opt.weight_block_bytes:
+            weights = [tuple(k for k, i in enumerate(self.g.nodes[op.node].inputs)
+                             if isinstance(self.g.nodes[op.node].op, Einsum)
+                             and isinstance(self.g.nodes[i].op, Input)
+                             and self.g.nodes[i].op.role.value == "weight") for op in ops]
+            self.class_parts = cap_streamed_weights(ops, weights, self.class_parts,
+                                                    self.opt.weight_block_bytes, limits)
         # The einsum and gather tasks alone, counted before any is made: fail in a second, not
         # after building a million tasks.
         planned = 0
