@@ -185,8 +185,9 @@ def test_reused_weights_are_cut_for_streaming_along_their_least_shared_index(tok
     index the two projections alone share, not the model index every op shares: the
     activations keep their rows whole. A decode step's few rows reuse each weight element too
     few times to pay for the extra tasks: its cuts stay as the working sets chose them."""
-    from einpage.compiler.cuts import STREAM_REUSE
+    from einpage.compiler.cuts import STREAM_REUSE, largest_reused_weight
     graph = _ffn(tokens)
+    assert largest_reused_weight(graph) == (256 << 10 if cut else 0)
     plain = partition(graph, PartitionOptions(1 << 20))
     capped = partition(graph, PartitionOptions(1 << 20, weight_block_bytes=64 << 10))
     weights = [b for b in capped.blocks if b.role == "weight"]

@@ -31,11 +31,12 @@ tiles) stay live across tasks.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from einpage.ir.graph import Concat, Einsum, Gather, Graph, Slice
+from einpage.ir.graph import Concat, Einsum, Gather, Graph, Input, Slice
 
 #: Cost factor for cutting a class that some op contracts.
 CONTRACTED_COST = 2
@@ -224,6 +225,30 @@ def choose_class_parts(ops: list[CutOp], block_bytes: int,
 STREAM_REUSE = 64
 
 
+def reuse(sizes: dict[str, int], letters: str) -> float:
+    """The multiply-adds each element of an operand with index `letters` takes part in, in an
+    op over indices of `sizes`: the op's whole index space over the operand's."""
+    return (float(np.prod([float(v) for v in sizes.values()]))
+            / float(np.prod([float(sizes[c]) for c in letters])))
+
+
+def largest_reused_weight(graph: Graph) -> int:
+    """The bytes of the largest weight that some einsum reuses STREAM_REUSE times or more (0:
+    none, a decode step): no cap at or above it can cut anything (`cap_streamed_weights`)."""
+    largest = 0
+    for node in graph.nodes:
+        if not isinstance(node.op, Einsum):
+            continue
+        sizes = {c: graph.nodes[i].shape[k] for i, term in zip(node.inputs, node.op.spec.inputs)
+                 for k, c in enumerate(term)}
+        for i, term in zip(node.inputs, node.op.spec.inputs):
+            src = graph.nodes[i]
+            if (isinstance(src.op, Input) and src.op.role.value == "weight"
+                    and reuse(sizes, term) >= STREAM_REUSE):
+                largest = max(largest, math.prod(src.shape) * src.dtype.itemsize)
+    return largest
+
+
 def cap_streamed_weights(ops: list[CutOp], weights: list[tuple[int, ...]],
                          parts: dict[int, int], cap: int,
                          max_parts: dict[int, int] | None = None) -> dict[int, int]:
@@ -242,10 +267,9 @@ def cap_streamed_weights(ops: list[CutOp], weights: list[tuple[int, ...]],
             users[k] = users.get(k, 0) + 1
     limit = dict(max_parts or {})
     for op, positions in zip(ops, weights):
-        work = float(np.prod([float(s) for s in op.sizes.values()]))
         for i in positions:
             letters, item = op.terms[i]
-            if work / float(np.prod([float(op.sizes[c]) for c in letters])) < STREAM_REUSE:
+            if reuse(op.sizes, letters) < STREAM_REUSE:
                 continue
             while True:
                 size = float(item)

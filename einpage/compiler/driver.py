@@ -16,6 +16,7 @@ from typing import Callable, Mapping, NamedTuple
 
 from einpage.compiler import placement, search
 from einpage.compiler.allocator import aligned
+from einpage.compiler.cuts import largest_reused_weight
 from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
@@ -357,12 +358,12 @@ def _stream_blocks(graph: Graph, options: CompileOptions, planned: "_Planned",
     every partition capped: 0.098 -> 0.145 s). The capped partition is a rung of the problem's
     bound beside the uncapped one, so the bound never rises by it."""
     sim = planned.trials.best().simulation
-    if not sim.h2d_s > sim.compute_s:
-        return planned
     block = planned.rung.block
+    if not sim.h2d_s > sim.compute_s or largest_reused_weight(graph) <= block // WEIGHT_BLOCK_SHARE:
+        return planned  # (a decode step reuses no weight enough: no partition to build)
     capped = _plan(graph, options, block, planned.won, weight_block=block // WEIGHT_BLOCK_SHARE,
                    unless_like=planned.tg)
-    if capped is None:  # no weight block was over the cap: the same partition
+    if capped is None:  # its weights were cut below the cap already: the same partition
         return planned
     rungs.append(capped.rung)
     best = sim.makespan_s
