@@ -25,7 +25,7 @@ from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
 from einpage.compiler.resident import (PassNeeds, everything_fits, least_disk_bytes,
                                        memory_lower_bound, min_stream_bytes, paced_resident,
                                        pass_needs, persistent_blocks, streamed_bytes,
-                                       weights_first, working_set)
+                                       weights_first)
 from einpage.compiler.tiers import Tiered, place_tiers
 from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError, PlanError
@@ -108,7 +108,8 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         options = replace(options, device_bytes=int(options.device_bytes))
     t0 = time.perf_counter()
     block = options.block_bytes or max(4096, int(options.device_bytes * options.block_fraction))
-    planned = _plan(graph, options, block)
+    parts = _Partitions(graph, options)
+    planned = _plan(parts, block)
     rungs = [planned.rung]  # the partitions of the ladder: the problem's bound is the least
     if (options.block_bytes is None and not planned.fits
             and planned.needs.activation_peak * LADDER_GATE < options.device_bytes):
@@ -117,17 +118,17 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             if block < MIN_BLOCK:
                 break
             if planned.rung.block != rungs[-1].block:  # searched no further: bound only
-                rungs.append(_rung(graph, options, block))
+                rungs.append(_rung(parts, block))
                 continue
-            finer = _plan(graph, options, block, planned.won)
+            finer = _plan(parts, block, planned.won)
             rungs.append(finer.rung)
             best = planned.trials.best().simulation.makespan_s
             if finer.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
                 planned = finer
     elif options.block_bytes is None and not planned.fits:
-        planned = _halve_blocks(graph, options, planned, rungs)
+        planned = _halve_blocks(parts, planned, rungs)
     if not planned.fits:
-        planned = _stream_blocks(graph, options, planned, rungs)
+        planned = _stream_blocks(parts, planned, rungs)
     if options.host_compute and not planned.fits:
         _place(planned, options)
     tg, trials = planned.tg, planned.trials
@@ -306,7 +307,7 @@ class _Planned(NamedTuple):
     won: _Won             # which resident set won its search
 
 
-def _halve_blocks(graph: Graph, options: CompileOptions, planned: "_Planned",
+def _halve_blocks(parts: _Partitions, planned: "_Planned",
                   rungs: list[_Rung]) -> "_Planned":
     """A streaming pass whose activations are too large for the ladder (a prefill): its blocks
     halved (HALVINGS times at most, while each gains makespan), the faster plan kept. Streaming
@@ -328,12 +329,12 @@ def _halve_blocks(graph: Graph, options: CompileOptions, planned: "_Planned",
         sim = planned.trials.best().simulation
         rung = None
         if searching and not sim.h2d_s > sim.compute_s:
-            rung = _rung(graph, options, block)
+            rung = _rung(parts, block)
             searching = rung.compute_s < sim.makespan_s * (1 - search.AUTO_TOLERANCE)
         if not searching:  # cannot be faster, or the last halving gained nothing: a bound only
-            rungs.append(rung or _rung(graph, options, block))
+            rungs.append(rung or _rung(parts, block))
             continue
-        finer = _plan(graph, options, block, planned.won)
+        finer = _plan(parts, block, planned.won, alone=True)
         rungs.append(finer.rung)
         best = sim.makespan_s
         if finer.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
@@ -343,7 +344,7 @@ def _halve_blocks(graph: Graph, options: CompileOptions, planned: "_Planned",
     return planned
 
 
-def _stream_blocks(graph: Graph, options: CompileOptions, planned: "_Planned",
+def _stream_blocks(parts: _Partitions, planned: "_Planned",
                    rungs: list[_Rung]) -> "_Planned":
     """Where the link binds the best plan, the same partition with its reused weights (a
     prefill's projections) cut into blocks of at most 1/WEIGHT_BLOCK_SHARE of its working sets
@@ -359,10 +360,11 @@ def _stream_blocks(graph: Graph, options: CompileOptions, planned: "_Planned",
     bound beside the uncapped one, so the bound never rises by it."""
     sim = planned.trials.best().simulation
     block = planned.rung.block
-    if not sim.h2d_s > sim.compute_s or largest_reused_weight(graph) <= block // WEIGHT_BLOCK_SHARE:
+    if (not sim.h2d_s > sim.compute_s
+            or largest_reused_weight(parts.graph) <= block // WEIGHT_BLOCK_SHARE):
         return planned  # (a decode step reuses no weight enough: no partition to build)
-    capped = _plan(graph, options, block, planned.won, weight_block=block // WEIGHT_BLOCK_SHARE,
-                   unless_like=planned.tg)
+    capped = _plan(parts, block, planned.won, weight_block=block // WEIGHT_BLOCK_SHARE,
+                   unless_like=planned.tg, alone=True)
     if capped is None:  # its weights were cut below the cap already: the same partition
         return planned
     rungs.append(capped.rung)
@@ -372,43 +374,70 @@ def _stream_blocks(graph: Graph, options: CompileOptions, planned: "_Planned",
     return planned
 
 
-def _rung(graph: Graph, options: CompileOptions, block: int) -> _Rung:
+class _Cut(NamedTuple):
+    """A partition of the pass, ordered, with what every plan of it shares."""
+    tg: TaskGraph
+    order: list[int]
+    needs: PassNeeds
+    seconds: tuple[float, ...]
+    rung: _Rung
+
+
+class _Partitions:
+    """The partitions of one compile, each made once: a rung of the bound and the search may
+    ask for the same block size (`_halve_blocks`), and a partition of a large pass takes
+    seconds."""
+
+    def __init__(self, graph: Graph, options: CompileOptions):
+        self.graph, self.options = graph, options
+        self.profile = options.device or get_device(DEFAULT_DEVICE)
+        self._made: dict[tuple[int, int | None], _Cut] = {}
+
+    def cut(self, block: int, weight_block: int | None = None) -> _Cut:
+        """The partition for `block`-byte working sets (weights in blocks of at most
+        `weight_block` bytes)."""
+        key = (block, weight_block)
+        if key not in self._made:
+            options = self.options
+            tg = partition(self.graph, PartitionOptions(
+                block, options.cuts, options.sources,
+                drop_constant_blocks=options.drop_constant_blocks,
+                weight_block_bytes=weight_block))
+            order = memory_aware_order(tg)
+            needs = pass_needs(tg, order)
+            seconds = tuple(task_seconds(self.profile, tg))
+            rung = _Rung(block, needs.max_working_set,
+                         min_stream_bytes(tg, order, options.device_bytes), sum(seconds))
+            self._made[key] = _Cut(tg, order, needs, seconds, rung)
+        return self._made[key]
+
+
+def _rung(parts: _Partitions, block: int) -> _Rung:
     """The bound figures of the partition for `block`, for a rung the search did not lower."""
-    tg = partition(graph, PartitionOptions(block, options.cuts, options.sources,
-                                           drop_constant_blocks=options.drop_constant_blocks))
-    ws = max((working_set(tg, t) for t in range(len(tg.tasks))), default=0)
-    seconds = task_seconds(options.device or get_device(DEFAULT_DEVICE), tg)
-    return _Rung(block, ws, min_stream_bytes(tg, memory_aware_order(tg), options.device_bytes),
-                 sum(seconds))
+    return parts.cut(block).rung
 
 
-def _plan(graph: Graph, options: CompileOptions, block: int,
-          coarser: _Won | None = None, weight_block: int | None = None,
-          unless_like: TaskGraph | None = None) -> _Planned | None:
-    """Partition for `block`-byte working sets (weights in blocks of at most `weight_block`
-    bytes), order, choose the resident set, and search the lowerings (or, given what won on a
-    `coarser` partition of the same pass, try that alone). None where the partition has as many
-    tasks and blocks as `unless_like` (the same cuts: nothing to search again)."""
+def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,
+          weight_block: int | None = None, unless_like: TaskGraph | None = None,
+          alone: bool = False) -> _Planned | None:
+    """The partition for `block`-byte working sets (weights in blocks of at most `weight_block`
+    bytes) with its resident set searched (or, given what won on a `coarser` partition of the
+    same pass, that and the policy's set tried, or that `alone`). None where the partition has
+    as many tasks and blocks as `unless_like` (the same cuts: nothing to search again)."""
+    options, profile = parts.options, parts.profile
     policy = get_policy(options.policy)
-    profile = options.device or get_device(DEFAULT_DEVICE)
-    tg = partition(graph, PartitionOptions(block, options.cuts, options.sources,
-                                           drop_constant_blocks=options.drop_constant_blocks,
-                                           weight_block_bytes=weight_block))
+    tg, order, needs, seconds, rung = parts.cut(block, weight_block)
     if unless_like is not None and (len(tg.tasks), len(tg.blocks)) == (len(unless_like.tasks),
                                                                        len(unless_like.blocks)):
         return None
-    order = memory_aware_order(tg)
-    needs = pass_needs(tg, order)
     _check_largest_task(needs, options.device_bytes, block)
     fits = everything_fits(needs, options.device_bytes)
     residency = policy.resident(tg, order, options.device_bytes, fits)
-    seconds = tuple(task_seconds(profile, tg))
     trials = search.Trials(tg, order, _lower_options(options, policy, fits, seconds), profile,
                            options.progress)
-    rung = _Rung(block, needs.max_working_set, min_stream_bytes(tg, order, options.device_bytes),
-                 sum(seconds))
     won = _search(trials, options, needs, residency, seconds,
-                  max(rung.compute_s, rung.min_stream_bytes / profile.h2d_bandwidth), coarser)
+                  max(rung.compute_s, rung.min_stream_bytes / profile.h2d_bandwidth), coarser,
+                  alone)
     return _Planned(tg, needs, fits, trials, rung, won)
 
 
@@ -438,14 +467,16 @@ def _lower_options(options: CompileOptions, policy: Policy, fits: bool,
 
 def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
             residency: Residency, seconds: tuple[float, ...], bound_s: float,
-            coarser: _Won | None = None) -> _Won:
+            coarser: _Won | None = None, alone: bool = False) -> _Won:
     """The first plan with the policy's resident weights; if it spills activations or runs
     below RESIDENT_SEARCH_BELOW of the partition's bound (`bound_s`), every weight (where they
     fit) and paced resident sets leaving the pass more or less room beside its activation peak
     (`search.search_room`), weighed by makespan; then the other look-ahead windows with the best
-    resident set. Given what won on a `coarser` partition of the same pass, only the policy's
-    set and that winner are tried instead of the search (a finer partition moves the optimum
-    little, and each probe is a lowering). Returns what won."""
+    resident set. Given what won on a `coarser` partition of the same pass, only the policy's set
+    and that winner are tried instead of the search (a finer partition moves the optimum little,
+    and each probe is a lowering); `alone`: only that winner (a prefill's halved or weight-cut
+    partition, where the policy's set never won on the grid; on a decode step's finer rungs it
+    does). Returns what won."""
     tg, order = trials.tg, trials.order
     compute = sum(seconds)
     windows = search.windows(options.auto_lookahead, options.lookahead_seconds, compute,
@@ -473,12 +504,16 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
         return max(compute, streamed_bytes(tg, paced_set(at), guarded)
                    / trials.profile.h2d_bandwidth)
 
-    first = trials.run(residency.blocks, windows[0])
-    if coarser is not None:
-        if residency.room > 0 and coarser.share is not None:
+    if coarser is not None and alone and coarser.share is not None and residency.room > 0:
+        try:  # what won on the coarser partition, alone
             paced(coarser.share)
-    elif residency.room > 0 and (first.spill_bytes > 0 or bound_s < search.RESIDENT_SEARCH_BELOW
-                                 * first.simulation.makespan_s):
+        except BudgetError:  # its set leaves this partition's larger tasks no room
+            trials.run(residency.blocks, windows[0])
+        return _finish(trials, windows, shares)
+    first = trials.run(residency.blocks, windows[0])
+    if coarser is None and residency.room > 0 and (
+            first.spill_bytes > 0
+            or bound_s < search.RESIDENT_SEARCH_BELOW * first.simulation.makespan_s):
         # The resident weights crowd the activations (they spill) or the prefetch (compute
         # waits), or the streaming starts late (no layer is resident before the first streamed
         # one) or bunches up: weigh other resident sets against the streaming, by makespan.
@@ -488,6 +523,12 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
         # Paced resident sets (the streaming spread over the compute, the first blocks and
         # the large ones resident) leaving the pass a share of the budget beside its peak.
         search.search_room(paced, bound)
+    return _finish(trials, windows, shares)
+
+
+def _finish(trials: search.Trials, windows: list[float | None],
+            shares: dict[frozenset, float]) -> _Won:
+    """The other look-ahead windows with the best resident set; what won."""
     resident = trials.best().resident
     for window in windows[1:]:
         trials.run(resident, window)

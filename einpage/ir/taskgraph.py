@@ -7,7 +7,7 @@ contracted index is cut. Task ids are a topological order; `deps` derives the ed
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from einpage.errors import GraphError
@@ -28,10 +28,11 @@ class Block:
     name: str
     source: Source | None = None  # set for blocks of graph inputs
     storage: Storage | None = None  # a packed weight or KV block (`einpage.ir.storage`)
+    # its size, derived once: the lowering and the search ask for it millions of times
+    bytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def bytes(self) -> int:
-        return tensor_bytes(self.shape, self.dtype, self.storage)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bytes", tensor_bytes(self.shape, self.dtype, self.storage))
 
 
 @dataclass(frozen=True, slots=True)
