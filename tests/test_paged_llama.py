@@ -246,3 +246,29 @@ def test_reads_reserved_ahead_let_go_for_the_write_at_the_horizon_still_give_the
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
     assert any(n > 0 for n in released)
+
+
+def test_the_room_claimed_for_deferred_writes_is_each_unplaced_write_once(ckpt, monkeypatch):
+    """`_Lowering.deferred`, the bytes the allocation horizon keeps free for the writes it
+    left to `finalize`, is the sum of `later` and equals the bytes of the fresh writes reserved
+    and not yet placed, each counted once (a read made by a deferred writer is its writer's
+    claim, not its reader's: counted twice, the claim held back the prefetch), at every
+    reservation, finalize and release of a llama prefill at an eighth of its weights."""
+    from einpage.compiler import lowering
+    checked = []
+
+    def check(self):
+        claimed = {self.tg.tasks[self.order[p]].write for p, n in self.later.items() if n}
+        unplaced = sum(self.blocks[b].size for b in claimed if self.blocks[b].offset is None)
+        assert self.deferred == sum(self.later.values()) == unplaced
+        assert all(self.blocks[b].offset is None for b in claimed)
+        checked.append(self.deferred)
+
+    for name in ("reserve", "finalize", "unreserve"):
+        step = getattr(lowering._Lowering, name)
+        monkeypatch.setattr(lowering._Lowering, name,
+                            lambda self, *a, _step=step, **k: (_step(self, *a, **k), check(self))[0])
+    cfg, _ = resolve(str(ckpt))
+    graph = llama.prefill_graph(cfg).bind(B=2, S=6)
+    compile_graph(graph, CompileOptions(_weights_bytes(cfg) // 8))
+    assert checked and max(checked) > 0

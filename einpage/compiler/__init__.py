@@ -3,7 +3,7 @@
     partitioner  `partition`: Graph -> TaskGraph (cuts chosen per axis class in `cuts`)
     order        `memory_aware_order`: the task order
     resident     which weights stay on the device
-    lowering     `lower`: simulated execution with two horizons -> MemGraph (victims chosen by
+    lowering     `lower`: simulated execution with three horizons -> MemGraph (victims chosen by
                  `policies`, offsets by `allocator`)
     search       the look-ahead windows and resident sets tried, and the fastest kept
     report       `PlanReport`: what a plan needs, moves and is predicted to take
