@@ -368,12 +368,16 @@ class _Lowering:
         costs: list[float] = []   # the costs of the evictable blocks, in offset order
         before = [0] * (n + 1)    # evictable blocks among items[:k]
         ok = [True] * n           # free bytes, or a block no reserved task pins
+        score, last = self.policy.score, self.n
         for k, (_, _, b) in enumerate(items):
             if b is not None:
                 st = blocks[b]
                 if st.pins == 0:
-                    costs.append(self.policy.score(Candidate(
-                        b, st.size, not st.host_valid, self.next_use(b, p), st.last_touch, p)))
+                    uses = st.uses  # its next use: `next_use`, inline (a call per live block)
+                    u = bisect.bisect_left(uses, p)
+                    costs.append(score(Candidate(b, st.size, not st.host_valid,
+                                                 uses[u] if u < len(uses) else last,
+                                                 st.last_touch, p)))
                 else:
                     ok[k] = False
             before[k + 1] = len(costs)

@@ -15,6 +15,7 @@ When everything fits, every policy keeps every weight resident (zero transfers p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from einpage.compiler.resident import (choose_resident, pass_needs, pass_reserve,
                                        persistent_blocks)
@@ -41,8 +42,9 @@ class Residency:
     room: int = 0
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
+    """A block the policy may evict (a tuple: the lowering makes one per live block at every
+    eviction, a million for a small budget)."""
     block: int
     bytes: int
     dirty: bool          # no valid host copy: evicting it costs an offload
