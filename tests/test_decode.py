@@ -230,7 +230,25 @@ def test_generate_prints_measured_rates(hf_fixture, capsys):
     assert "2 plans compiled" in text
 
 
-def test_compile_decode_reports_kv(capsys):
+@pytest.fixture
+def compile_once(monkeypatch):
+    """The CLI's compiles kept by workload and budgets: a test that prints one plan as JSON and
+    then as text compiles it once."""
+    import einpage.compiler as compiler
+    made, real = {}, compiler.compile_graph
+
+    def kept(graph, options):
+        key = (repr(sorted(options.workload.items())), options.device_bytes,
+               options.host_bytes, options.host_compute)
+        if key not in made:
+            made[key] = real(graph, options)
+        return made[key]
+
+    monkeypatch.setattr(compiler, "compile_graph", kept)
+    return made
+
+
+def test_compile_decode_reports_kv(capsys, compile_once):
     import json
     # device-only: with the KV store's attention on the host (the default, --host-compute
     # auto, places it there at this batch) the device streams no KV at all
@@ -248,6 +266,7 @@ def test_compile_decode_reports_kv(capsys):
     text = capsys.readouterr().out
     assert "KV store 17.18 GB: resident" in text
     assert "14.66 GB that no plan can keep on the device" in text
+    assert len(compile_once) == 1
 
 
 def test_compile_whole_generation(capsys):

@@ -51,11 +51,11 @@ def test_graphs_that_found_a_bug_stay_fixed(graph):
 
 
 def test_every_harmful_mutant_is_rejected():
-    tally = mutants.mutate(seed=MUTANT_SEED, count=8, workers=1)
+    tally = mutants.mutate(seed=MUTANT_SEED, count=5, workers=1)
     assert tally.harmful_accepted == [] and tally.crashes == [] and tally.originals == []
     assert tally.over_strict == []  # every relisting in a topological order is accepted
     for cls, row in tally.rows.items():
-        assert row["mutants"] >= 8, cls
+        assert row["mutants"] >= 5, cls
     control = tally.rows[mutations.CONTROL]
     assert control["equivalent_accepted"] == control["mutants"]
     assert sum(row["harmful"] for row in tally.rows.values()) > 0

@@ -103,16 +103,18 @@ class Trials:
 
 
 def search_room(trial_at: Callable[[float], Trial],
-                bound_at: Callable[[float], float] | None = None) -> float:
+                bound_at: Callable[[float], float] | None = None, start: float = ROOM_START,
+                seen: dict[float, Trial] | None = None) -> float:
     """Search the room a paced resident set leaves for the pass beside its activation peak, as
     a share of the budget on the ROOM_SHARES grid (`resident.paced_resident`): little room
     streams the fewest bytes but leaves the prefetch none to work ahead in; much room the
-    reverse. Unimodal like the resident share: start at ROOM_START and `climb` (`bound_at`: a
-    lower bound on a share's makespan, to skip probes that cannot move the climb). Returns the
-    best share probed."""
-    best = climb(len(ROOM_SHARES), ROOM_SHARES.index(ROOM_START),
+    reverse. Unimodal like the resident share: start at `start` and `climb` (`bound_at`: a
+    lower bound on a share's makespan, to skip probes that cannot move the climb; `seen`: the
+    shares probed already). Returns the best share probed."""
+    best = climb(len(ROOM_SHARES), ROOM_SHARES.index(start),
                  lambda i: trial_at(ROOM_SHARES[i]),
-                 bound_at=None if bound_at is None else lambda i: bound_at(ROOM_SHARES[i]))
+                 {ROOM_SHARES.index(at): t for at, t in (seen or {}).items()},
+                 None if bound_at is None else lambda i: bound_at(ROOM_SHARES[i]))
     return ROOM_SHARES[best]
 
 
