@@ -22,10 +22,10 @@ from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.policies import Policy, Residency, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
-from einpage.compiler.resident import (PassNeeds, everything_fits, least_disk_bytes,
-                                       memory_lower_bound, min_stream_bytes, paced_resident,
-                                       pass_needs, persistent_blocks, streamed_bytes,
-                                       weights_first)
+from einpage.compiler.resident import (PassNeeds, everything_fits, front_seconds,
+                                       least_disk_bytes, memory_lower_bound, min_stream_bytes,
+                                       paced_resident, pass_needs, persistent_blocks,
+                                       streamed_bytes, weights_first)
 from einpage.compiler.tiers import Tiered, place_tiers
 from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError, PlanError
@@ -136,7 +136,7 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     if best.on_host:  # the bound of the placement it runs (a device-only bound does not hold)
         rungs = [planned.rung._replace(
             min_stream_bytes=best.simulation.h2d_min_bytes,
-            compute_s=max(best.simulation.compute_s, best.simulation.host_s))]
+            compute_s=max(best.simulation.compute_s, best.simulation.host_s), front_s=0.0)]
     tiered = place_tiers(best.memgraph, best.simulation, options.host_bytes, trials.profile)
     if tiered.choice.disk_bytes and planned.needs.kv_bytes:
         tiered, best = _weights_first(planned, best, tiered, options)
@@ -147,7 +147,7 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     meta = {"policy": options.policy, "device": trials.profile.name, "lookahead": figures.lookahead,
             "tasks": figures.tasks, "resident_bytes": figures.resident_bytes,
             "min_stream_bytes": figures.min_stream_bytes,
-            "min_disk_bytes": figures.min_disk_bytes,
+            "min_disk_bytes": figures.min_disk_bytes, "min_front_s": figures.min_front_s,
             "weight_bytes": figures.weight_bytes, "kv_bytes": figures.kv_bytes,
             "kv_resident_bytes": figures.kv_resident_bytes, **tiered.choice.to_json(),
             **options.workload}
@@ -300,6 +300,7 @@ class _Rung(NamedTuple):
     max_working_set: int
     min_stream_bytes: int
     compute_s: float
+    front_s: float = 0.0  # `resident.front_seconds`: the link's first bytes before their tasks
 
 
 class _Won(NamedTuple):
@@ -417,7 +418,9 @@ class _Partitions:
             needs = pass_needs(tg, order)
             seconds = tuple(task_seconds(self.profile, tg))
             rung = _Rung(block, needs.max_working_set,
-                         min_stream_bytes(tg, order, options.device_bytes), sum(seconds))
+                         min_stream_bytes(tg, order, options.device_bytes), sum(seconds),
+                         front_seconds(tg, order, seconds, options.device_bytes,
+                                       self.profile.h2d_bandwidth))
             self._made[key] = _Cut(tg, order, needs, seconds, rung)
         return self._made[key]
 
@@ -586,6 +589,7 @@ def _figures(planned: _Planned, best: search.Trial, rungs: list[_Rung],
         kv_streamed_bytes=needs.kv_bytes - kept_kv,
         min_stream_bytes=min(r.min_stream_bytes for r in rungs),
         min_compute_s=min(r.compute_s for r in rungs),
+        min_front_s=min(r.front_s for r in rungs),
         activation_peak_bytes=needs.activation_peak, compile_seconds=round(elapsed, 3),
         tasks_per_second=round(len(tg.tasks) / elapsed, 1) if elapsed > 0 else None,
         lookahead=lookahead(best.window), lookahead_makespan_s=best.simulation.makespan_s,

@@ -448,7 +448,8 @@ class RankFigures:
     min_stream_bytes: int         # what no plan of this rank's graph can avoid streaming
     sent_bytes: int               # to later ranks, per pass
     pass_s: float                 # its pass alone, every message there at its start
-    bound_s: float                # its problem's bound (`ProblemBound.seconds`)
+    bound_s: float                # its problem's bound for passes in a row
+                                  # (`ProblemBound.steady_s`)
     compute_s: float              # ... of which compute
 
     def to_json(self) -> dict:
@@ -534,7 +535,7 @@ def programs_report(programs, profile, micro_batches: int, stages, host_compute:
         figures.append(RankFigures(
             r, tuple(stages[r]), int(meta.get("weight_bytes", 0)),
             int(meta.get("resident_bytes", 0)), alone.h2d_bytes, least, sent, alone.makespan_s,
-            bound.seconds if bound else max(alone.compute_s, least / profile.h2d_bandwidth),
+            bound.steady_s if bound else max(alone.compute_s, least / profile.h2d_bandwidth),
             bound.compute_s if bound else alone.compute_s))
     chain = 0.0 if host_compute else chain_seconds(programs, profile)
     return RanksReport(profile.name, programs[0].device_bytes, profile.peer_rate,

@@ -192,6 +192,55 @@ def least_disk_bytes(tg: TaskGraph, order: list[int], device_bytes: int,
     return max(0, held + most - device_bytes - host_bytes)
 
 
+def front_seconds(tg: TaskGraph, order: list[int], seconds: Sequence[float],
+                  device_bytes: int, bandwidth: float) -> float:
+    """The least time any plan of this taskgraph and order takes per pass, from when its tasks'
+    persistent bytes can have crossed the link: the first blocks a pass reads (a table gathered
+    at its start, larger than the budget) overlap no compute.
+
+    The tasks run in `order`, one at a time (the device's compute queue), task t for at least
+    `seconds[t]`; the link copies one byte at a time at `bandwidth`. A persistent block no task
+    writes is on the device before its first reader starts: resident (on the device for the
+    whole pass) or copied in the pass. Let W(t) be the bytes of such blocks first read by the
+    tasks up to t in the order, and X the most a resident set can hold: it stays beside every
+    task's produced blocks, so X <= device_bytes - max_t A(t), A(t) the bytes of task t's
+    non-persistent blocks. Whatever the resident set R, at most min(X, W(t)) of W(t) is
+    resident, so at least W(t) - X bytes cross before task t starts, which is then no earlier
+    than (W(t) - X) / bandwidth, and the pass no shorter than that plus the seconds of t and
+    every task after it:
+
+        pass >= max over t of  max(0, W(t) - X) / bandwidth + sum of seconds[t:]
+
+    Guarded blocks (an expert copied only when chosen) and blocks some task writes (the KV
+    rows a pass appends) are left out of W: the bound only falls by it. Where X covers every
+    such block it is the compute time, no more."""
+    guarded = reload_guards(tg)
+    counted = {b.id for b in tg.input_blocks if b.role in PERSISTENT_ROLES
+               and not tg.writers[b.id] and b.id not in guarded}
+    persistent = sum(b.bytes for b in tg.input_blocks if b.role in PERSISTENT_ROLES)
+    seen: set[int] = set()
+    first = [0] * len(order)  # W(t), position by position
+    most_produced = read = 0
+    for k, tid in enumerate(order):
+        t = tg.tasks[tid]
+        produced = 0
+        for b in dict.fromkeys((*t.reads, t.write)):
+            if b in counted:
+                if b not in seen:
+                    seen.add(b)
+                    read += tg.blocks[b].bytes
+            elif tg.blocks[b].role not in PERSISTENT_ROLES:
+                produced += tg.blocks[b].bytes
+        first[k] = read
+        most_produced = max(most_produced, produced)
+    room = max(0, min(persistent, device_bytes - most_produced))
+    bound = after = 0.0
+    for k in range(len(order) - 1, -1, -1):
+        after += seconds[order[k]]
+        bound = max(bound, max(0, first[k] - room) / bandwidth + after)
+    return bound
+
+
 def streamed_bytes(tg: TaskGraph, resident: frozenset[int] = frozenset(),
                    shares: Mapping[int, float] = MappingProxyType({})) -> int:
     """The raw bytes of the persistent blocks that some task reads and `resident` leaves off the
