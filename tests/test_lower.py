@@ -415,3 +415,17 @@ def test_the_window_evicted_is_the_least_of_every_window(policy, monkeypatch):
                    PartitionOptions(budget // 8))
     validate(lower(tg, memory_aware_order(tg), LowerOptions(budget, get_policy(policy))))
     assert sum(1 for n in calls if n > 0) > 100
+
+
+@pytest.mark.parametrize("order, needle", [
+    ([1, 0, *range(2, CHAIN)], "before task 0 it depends on"),
+    ([0, 0, *range(2, CHAIN)], "each of the"),
+    (list(range(CHAIN - 1)), "each of the"),
+])
+def test_an_order_that_is_not_topological_is_refused(order, needle):
+    """`lower` refuses an order that skips or repeats a task, or runs one before a task it
+    depends on, with a PlanError that says which (it failed deep in the walk with a KeyError)."""
+    from einpage.errors import PlanError
+    tg = chain_graph()
+    with pytest.raises(PlanError, match=needle):
+        lower(tg, order, LowerOptions(64 * SLOT, get_policy("reuse-distance")))

@@ -660,5 +660,20 @@ def _keep_idle_outputs(nodes: list, written_back: dict[int, int]) -> tuple[list,
 
 
 def lower(tg: TaskGraph, order: list[int], options: LowerOptions) -> MemGraph:
-    """The memgraph of running `tg` in `order` within `options.device_bytes`."""
+    """The memgraph of running `tg` in `order` within `options.device_bytes`. `order` must be
+    every task once, each after the tasks it depends on (PlanError otherwise)."""
+    check_order(tg, order)
     return _Lowering(tg, order, options).run()
+
+
+def check_order(tg: TaskGraph, order: list[int]) -> None:
+    """PlanError unless `order` lists every task of `tg` once, each after its dependencies."""
+    if sorted(order) != list(range(len(tg.tasks))):
+        raise PlanError(f"order lists {len(order)} tasks, expected each of the {len(tg.tasks)} "
+                        "tasks once")
+    position = {tid: p for p, tid in enumerate(order)}
+    for p, tid in enumerate(order):
+        late = [d for d in tg.deps[tid] if position[d] > p]
+        if late:
+            raise PlanError(f"order runs task {tid} at position {p} before task {late[0]} it "
+                            f"depends on (position {position[late[0]]})")
