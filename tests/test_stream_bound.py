@@ -6,6 +6,7 @@ counts."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -182,3 +183,24 @@ def test_no_plan_beats_the_front_bound(make, block):
                                                                                    kept)
     assert lowered > 20
     assert bool(raised) == (make is _gathered)
+
+
+def test_the_front_term_binds_a_compile_and_not_a_saved_plan_priced_again():
+    """The front term is in seconds of the compile's device: the compile's report carries it
+    (it is the bound here), a saved plan priced again on another device keeps only the terms
+    it can price there (bytes over that link, that device's compute), so no plan reads above
+    efficiency 1."""
+    from dataclasses import replace as swap
+    from einpage.compiler import CompileOptions, compile_graph
+    from einpage.compiler.report import PlanReport
+    profile = get_device("h100-pcie")
+    graph = _gathered()
+    weights = sum(math.prod(n.shape) * n.dtype.itemsize for n in graph.inputs
+                  if n.op.role.value == "weight")
+    compiled = compile_graph(graph, CompileOptions(weights // 2))
+    bound = compiled.report.bound
+    assert bound.front_s > max(bound.compute_s, bound.stream_s) and bound.seconds == bound.front_s
+    faster = swap(profile, h2d_bandwidth=profile.h2d_bandwidth * 10)
+    again = PlanReport.of_plan(compiled.memgraph, None, simulate(compiled.memgraph, faster),
+                               None, faster)
+    assert again.bound.front_s == 0 and again.efficiency <= 1

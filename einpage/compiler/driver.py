@@ -147,7 +147,7 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     meta = {"policy": options.policy, "device": trials.profile.name, "lookahead": figures.lookahead,
             "tasks": figures.tasks, "resident_bytes": figures.resident_bytes,
             "min_stream_bytes": figures.min_stream_bytes,
-            "min_disk_bytes": figures.min_disk_bytes, "min_front_s": figures.min_front_s,
+            "min_disk_bytes": figures.min_disk_bytes,
             "weight_bytes": figures.weight_bytes, "kv_bytes": figures.kv_bytes,
             "kv_resident_bytes": figures.kv_resident_bytes, **tiered.choice.to_json(),
             **options.workload}
@@ -359,9 +359,9 @@ def _stream_blocks(parts: _Partitions, planned: "_Planned",
                    rungs: list[_Rung]) -> "_Planned":
     """Where the link binds the best plan, the same partition with its reused weights (a
     prefill's projections) cut into blocks of at most 1/WEIGHT_BLOCK_SHARE of its working sets
-    (`cuts.cap_streamed_weights`), searched from what won (`coarser`: the policy's resident set
-    and the winner's room, two lowerings; the full search finds a little more at twice the
-    compile time); the faster plan kept. Each streamed block holds room while it is copied and
+    (`cuts.cap_streamed_weights`), tried with what won (`coarser`, `alone`: the winner's room,
+    one lowering; the full search finds a little more at several times the compile time); the
+    faster plan kept. Each streamed block holds room while it is copied and
     read, beside the resident weights and the activations: the smaller the blocks, the more
     weights stay resident and the fewer bytes stream. llama3.1-8b prefill at 8 GB reads its
     117 MB feed-forward matrices whole at 500 MB working sets and streams 9.33 GB (0.193 s); cut
@@ -395,9 +395,9 @@ class _Cut(NamedTuple):
 
 
 class _Partitions:
-    """The partitions of one compile, each made once: a rung of the bound and the search may
-    ask for the same block size (`_halve_blocks`), and a partition of a large pass takes
-    seconds."""
+    """The partitions of one compile, the last one kept: a rung of the bound and then the
+    search may ask for the same block size (`_halve_blocks`), and a partition of a large pass
+    takes seconds (and gigabytes: only the last is kept beside the plans that hold theirs)."""
 
     def __init__(self, graph: Graph, options: CompileOptions):
         self.graph, self.options = graph, options
@@ -421,7 +421,7 @@ class _Partitions:
                          min_stream_bytes(tg, order, options.device_bytes), sum(seconds),
                          front_seconds(tg, order, seconds, options.device_bytes,
                                        self.profile.h2d_bandwidth))
-            self._made[key] = _Cut(tg, order, needs, seconds, rung)
+            self._made = {key: _Cut(tg, order, needs, seconds, rung)}
         return self._made[key]
 
 
@@ -518,13 +518,13 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
                    / trials.profile.h2d_bandwidth)
 
     if coarser is not None and alone and coarser.share is not None and residency.room > 0:
-        try:  # what won on the coarser partition, alone
-            paced(coarser.share)
-        except BudgetError:  # its set leaves this partition's larger tasks no room
-            trials.run(residency.blocks, windows[0])
+        paced(coarser.share)  # what won on the coarser partition, alone
         return _finish(trials, windows, shares)
     first = trials.run(residency.blocks, windows[0])
-    if coarser is None and residency.room > 0 and (
+    if coarser is not None:
+        if residency.room > 0 and coarser.share is not None:
+            paced(coarser.share)
+    elif residency.room > 0 and (
             first.spill_bytes > 0
             or bound_s < search.RESIDENT_SEARCH_BELOW * first.simulation.makespan_s):
         # The resident weights crowd the activations (they spill) or the prefetch (compute

@@ -206,10 +206,11 @@ class PlanReport:
         stream = compiled.min_stream_bytes if compiled else mg.meta.get("min_stream_bytes")
         compute = compiled.min_compute_s if compiled else simulation.compute_s
         disk = compiled.min_disk_bytes if compiled else mg.meta.get("min_disk_bytes", 0)
-        front = compiled.min_front_s if compiled else mg.meta.get("min_front_s", 0.0)
+        # the front term is in seconds of the compile's device: a saved plan priced on another
+        # (`einpage inspect --device`) keeps the terms it can price again
+        front = compiled.min_front_s if compiled else 0.0
         bound = (ProblemBound.of(compute, stream, profile, mg.meta.get("host_bytes"),
-                                 disk if isinstance(disk, int) else 0,
-                                 front if isinstance(front, float) else 0.0)
+                                 disk if isinstance(disk, int) else 0, front)
                  if isinstance(stream, int) and profile is not None else None)
         return PlanReport(mg.device_bytes, len(mg.nodes), len(mg.tensors),
                           valid.peak_bytes if valid else mg.high_water(),
