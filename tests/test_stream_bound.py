@@ -200,6 +200,8 @@ def test_the_front_term_binds_a_compile_and_not_a_saved_plan_priced_again():
     compiled = compile_graph(graph, CompileOptions(weights // 2))
     bound = compiled.report.bound
     assert bound.front_s > max(bound.compute_s, bound.stream_s) and bound.seconds == bound.front_s
+    # the plan's own bound holds the front term too: never below the problem's
+    assert compiled.report.plan_efficiency >= compiled.report.efficiency
     faster = swap(profile, h2d_bandwidth=profile.h2d_bandwidth * 10)
     again = PlanReport.of_plan(compiled.memgraph, None, simulate(compiled.memgraph, faster),
                                None, faster)

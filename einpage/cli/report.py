@@ -143,10 +143,12 @@ def _time_lines(r: PlanReport) -> list[str]:
         lines.append("  lower bound for any plan at this budget: unknown (the plan file does not "
                      "record the bytes no plan can avoid; compile it again)")
     disk = getattr(sim, "disk_min_bytes", 0)
-    lines.append(f"  this plan's own bound: {_secs(sim.lower_bound_s)} (its compute, and each "
+    front = ("; here the problem's front term, which is more"
+             if r.plan_bound_s > sim.lower_bound_s else "")
+    lines.append(f"  this plan's own bound: {_secs(r.plan_bound_s)} (its compute, and each "
                  f"byte it streams moved once: {_gb(sim.h2d_min_bytes)} host->device"
-                 + (f", {_gb(disk)} from disk" if disk else "")
-                 + f"); plan efficiency {sim.efficiency:.3f}")
+                 + (f", {_gb(disk)} from disk" if disk else "") + front
+                 + f"); plan efficiency {r.plan_efficiency:.3f}")
     return lines
 
 

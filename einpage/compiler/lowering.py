@@ -69,7 +69,8 @@ FINALIZE_AHEAD = 2
 #: the writes then need, and the reads it reserved for later tasks are let go and reloaded again
 #: (llama3.1-8b prefill at 8 GB: 0.195 s at 1.0, 0.189 s at 2.0 and 3.0; llama-7b at 1.7 GB:
 #: 0.256, 0.257, 0.262 s; 6 more rows within 0.5% from 1.0 to 3.0; with a quarter of the claim
-#: 0.261 s where the whole gave 0.196 s)
+#: 0.261 s where the whole gave 0.196 s). A byte look-ahead (`lookahead_bytes`) counts the same
+#: claim, so a given window reaches further ahead than when reads made later counted twice.
 CLAIM_SHARE = 2.0
 
 

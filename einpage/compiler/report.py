@@ -125,9 +125,10 @@ class ProblemBound:
 
     @property
     def steady_s(self) -> float:
-        """The bound without its front term: what each of several passes run in a row takes at
-        least (a pass's first copies may overlap the pass before it; `front_s` holds for a
-        pass alone, as the simulator predicts one)."""
+        """The bound without its front term, for passes of other programs than the one compiled
+        (a pipeline's or tensor-parallel group's rank programs, their nodes relisted after the
+        compile) or run back to back by a runtime that may overlap them: `front_s` assumes the
+        tasks in the compiled order and a pass that starts with nothing copied."""
         return max(self.compute_s, self.stream_s, self.disk_s)
 
     @staticmethod
@@ -235,9 +236,18 @@ class PlanReport:
         return self.bound.seconds / s if s > 0 else 1.0
 
     @property
+    def plan_bound_s(self) -> float:
+        """The plan's own bound (`simulation.lower_bound_s`: its compute, each byte it streams
+        moved once), or the problem's front term where that is more: it holds for this plan
+        too, and the plan's bound is never below the problem's."""
+        front = self.bound.front_s if self.bound is not None else 0.0
+        return max(self.simulation.lower_bound_s, front)
+
+    @property
     def plan_efficiency(self) -> float:
         """The plan's own bound over the predicted time."""
-        return self.simulation.efficiency
+        s = self.simulation.makespan_s
+        return self.plan_bound_s / s if s > 0 else 1.0
 
     @property
     def bound_by(self) -> str:
@@ -270,8 +280,9 @@ class PlanReport:
                    h2d_s=sim.h2d_s, d2h_s=sim.d2h_s, stall_s=sim.stall_s,
                    stall_h2d_s=sim.stall_h2d_s, late_reloads=sim.late_reloads,
                    h2d_bytes=sim.h2d_bytes, d2h_bytes=sim.d2h_bytes, bound_by=self.bound_by,
-                   plan_lower_bound_s=sim.lower_bound_s,
-                   plan_efficiency=round(sim.efficiency, 4), plan_h2d_min_bytes=sim.h2d_min_bytes)
+                   plan_lower_bound_s=self.plan_bound_s,
+                   plan_efficiency=round(self.plan_efficiency, 4),
+                   plan_h2d_min_bytes=sim.h2d_min_bytes)
         # the problem's bound: any plan at this budget (None where a saved plan does not say)
         b = self.bound
         out.update(lower_bound_s=b.seconds if b else None,
