@@ -365,8 +365,12 @@ def _every_window(lowering, p: int, need: int):
     `need` bytes, or None."""
     from einpage.compiler.policies import Candidate
     blocks, items = lowering.blocks, lowering._candidates()
+
+    def next_use(b: int) -> int:
+        return min((q for q in blocks[b].uses if q >= p), default=lowering.n)
+
     cost = {b: lowering.policy.score(Candidate(b, blocks[b].size, not blocks[b].host_valid,
-                                               lowering.next_use(b, p), blocks[b].last_touch, p))
+                                               next_use(b), blocks[b].last_touch, p))
             for _, _, b in items if b is not None and blocks[b].pins == 0}
     best = None
     for left in range(len(items)):

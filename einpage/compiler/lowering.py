@@ -168,11 +168,6 @@ class _Lowering:
     def _next_id(self) -> int:
         return len(self.nodes)
 
-    def next_use(self, b: int, p: int) -> int:
-        uses = self.blocks[b].uses
-        k = bisect.bisect_left(uses, p)
-        return uses[k] if k < len(uses) else self.n
-
     # ------------------------------------------------------------ start
     def start(self) -> None:
         tg, opt = self.tg, self.opt
@@ -374,7 +369,7 @@ class _Lowering:
             if b is not None:
                 st = blocks[b]
                 if st.pins == 0:
-                    uses = st.uses  # its next use: `next_use`, inline (a call per live block)
+                    uses = st.uses  # its next use at or after p (len(order) if none)
                     u = bisect.bisect_left(uses, p)
                     costs.append(score(Candidate(b, st.size, not st.host_valid,
                                                  uses[u] if u < len(uses) else last,
