@@ -98,7 +98,7 @@ def test_order_finishes_a_batch_block_through_the_layer():
         assert starts == sorted(starts), f"stage {stage} interleaves batch blocks"
 
 
-@pytest.mark.parametrize("batch, seq, budget", [(4, 16, 200_000), (8, 8, 120_000)])
+@pytest.mark.parametrize("batch, seq, budget", [(4, 16, 200_000), (8, 8, 160_000)])
 def test_cut_llama_plans_match_the_reference(batch, seq, budget):
     cfg, weights = resolve("small", random_weights=True, seed=3)
     tokens = (np.arange(batch * seq).reshape(batch, seq) * 7) % cfg.vocab
