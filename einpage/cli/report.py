@@ -132,7 +132,7 @@ def _time_lines(r: PlanReport) -> list[str]:
     if b is not None:
         disk = (f"; {_gb(b.disk_bytes)} of them that the host budget cannot hold, read from "
                 f"disk: {_secs(b.disk_s)}" if b.disk_bytes else "")
-        if b.front_s > max(b.compute_s, b.stream_s, b.disk_s):
+        if b.front_s > b.steady_s:
             disk += (f"; the first bytes its tasks read, over the link before them, then the "
                      f"compute after them: {_secs(b.front_s)}")
         lines.append(f"  lower bound for any plan at this budget: {_secs(b.seconds)} (the most of "

@@ -118,7 +118,7 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             if block < MIN_BLOCK:
                 break
             if planned.rung.block != rungs[-1].block:  # searched no further: bound only
-                rungs.append(_rung(parts, block))
+                rungs.append(parts.cut(block).rung)
                 continue
             finer = _plan(parts, block, planned.won)
             rungs.append(finer.rung)
@@ -340,10 +340,10 @@ def _halve_blocks(parts: _Partitions, planned: "_Planned",
         sim = planned.trials.best().simulation
         rung = None
         if searching and not sim.h2d_s > sim.compute_s:
-            rung = _rung(parts, block)
+            rung = parts.cut(block).rung
             searching = rung.compute_s < sim.makespan_s * (1 - search.AUTO_TOLERANCE)
         if not searching:  # cannot be faster, or the last halving gained nothing: a bound only
-            rungs.append(rung or _rung(parts, block))
+            rungs.append(rung or parts.cut(block).rung)
             continue
         finer = _plan(parts, block, planned.won, alone=True)
         rungs.append(finer.rung)
@@ -423,11 +423,6 @@ class _Partitions:
                                        self.profile.h2d_bandwidth))
             self._made = {key: _Cut(tg, order, needs, seconds, rung)}
         return self._made[key]
-
-
-def _rung(parts: _Partitions, block: int) -> _Rung:
-    """The bound figures of the partition for `block`, for a rung the search did not lower."""
-    return parts.cut(block).rung
 
 
 def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,

@@ -110,7 +110,7 @@ class ProblemBound:
     (they must be read from disk) over the disk's bandwidth; the persistent bytes its tasks
     read first, over the link before those tasks, and the compute from them to the end
     (`front_s`, `resident.front_seconds`); whichever is most. Each plan also
-    has its own bound (`Simulation.lower_bound_s`, from the bytes it chose to stream); only this
+    has its own bound (`PlanReport.plan_bound_s`, from the bytes it chose to stream); only this
     one compares plans with each other."""
     compute_s: float
     stream_bytes: int
