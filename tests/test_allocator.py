@@ -126,6 +126,17 @@ def test_equal_newest_stamps_go_to_the_lowest_offset():
     assert (got.offset, got.deps) == (512, (2,))
 
 
+def test_a_window_that_starts_older_but_ties_at_its_newest_loses_to_the_lower_offset():
+    """Stamps 3, 5, 2, 5: two slots at 0 cover 3 and 5, at 512 cover 2 and 5. Both windows'
+    newest is 5 (the one at 512 starts with an older stamp, so it is measured): 0 wins."""
+    alloc = Allocator(0, 5 * 256)
+    blocks = [alloc.allocate(256) for _ in range(5)]
+    for block, stamp in zip(blocks, (3, 5, 2, 5)):  # the fifth stays: a fence at the end
+        alloc.free(block.offset, block.size, stamp)
+    got = alloc.allocate(2 * 256)
+    assert (got.offset, got.deps) == (0, (3, 5))
+
+
 def test_lowest_placement_packs_what_placement_by_stamp_would_split():
     """Four free segments freed at different times: by stamp, a 512-byte block goes where the
     newest free is oldest (the middle), leaving no room for two more; packed from below, all

@@ -4,6 +4,8 @@ budget, the order takes one batch block through a layer before the next, and pla
 still give the dense reference's answer in random topological orders."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -195,3 +197,68 @@ def test_gather_sums_run_in_lockstep_over_the_table():
     reads = _gather_reads(wide)  # 16 partials of 1 KB a run against table blocks of 2 KB
     assert len(reads) > len(set(reads))
     assert all(a != b for a, b in zip(reads, reads[1:]))  # each sum alone: no block twice in a row
+
+
+def _choose_measuring_everything(ops, block_bytes, max_parts=None):
+    """`choose_class_parts` as it was before it kept its measures: every op and every
+    candidate measured afresh at every doubling (the reference its bookkeeping must match)."""
+    from einpage.compiler import cuts
+    classes, arr, class_size, contracting = cuts._class_arrays(ops, max_parts)
+    pad = len(classes)
+    parts, limit = np.ones(pad + 1, np.int64), float(block_bytes)
+    overhead = max(1.0, block_bytes * cuts.TASK_OVERHEAD_SHARE)
+    stuck = np.zeros(len(ops), bool)
+    while True:
+        ws, row, tasks = arr.measure(parts)
+        can = (parts[arr.cls] * 2 <= class_size[arr.cls]) & (arr.cls != pad)
+        row_phase = arr.reduction & (row > limit) & (can & arr.kept).any(axis=1)
+        value = np.where(row_phase, row, ws)
+        over = (value > limit) & np.where(row_phase, True, can.any(axis=1)) & ~stuck
+        if not over.any():
+            return {classes[k]: int(parts[k]) for k in range(pad) if parts[k] > 1}
+        worst = int(np.argmax(np.where(over, value, -1.0)))
+        slots = can[worst] & (arr.kept[worst] if row_phase[worst] else True)
+        best = None
+        for k in sorted(set(arr.cls[worst][slots].tolist())):
+            users = arr.users[k]
+            ws2, row2, tasks2 = arr.measure(parts, users, double=k)
+            before, after = value[users], np.where(row_phase[users], row2, ws2)
+            with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+                shrink = np.log2(before / np.maximum(after, 1.0))
+                need = np.log2(np.maximum(before / limit, 1.0))
+                gain = np.minimum(shrink, need)[over[users]].sum()
+            if not gain > 0:
+                continue
+            added = (tasks2 * (ws2 + overhead) - tasks[users] * (ws[users] + overhead)).sum()
+            cost = max(added, 0.0) * (cuts.CONTRACTED_COST if contracting[k] else 1) / gain
+            if best is None or (cost, k) < best:
+                best = (cost, k)
+        if best is None:
+            stuck[worst] = True
+        else:
+            parts[best[1]] *= 2
+
+
+@pytest.mark.parametrize("config, shape, blocks", [
+    (preset("small"), dict(B=4, S=32), (48_000, 20_000, 6_000)),
+    (replace(preset("small"), name="small-moe", family="mixtral", experts=4,
+             experts_per_token=2), dict(B=2, S=16), (30_000, 8_000)),
+])
+def test_choose_class_parts_keeps_its_measures_true(monkeypatch, config, shape, blocks):
+    """The choice keeps each op's and each candidate's measure between doublings, measuring
+    again only the ops a doubling changed: it chooses exactly what measuring everything afresh
+    at every doubling chooses (a prefill, and a mixture of experts whose classes many ops
+    share), and with a cap on some classes."""
+    from einpage.compiler import partitioner
+    seen = []
+    monkeypatch.setattr(partitioner, "choose_class_parts",
+                        lambda ops, *args: seen.append(ops) or choose_class_parts(ops, *args))
+    graph = llama.prefill_graph(config).bind(**shape)
+    for block in blocks:
+        partition(graph, PartitionOptions(block))
+        ops = seen[-1]
+        capped = {op.cls[c]: 2 for op in ops[::7] for c in op.cls}
+        for limits in (None, capped):
+            chosen = choose_class_parts(ops, block, limits)
+            assert chosen == _choose_measuring_everything(ops, block, limits)
+            assert max(chosen.values(), default=1) > 1  # the block forces cuts

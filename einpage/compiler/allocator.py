@@ -13,13 +13,16 @@ lowering asks the allocator about a million times for a large graph.
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from einpage.ir.memgraph import ALIGNMENT
 
+
+#: The stamp of bytes no node has used: older than every node id
+NEVER = -1
+_ABOVE = 1 << 62  # ... and a key newer than every one
 
 #: Beyond this many free segments `allocate` searches by threshold over arrays
 #: (`Allocator._allocate_many`), below it with a sliding window in Python
@@ -42,10 +45,10 @@ class Allocator:
     def __init__(self, start: int, end: int):
         self.start, self.end = start, end
         empty = end <= start
-        # parallel sorted lists: segment starts, ends, stamps
+        # parallel sorted lists: segment starts, ends, stamps (-1: never used)
         self._lo: list[int] = [] if empty else [start]
         self._hi: list[int] = [] if empty else [end]
-        self._stamp: list[int | None] = [] if empty else [None]
+        self._key: list[int] = [] if empty else [NEVER]
         # maximal runs of adjacent segments: sorted starts and ends
         self._run_lo: list[int] = [] if empty else [start]
         self._run_hi: list[int] = [] if empty else [end]
@@ -67,51 +70,46 @@ class Allocator:
 
     def allocate(self, size: int) -> Allocation | None:
         """Place `size` bytes at the start of a free segment: the placement whose newest stamp
-        is oldest, then the lowest offset. Within a run the candidate windows slide right, so a
-        monotonic queue keeps each window's newest stamp (linear in the run's segments)."""
+        is oldest, then the lowest offset. Within a run the candidate windows slide right (the
+        window of the segment at s covers segments [s, m), m never moving left); most cover one
+        segment, so each window's newest is a slice's maximum, and a window whose first stamp
+        is no older than the best so far is passed over unmeasured."""
         size = aligned(max(size, 1))
         if size > self._free or (self._max_run is not None and size > self._max_run):
             return None
-        lo, stamp = self._lo, self._stamp
+        lo, key = self._lo, self._key
         n = len(lo)
         if n > MANY_SEGMENTS:  # the windows to slide: the segments of the runs that fit
             fit = sum(bisect.bisect_left(lo, b) - bisect.bisect_left(lo, a)
                       for a, b in zip(self._run_lo, self._run_hi) if b - a >= size)
             if fit > MANY_SEGMENTS:
                 return self._allocate_many(size)
-        best_key, best_at = None, -1
+        best_key, best_at = _ABOVE, -1  # no window yet
         largest = 0
         for run_lo, run_hi in zip(self._run_lo, self._run_hi):
             if run_hi - run_lo > largest:
                 largest = run_hi - run_lo
             if run_hi - run_lo < size:
                 continue
-            queue = deque()  # (index, stamp), stamps decreasing: the head is the window's newest
-            s = m = bisect.bisect_left(lo, run_lo)  # the window of the candidate at s: [s, m)
+            last = run_hi - size  # the last offset in the run where `size` bytes fit
+            s = m = bisect.bisect_left(lo, run_lo)
             while s < n:
                 at = lo[s]
-                end = at + size
-                if end > run_hi:
+                if at > last:
                     break
-                while m < n and lo[m] < end:
-                    st = stamp[m]
-                    if st is None:
-                        st = -1
-                    while queue and queue[-1][1] <= st:
-                        queue.pop()
-                    queue.append((m, st))
-                    m += 1
-                while queue[0][0] < s:
-                    queue.popleft()
-                newest = queue[0][1]
-                if best_key is None or newest < best_key:
-                    best_key, best_at = newest, at
-                    # stamps are node ids (>= 0) and untouched bytes count as -1, so this is
-                    # the least key possible, at the lowest offset that has it: the best
-                    if newest < 0:
-                        return self.take(at, size)
+                if key[s] < best_key:
+                    end = at + size  # (m reaches past s: lo[s] < end)
+                    while m < n and lo[m] < end:
+                        m += 1
+                    newest = key[s] if m == s + 1 else max(key[s:m])
+                    if newest < best_key:
+                        # untouched bytes (-1) are the least key possible, at the lowest
+                        # offset that has it: the best
+                        if newest < 0:
+                            return self.take(at, size)
+                        best_key, best_at = newest, at
                 s += 1
-        if best_key is None:
+        if best_at < 0:
             self._max_run = largest  # taking bytes only shrinks runs; a free updates this
             return None
         return self.take(best_at, size)
@@ -123,8 +121,7 @@ class Allocator:
         power-of-two span, O(n log n) to build, two lookups a query). The least key at the
         lowest offset is the first minimum in address order: the sliding window's choice."""
         lo = np.array(self._lo, dtype=np.int64)
-        stamp = np.array(self._stamp, dtype=np.float64)  # None (never used) -> nan -> -1
-        stamp[np.isnan(stamp)] = -1
+        stamp = np.array(self._key, dtype=np.float64)
         run_lo = np.array(self._run_lo, dtype=np.int64)
         run_hi = np.array(self._run_hi, dtype=np.int64)
         run = np.searchsorted(run_lo, lo, side="right") - 1  # the run of each segment
@@ -165,10 +162,12 @@ class Allocator:
         end = at + size
         j = max(k, 0)
         while j < len(self._lo) and self._lo[j] < end:
-            lo, hi, st = self._lo[j], self._hi[j], self._stamp[j]
+            lo, hi, st = self._lo[j], self._hi[j], self._key[j]
             cut_lo, cut_hi = max(lo, at), min(hi, end)
-            pieces.append((cut_lo, cut_hi, st))
-            if st is not None:
+            if st == NEVER:
+                pieces.append((cut_lo, cut_hi, None))
+            else:
+                pieces.append((cut_lo, cut_hi, st))
                 deps.add(st)
             if lo < cut_lo:
                 new_lo.append(lo); new_hi.append(cut_lo); new_stamp.append(st)
@@ -178,7 +177,7 @@ class Allocator:
         covered = sum(h - l for l, h, _ in pieces)
         if k < 0 or covered != size:
             raise RuntimeError(f"allocator: [{at}, {end}) is not free")
-        self._lo[k:j], self._hi[k:j], self._stamp[k:j] = new_lo, new_hi, new_stamp
+        self._lo[k:j], self._hi[k:j], self._key[k:j] = new_lo, new_hi, new_stamp
         r = bisect.bisect_right(self._run_lo, at) - 1
         run_lo, run_hi = self._run_lo[r], self._run_hi[r]
         split = [(a, b) for a, b in ((run_lo, at), (end, run_hi)) if a < b]
@@ -188,24 +187,24 @@ class Allocator:
         return Allocation(at, size, tuple(sorted(deps)), tuple(pieces))
 
     def free(self, offset: int, size: int, stamp: int | None) -> None:
-        self._insert(offset, offset + aligned(max(size, 1)), stamp)
+        self._insert(offset, offset + aligned(max(size, 1)), NEVER if stamp is None else stamp)
 
     def rollback(self, alloc: Allocation) -> None:
         """Undo an allocation nothing has used: its bytes return with their old stamps."""
         for lo, hi, st in alloc.pieces:
-            self._insert(lo, hi, st)
+            self._insert(lo, hi, NEVER if st is None else st)
 
-    def _insert(self, lo: int, hi: int, stamp) -> None:
+    def _insert(self, lo: int, hi: int, stamp: int) -> None:
         k = bisect.bisect_left(self._lo, lo)
         if (k < len(self._lo) and self._lo[k] < hi) or (k > 0 and self._hi[k - 1] > lo):
             raise RuntimeError(f"allocator: double free of [{lo}, {hi})")
-        self._lo.insert(k, lo); self._hi.insert(k, hi); self._stamp.insert(k, stamp)
+        self._lo.insert(k, lo); self._hi.insert(k, hi); self._key.insert(k, stamp)
         # merge with neighbours of the same stamp to keep the lists short
         for j in (k, k - 1):
             if 0 <= j < len(self._lo) - 1 and self._hi[j] == self._lo[j + 1] \
-                    and self._stamp[j] == self._stamp[j + 1]:
+                    and self._key[j] == self._key[j + 1]:
                 self._hi[j] = self._hi[j + 1]
-                del self._lo[j + 1], self._hi[j + 1], self._stamp[j + 1]
+                del self._lo[j + 1], self._hi[j + 1], self._key[j + 1]
         # the runs: join the run ending at lo and the one starting at hi
         r = bisect.bisect_left(self._run_lo, lo)
         run_lo, run_hi = lo, hi

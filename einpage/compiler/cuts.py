@@ -144,7 +144,11 @@ class _OpArrays:
                 self.item[o, t] = item
                 for c in term:
                     self.inmask[o, t, slot[c]] = True
-        self.users = [np.unique(np.nonzero(self.cls == k)[0]) for k in range(pad)]
+        # the ops that use each class, ascending: the ops of each (op, slot), grouped by class
+        ops_of, classes = np.nonzero(self.cls < pad)[0], self.cls[self.cls < pad]
+        by_class = np.argsort(classes, kind="stable")
+        bounds = np.searchsorted(classes[by_class], np.arange(pad + 1))
+        self.users = [np.unique(ops_of[by_class[bounds[k]:bounds[k + 1]]]) for k in range(pad)]
 
     def measure(self, parts: np.ndarray, idx=slice(None), double: int | None = None):
         """Working set, row working set and task count of ops `idx` under `parts` (with class
@@ -162,16 +166,12 @@ class _OpArrays:
         return ws.astype(float), row.astype(float), p.prod(axis=1).astype(float)
 
 
-def choose_class_parts(ops: list[CutOp], block_bytes: int,
-                       max_parts: dict[int, int] | None = None) -> dict[int, int]:
-    """Parts per axis class (powers of two) so that every op's working set fits `block_bytes`
-    where cuts can achieve it (see the module docstring); a class in `max_parts` is cut into at
-    most that many (the whole groups of a quantized weight's rows)."""
-    if not ops:
-        return {}
+def _class_arrays(ops: list[CutOp], max_parts: dict[int, int] | None):
+    """The classes the ops use, in order; the ops as arrays over them (`_OpArrays`, the last
+    class index a pad that is never cut); each class's most parts (its least size among the
+    ops, within `max_parts`); whether some op contracts it."""
     classes = sorted({k for op in ops for k in op.cls.values()})
-    index = {k: i for i, k in enumerate(classes)}
-    arr = _OpArrays(ops, index)
+    arr = _OpArrays(ops, {k: i for i, k in enumerate(classes)})
     pad = len(classes)
     class_size = np.full(pad + 1, 1, np.int64)
     for k in range(pad):
@@ -181,12 +181,30 @@ def choose_class_parts(ops: list[CutOp], block_bytes: int,
     contracting = np.zeros(pad + 1, bool)
     contracting[np.unique(arr.cls[~arr.kept])] = True
     contracting[pad] = False
+    return classes, arr, class_size, contracting
+
+
+def choose_class_parts(ops: list[CutOp], block_bytes: int,
+                       max_parts: dict[int, int] | None = None) -> dict[int, int]:
+    """Parts per axis class (powers of two) so that every op's working set fits `block_bytes`
+    where cuts can achieve it (see the module docstring); a class in `max_parts` is cut into at
+    most that many (the whole groups of a quantized weight's rows)."""
+    if not ops:
+        return {}
+    classes, arr, class_size, contracting = _class_arrays(ops, max_parts)
+    pad = len(classes)
     parts = np.ones(pad + 1, np.int64)
     limit = float(block_bytes)
     overhead = max(1.0, block_bytes * TASK_OVERHEAD_SHARE)
     stuck = np.zeros(len(ops), bool)
+    # Each doubling changes only the measures of its class's users, so they are kept and
+    # updated, as is each candidate's measure (its users with it doubled): only its users that
+    # changed are measured again (`changed`: the doubling that last changed an op; `tried`:
+    # class -> [doublings when last brought up to date, working sets, rows, tasks]).
+    ws, row, tasks = arr.measure(parts)
+    doublings, changed = 0, np.zeros(len(ops), np.int64)
+    tried: dict[int, list] = {}
     while True:
-        ws, row, tasks = arr.measure(parts)
         can = (parts[arr.cls] * 2 <= class_size[arr.cls]) & (arr.cls != pad)
         row_phase = arr.reduction & (row > limit) & (can & arr.kept).any(axis=1)
         value = np.where(row_phase, row, ws)
@@ -198,7 +216,17 @@ def choose_class_parts(ops: list[CutOp], block_bytes: int,
         best = None
         for k in sorted(set(arr.cls[worst][slots].tolist())):
             users = arr.users[k]
-            ws2, row2, tasks2 = arr.measure(parts, users, double=k)
+            kept = tried.get(k)
+            if kept is None:
+                kept = tried[k] = [doublings, *arr.measure(parts, users, double=k)]
+            elif kept[0] < doublings:  # measure again the users changed since
+                stale = np.flatnonzero(changed[users] > kept[0])
+                if len(stale):
+                    again = arr.measure(parts, users[stale], double=k)
+                    for have, new in zip(kept[1:], again):
+                        have[stale] = new
+                kept[0] = doublings
+            ws2, row2, tasks2 = kept[1:]
             before = value[users]
             after = np.where(row_phase[users], row2, ws2)
             with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # sizes past
@@ -214,7 +242,12 @@ def choose_class_parts(ops: list[CutOp], block_bytes: int,
         if best is None:
             stuck[worst] = True  # nothing shrinks it further; the lowering reports the budget
             continue
-        parts[best[1]] *= 2
+        k = best[1]
+        parts[k] *= 2
+        doublings += 1
+        users = arr.users[k]
+        ws[users], row[users], tasks[users] = tried.pop(k)[1:]
+        changed[users] = doublings
     return {classes[k]: int(parts[k]) for k in range(pad) if parts[k] > 1}
 
 

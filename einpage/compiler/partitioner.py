@@ -88,6 +88,8 @@ class _Partitioner:
         self.pending: dict[int, float] = {}  # ... of those, the ones no task has written yet
         self.const_nodes: set[int] = set()  # nodes with a block in `known`
         self.written: set[int] = set()      # blocks some emitted task writes
+        self.guard_elements: dict[tuple[int, int], tuple[int, int]] = {}  # (tensor, index) ->
+                                            # (its block, the flat index in it)
 
     # ------------------------------------------------------------ blocks and tasks
     def _new_grid(self, node: Node, bounds: Bounds) -> _Grid:
@@ -140,14 +142,21 @@ class _Partitioner:
         """(the block of `node`'s guard tensor holding its guard element, the element's flat
         index in that block), the block written first if it is a constant not yet written."""
         g = node.guard
+        key = (g.tensor, g.index)  # the guard tensor's layout is fixed once it is made
+        if key not in self.guard_elements:
+            self.guard_elements[key] = self._find_guard_element(g)
+        bid, index = self.guard_elements[key]
+        if bid in self.pending:
+            self._materialize(bid)
+        return bid, index
+
+    def _find_guard_element(self, g) -> tuple[int, int]:
         src = self.g.nodes[g.tensor]
         bounds = self.primary.get(g.tensor) or tuple((0, s) for s in src.shape)
         at = [int(v) for v in np.unravel_index(g.index, src.shape)]
         for bid in self.layout(g.tensor, bounds).blocks.values():
             blk = self.blocks[bid]
             if all(o <= a < o + n for a, o, n in zip(at, blk.origin, blk.shape)):
-                if bid in self.pending:
-                    self._materialize(bid)
                 local = [a - o for a, o in zip(at, blk.origin)]
                 return bid, sum(v * math.prod(blk.shape[k + 1:]) for k, v in enumerate(local))
         raise GraphError(f"partition: no block of %{g.tensor} holds guard element {g.index}")

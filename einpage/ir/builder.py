@@ -68,6 +68,7 @@ def _size(s: Union[int, str, sympy.Expr]) -> Size:
 class GraphBuilder:
     def __init__(self) -> None:
         self._nodes: list[Node] = []
+        self._input_names: set[str] = set()
         self._stage = 0
         self._guard: Guard | None = None
 
@@ -118,7 +119,7 @@ class GraphBuilder:
               storage: Storage | None = None) -> Tensor:
         """A graph input; a weight or the KV store may be kept in a block format (`storage`),
         its rows the trailing `storage.span` axes."""
-        if any(isinstance(n.op, Input) and n.op.name == name for n in self._nodes):
+        if name in self._input_names:
             raise GraphError(f"input {name!r} defined twice")
         role = Role(role)
         if storage is not None:
@@ -133,7 +134,9 @@ class GraphBuilder:
             if why:
                 raise GraphError(f"input {name!r} {list(shape)}: cannot be stored as "
                                  f"{storage.format}: {why}")
-        return self._add(Input(name, role, storage), (), shape, dtype)
+        tensor = self._add(Input(name, role, storage), (), shape, dtype)
+        self._input_names.add(name)
+        return tensor
 
     def einsum(self, spec: str, *operands: Tensor, join: JoinLike = None,
                agg: str | None = None, dtype=None) -> Tensor:
