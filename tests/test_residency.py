@@ -122,6 +122,50 @@ def test_a_finer_partition_tries_only_what_won_the_coarser_one(monkeypatch):
     assert validate(compiled.memgraph).proven
 
 
+def test_a_resident_set_tried_before_is_not_lowered_again(monkeypatch):
+    """Paced sets of neighbouring room shares are often one set (all empty where no weight
+    fits beside the pass): the trial is returned as it was, and kept once."""
+    from einpage.compiler import search
+    from einpage.compiler.lowering import LowerOptions
+    from einpage.compiler.policies import get_policy
+    tg, order, seconds = _chain()
+    lowered = []
+    real = search.lower_shrinking
+    monkeypatch.setattr(search, "lower_shrinking",
+                        lambda *a: lowered.append(a[2].resident) or real(*a))
+    trials = search.Trials(tg, order, LowerOptions(6 * 16384 + 4096, get_policy("reuse-distance"),
+                                                   task_seconds=seconds),
+                           get_device("h100-pcie"))
+    weights = sorted(b.id for b in tg.input_blocks if b.role == "weight")
+    first = trials.run(frozenset(weights[:2]), None)
+    assert trials.run(frozenset(weights[:2]), None) == first
+    other = trials.run(frozenset(weights[:1]), None)
+    assert trials.run(frozenset(weights[:2]), 1e-3).window == 1e-3  # another window: lowered
+    assert lowered == [frozenset(weights[:2]), frozenset(weights[:1]), frozenset(weights[:2])]
+    assert len(trials.items) == 3 and other.resident == frozenset(weights[:1])
+
+
+def test_a_halving_that_cuts_nothing_more_is_not_lowered(monkeypatch):
+    """llama-7b prefill at 14 GB: its largest working sets are below half the default block,
+    so the halved partition is the same partition; it is a rung of the bound, and no lowering
+    (it would lower the very plan the coarser partition did)."""
+    from einpage.compiler import driver, search
+    from einpage.models import resolve
+    from einpage.models.llama import prefill_graph
+    cfg, _ = resolve("llama-7b", random_weights=True)
+    cut, lowered = [], []
+    real_cut, real_lower = driver._Partitions.cut, search.lower_shrinking
+    monkeypatch.setattr(driver._Partitions, "cut",
+                        lambda self, *a: cut.append(a[0]) or real_cut(self, *a))
+    monkeypatch.setattr(search, "lower_shrinking",
+                        lambda *a: lowered.append(len(a[0].tasks)) or real_lower(*a))
+    compiled = compile_graph(prefill_graph(cfg).bind(B=1, S=2048),
+                             CompileOptions(device_bytes=14 * 10**9, validate=False))
+    assert sorted(set(cut)) == [14 * 10**9 // 16, 14 * 10**9 // 8]  # the halving was partitioned
+    assert lowered == [len(compiled.taskgraph.tasks)]  # ... and not lowered
+    assert compiled.report.compiled.block_bytes == 14 * 10**9 // 8
+
+
 def test_the_ladder_halves_past_a_quarter_of_the_largest_task():
     """The finer rungs are halvings of the coarse rung's largest task from a quarter on, each
     searched while the one before gained: llama-7b's decode step at B=1 over 2304 rows in 14 GB

@@ -345,7 +345,11 @@ def _halve_blocks(parts: _Partitions, planned: "_Planned",
         if not searching:  # cannot be faster, or the last halving gained nothing: a bound only
             rungs.append(rung or parts.cut(block).rung)
             continue
-        finer = _plan(parts, block, planned.won, alone=True)
+        finer = _plan(parts, block, planned.won, unless_like=planned.tg, alone=True)
+        if finer is None:  # the halved blocks needed no further cut: the same plans
+            rungs.append(parts.cut(block).rung)
+            searching = False
+            continue
         rungs.append(finer.rung)
         best = sim.makespan_s
         if finer.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
@@ -430,13 +434,12 @@ def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,
           alone: bool = False) -> _Planned | None:
     """The partition for `block`-byte working sets (weights in blocks of at most `weight_block`
     bytes) with its resident set searched (or, given what won on a `coarser` partition of the
-    same pass, that and the policy's set tried, or that `alone`). None where the partition has
-    as many tasks and blocks as `unless_like` (the same cuts: nothing to search again)."""
+    same pass, that and the policy's set tried, or that `alone`). None where the partition is
+    `unless_like` (the same cuts: nothing to search again)."""
     options, profile = parts.options, parts.profile
     policy = get_policy(options.policy)
     tg, order, needs, seconds, rung = parts.cut(block, weight_block)
-    if unless_like is not None and (len(tg.tasks), len(tg.blocks)) == (len(unless_like.tasks),
-                                                                       len(unless_like.blocks)):
+    if unless_like is not None and _same_partition(tg, unless_like):
         return None
     _check_largest_task(needs, options.device_bytes, block)
     fits = everything_fits(needs, options.device_bytes)
@@ -449,8 +452,11 @@ def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,
     return _Planned(tg, needs, fits, trials, rung, won)
 
 
-def _key(trial: search.Trial) -> tuple[float, int]:
-    return (trial.simulation.makespan_s, trial.simulation.h2d_bytes)
+def _same_partition(a: TaskGraph, b: TaskGraph) -> bool:
+    """Whether two partitions of one pass are the same: a smaller block or weight cap that
+    needed no further cut."""
+    return (len(a.tasks), len(a.blocks)) == (len(b.tasks), len(b.blocks)) and (
+        a.tasks == b.tasks and a.blocks == b.blocks)
 
 
 def _check_largest_task(needs: PassNeeds, device_bytes: int, block: int) -> None:

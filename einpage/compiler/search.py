@@ -55,9 +55,15 @@ class Trials:
         self.tg, self.order, self.base, self.profile = tg, order, base, profile
         self.progress = progress
         self.items: list[Trial] = []
+        self._tried: dict[tuple[frozenset, float | None], Trial] = {}
 
     def run(self, resident: frozenset, window: float | None) -> Trial:
-        """Lower and simulate; returns the trial without its plan (`items` alone holds plans)."""
+        """Lower and simulate; returns the trial without its plan (`items` alone holds plans).
+        A resident set and window tried before are not lowered again (paced sets of several
+        room shares are often the same set: all empty where no weight fits beside the pass):
+        that trial is returned, and `items` keeps it once."""
+        if (resident, window) in self._tried:
+            return self._tried[(resident, window)]
         progress = None
         if self.progress is not None:
             progress = functools.partial(self.progress, f"lowering {len(self.items) + 1}")
@@ -66,7 +72,8 @@ class Trials:
         self.items.append(Trial(window, resident, mg, simulate(mg, self.profile),
                                 Traffic.of(mg).offload_bytes, mg.live_peak(), self.base.on_host))
         self._drop_losers()
-        return replace(self.items[-1], memgraph=None)
+        self._tried[(resident, window)] = replace(self.items[-1], memgraph=None)
+        return self._tried[(resident, window)]
 
     def reference(self, resident: frozenset) -> Simulation | None:
         """The simulation of `resident` with the default look-ahead (bounded by memory only), to
