@@ -244,6 +244,28 @@ def test_a_lower_bound_skips_probes_but_not_the_path(makespans, slack):
         assert all(makespans[j] < makespans[i] for i, j in zip(some, some[1:]))
 
 
+@pytest.mark.parametrize("makespans, probed, stop", [
+    # the better neighbour does not fit: the start is the best
+    ((3.0, None, 4.0, 4.2, 4.4), [2, 3, 1], 2),
+    # the start does not fit: a neighbour that does beats it
+    ((5.0, 4.0, None, 4.5, 4.8), [2, 3, 4], 3),
+    # the climb walks until a point does not fit
+    ((5.0, 4.5, 4.0, 3.5, None), [2, 3, 4], 3),
+])
+def test_climb_passes_over_points_that_do_not_fit(makespans, probed, stop):
+    """A point whose trial is None (its resident set leaves the pass too little room) counts
+    as infinitely slow: never a point to climb to, and a start to leave."""
+    from einpage.compiler.search import climb
+    calls = []
+
+    def trial_at(i):
+        calls.append(i)
+        return None if makespans[i] is None else _fake_trial(makespans[i], 1.0)
+
+    assert climb(len(makespans), 2, trial_at) == stop
+    assert calls == probed
+
+
 def test_climb_stops_at_compute_time_unless_the_plan_spills():
     from einpage.compiler.search import climb
 

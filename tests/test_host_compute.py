@@ -289,6 +289,55 @@ def test_the_planner_places_on_the_host_only_where_it_is_faster():
            reference.evaluate(graph, inputs, weights))
 
 
+def test_the_critical_path_is_the_longest_chain_and_no_pass_beats_it(llama_placed):
+    """Two branches from one input, joined by a third task, each task in a chain after the
+    writers of what it reads: the longest chain is the longer branch plus the join. On a
+    placed decode step (host attention between device projections, layer by layer) the
+    simulated pass is no shorter than its longest chain."""
+    from einpage.compiler.placement import critical_path
+    from einpage.ir import GraphBuilder
+    from einpage.predict.cost import task_seconds
+    from einpage.predict.simulator import simulate
+    g = GraphBuilder()
+    x = g.input("x", (4, 4))
+    a = g.einsum("ab->ab", x)
+    b = g.einsum("ab,bc->ac", g.einsum("ab->ab", x), x)
+    g.output("y", g.einsum("ab,ab->ab", a, b))
+    tg = partition(g.build(), PartitionOptions(1 << 20))
+    order = memory_aware_order(tg)
+    seconds = [1.0, 2.0, 0.5, 3.0]  # a, the copy of x, its product, the join
+    assert [tg.tasks[t].node for t in range(4)] == [a.id, b.id - 1, b.id, b.id + 1]
+    assert critical_path(tg, order, seconds) == 2.0 + 0.5 + 3.0
+    _, _, _, tg, _, on_host, mg, _ = llama_placed
+    profile = get_device("h100-pcie")
+    seconds = task_seconds(profile, tg, on_host)
+    chain = critical_path(tg, memory_aware_order(tg), seconds)
+    # longer than the device's compute: host attention lies on the chain between projections
+    assert chain > sum(s for t, s in enumerate(seconds) if t not in on_host)
+    assert simulate(mg, profile).makespan_s >= chain
+
+
+def test_placements_that_cannot_win_are_not_lowered(monkeypatch):
+    """llama-7b's decode step of 8 rows over 768 at 16 GB runs 17.4 ms on the device alone.
+    Every placement the planner weighs either streams more than that over the link or chains
+    host attention and device projections for longer: none is lowered, and the plan is the
+    device-only one."""
+    from einpage.compiler import search
+    from einpage.models.generation import decode_step_graph
+    cfg, _ = resolve("llama-7b", random_weights=True)
+    graph = decode_step_graph(cfg, 8, 768)
+    placed = []
+    real = search.lower
+    monkeypatch.setattr(search, "lower",
+                        lambda tg, order, opts: (opts.on_host and placed.append(opts.on_host))
+                        or real(tg, order, opts))
+    compiled = compile_graph(graph, CompileOptions(16 * 10**9, validate=False,
+                                                   host_compute=True))
+    assert not placed
+    assert not any(isinstance(n, ApplyNode) and n.on_host for n in compiled.memgraph.nodes)
+    assert compiled.simulation.makespan_s < 0.0175
+
+
 # ------------------------------------------------------------------ profiles and the CLI
 
 def test_host_profiles_and_files(tmp_path):

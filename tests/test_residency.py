@@ -109,9 +109,9 @@ def test_a_finer_partition_tries_only_what_won_the_coarser_one(monkeypatch):
     runs: dict[int, int] = {}
     real = search.Trials.run
 
-    def run(self, resident, window):
+    def run(self, resident, window, exact=False):
         runs[len(self.tg.tasks)] = runs.get(len(self.tg.tasks), 0) + 1
-        return real(self, resident, window)
+        return real(self, resident, window, exact)
 
     monkeypatch.setattr(search.Trials, "run", run)
     compiled = compile_graph(g.build(), CompileOptions(device_bytes=80 << 20))
@@ -143,6 +143,30 @@ def test_a_resident_set_tried_before_is_not_lowered_again(monkeypatch):
     assert trials.run(frozenset(weights[:2]), 1e-3).window == 1e-3  # another window: lowered
     assert lowered == [frozenset(weights[:2]), frozenset(weights[:1]), frozenset(weights[:2])]
     assert len(trials.items) == 3 and other.resident == frozenset(weights[:1])
+
+
+def test_an_exact_trial_that_does_not_fit_raises_and_is_not_lowered_again(monkeypatch):
+    """A point of the room search is its own resident set or nothing: where the set leaves the
+    pass too little room, `exact` raises rather than lowering half the set (another point), and
+    asking again raises without a lowering; the first plan of a search still shrinks."""
+    from einpage.compiler import lowering, search
+    from einpage.compiler.lowering import LowerOptions
+    from einpage.compiler.policies import get_policy
+    from einpage.errors import BudgetError
+    tg, order, seconds = _chain()
+    lowered = []
+    real = lowering.lower
+    monkeypatch.setattr(search, "lower", lambda *a: lowered.append(a[2].resident) or real(*a))
+    trials = search.Trials(tg, order, LowerOptions(6 * 16384 + 4096, get_policy("reuse-distance"),
+                                                   task_seconds=seconds),
+                           get_device("h100-pcie"))
+    weights = frozenset(b.id for b in tg.input_blocks if b.role == "weight")  # 8: too many
+    for _ in range(2):
+        with pytest.raises(BudgetError):
+            trials.run(weights, None, exact=True)
+    assert lowered == [weights] and not trials.items
+    shrunk = trials.run(weights, None)
+    assert len(shrunk.resident) < len(weights) and len(trials.items) == 1
 
 
 def test_a_halving_that_cuts_nothing_more_is_not_lowered(monkeypatch):

@@ -203,9 +203,12 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
     them, or only those the best device-only plan streams, so what it keeps resident is still
     computed on the device, or shares of those that balance the host against the link), the
     tasks that read them run on the host, and paced resident sets
-    over the other persistent blocks are searched as the device-only ones were (unless the host
-    tasks alone would outlast the device-only pass: no lowering then; nor a climb where its
-    first plan is not within PLACEMENT_CLIMB_WITHIN of the best). Every trial
+    over the other persistent blocks are searched as the device-only ones were: from the
+    device-only winner's room, climbed only where that first plan is within
+    PLACEMENT_CLIMB_WITHIN of the best, and not lowered at all where a floor of that plan (its
+    longest chain of tasks, either queue's compute, the link time of what it leaves off the
+    device: `floor`) already misses that (llama-7b decode B=8 at 16 GB lowered five placements,
+    27.7-32.5 ms against 17.4 ms; none now). Every trial
     joins the partition's; a placement wins only by more than AUTO_TOLERANCE, so a tie keeps
     the device-only plan."""
     trials, tg = planned.trials, planned.tg
@@ -219,8 +222,27 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
         """(the tasks that run on the host with `kept` there, every task's seconds then)."""
         if kept not in memo:
             on_host = placement.place_on_host(tg, order, kept)
-            memo[kept] = on_host, tuple(task_seconds(profile, tg, on_host)) if on_host else ()
+            memo[kept] = on_host, (tuple(task_seconds(profile, tg, on_host,
+                                                      trials.base.task_seconds))
+                                   if on_host else ())
         return memo[kept]
+
+    def paced_set(at: float, kept: frozenset, seconds: tuple[float, ...]) -> frozenset:
+        room = int(budget - planned.needs.activation_peak - at * budget)
+        return paced_resident(tg, order, room, seconds, max(1, int(at * budget / 2)),
+                              exclude=kept)
+
+    guarded = {b: key[2] for b, key in reload_guards(tg, options.guarded_reload_share).items()}
+
+    def floor(on_host: frozenset, seconds: tuple[float, ...], resident: frozenset) -> float:
+        """No plan of the placement keeping `resident` on the device beats its longest chain
+        of tasks, either queue's compute, or the link time of what device tasks read of the
+        persistent blocks left off the device."""
+        device_tasks = [t for t in range(len(seconds)) if t not in on_host]
+        return max(placement.critical_path(tg, order, seconds),
+                   sum(seconds[t] for t in on_host), sum(seconds[t] for t in device_tasks),
+                   streamed_bytes(tg, resident, guarded, readers=device_tasks)
+                   / profile.h2d_bandwidth)
 
     def attempt(kept: frozenset) -> search.Trial | None:
         """Lower and search the placement keeping `kept` in host memory; its best trial (adopted
@@ -233,25 +255,30 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
         tried.add(on_host)
         if sum(seconds[t] for t in on_host) >= trials.best().simulation.makespan_s:
             return None  # the host alone (one queue) would outlast the best pass so far
+        start = (planned.won.share if planned.won.share in search.ROOM_SHARES
+                 else search.ROOM_START)
+        if floor(on_host, seconds, paced_set(start, kept, seconds)) > (
+                trials.best().simulation.makespan_s * (1 + PLACEMENT_CLIMB_WITHIN)):
+            return None  # its first plan would neither win nor be climbed
         placed = search.Trials(tg, order, replace(trials.base, on_host=on_host,
                                                   task_seconds=seconds), profile,
                                options.progress)
 
-        def paced(at: float) -> search.Trial:
-            room = int(budget - planned.needs.activation_peak - at * budget)
-            return placed.run(paced_resident(tg, order, room, seconds,
-                                             max(1, int(at * budget / 2)), exclude=kept),
-                              device.window)
+        def paced(at: float) -> search.Trial | None:
+            try:  # None: that set leaves the pass too little room
+                return placed.run(paced_set(at, kept, seconds), device.window, exact=True)
+            except BudgetError:
+                return None
 
-        start = (planned.won.share if planned.won.share in search.ROOM_SHARES
-                 else search.ROOM_START)
-        try:  # from the device-only winner's room; climbed only where that is near the best
-            first = paced(start)
-            if (first.simulation.makespan_s
-                    <= trials.best().simulation.makespan_s * (1 + PLACEMENT_CLIMB_WITHIN)):
-                search.search_room(paced, start=start, seen={start: first})
-        except BudgetError:
+        # from the device-only winner's room; climbed only where that is near the best
+        first = paced(start)
+        if first is None:
             return None
+        if (first.simulation.makespan_s
+                <= trials.best().simulation.makespan_s * (1 + PLACEMENT_CLIMB_WITHIN)):
+            search.search_room(paced, lambda at: floor(on_host, seconds,
+                                                       paced_set(at, kept, seconds)),
+                               start=start, seen={start: first})
         trials.adopt(placed)
         return placed.best()
 
@@ -505,8 +532,13 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
                                       seconds, max(1, int(at * budget / 2)))
         return sets[at]
 
-    def paced(at: float) -> search.Trial:
-        trial = trials.run(paced_set(at), windows[0])
+    def paced(at: float) -> search.Trial | None:
+        """The trial of `at`'s paced set; None where that set leaves the pass too little room
+        (a set with fewer blocks is another share's)."""
+        try:
+            trial = trials.run(paced_set(at), windows[0], exact=True)
+        except BudgetError:
+            return None
         shares.setdefault(trial.resident, at)
         return trial
 
@@ -518,8 +550,8 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
         return max(compute, streamed_bytes(tg, paced_set(at), guarded)
                    / trials.profile.h2d_bandwidth)
 
-    if coarser is not None and alone and coarser.share is not None and residency.room > 0:
-        paced(coarser.share)  # what won on the coarser partition, alone
+    if (coarser is not None and alone and coarser.share is not None and residency.room > 0
+            and paced(coarser.share) is not None):  # what won on the coarser partition, alone
         return _finish(trials, windows, shares)
     first = trials.run(residency.blocks, windows[0])
     if coarser is not None:

@@ -72,6 +72,28 @@ def place_on_host(tg: TaskGraph, order: list[int], kept: frozenset[int]) -> froz
     return frozenset(host)
 
 
+def critical_path(tg: TaskGraph, order: Sequence[int], seconds: Sequence[float]) -> float:
+    """The longest chain of tasks in `seconds` (each task after every writer of each block it
+    reads, an accumulating write after the block's earlier writers): no plan of the taskgraph
+    runs a pass faster, wherever its tasks run and however its blocks move (a transfer only
+    lengthens a chain). `order` is topological (readers after every writer of what they read).
+    Where a placement moves a decode step's attention to the host, its host and device tasks
+    alternate layer by layer, and the chain is their sum."""
+    ready = [0.0] * len(tg.blocks)  # when the writers of each block seen so far are done
+    longest = 0.0
+    for tid in order:
+        t = tg.tasks[tid]
+        start = max((ready[b] for b in t.reads), default=0.0)
+        if t.accumulate and ready[t.write] > start:
+            start = ready[t.write]
+        end = start + seconds[tid]
+        if end > ready[t.write]:
+            ready[t.write] = end
+        if end > longest:
+            longest = end
+    return longest
+
+
 #: Shares tried around the balanced one (`balanced_shares`)
 SHARE_STEPS = (1.0,)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from einpage.compiler.allocator import aligned
 from einpage.ir.taskgraph import TaskGraph, reload_guards
@@ -242,11 +242,14 @@ def front_seconds(tg: TaskGraph, order: list[int], seconds: Sequence[float],
 
 
 def streamed_bytes(tg: TaskGraph, resident: frozenset[int] = frozenset(),
-                   shares: Mapping[int, float] = MappingProxyType({})) -> int:
-    """The raw bytes of the persistent blocks that some task reads and `resident` leaves off the
-    device: each crosses the link at least once per pass; with `shares`, the expected bytes: a
-    block whose reload the lowering guards at its share (`taskgraph.reload_guards`)."""
-    read = {b for t in tg.tasks for b in t.reads}
+                   shares: Mapping[int, float] = MappingProxyType({}),
+                   readers: Iterable[int] | None = None) -> int:
+    """The raw bytes of the persistent blocks that some task (of `readers`, the tasks on the
+    device; default: every task) reads and `resident` leaves off the device: each crosses the
+    link at least once per pass; with `shares`, the expected bytes: a block whose reload the
+    lowering guards at its share (`taskgraph.reload_guards`)."""
+    tasks = tg.tasks if readers is None else [tg.tasks[t] for t in readers]
+    read = {b for t in tasks for b in t.reads}
     return round(sum(b.bytes * shares.get(b.id, 1.0) for b in tg.input_blocks
                      if b.role in PERSISTENT_ROLES and b.id in read and b.id not in resident))
 

@@ -6,6 +6,7 @@ traffic, then least memory)."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -55,25 +56,38 @@ class Trials:
         self.tg, self.order, self.base, self.profile = tg, order, base, profile
         self.progress = progress
         self.items: list[Trial] = []
-        self._tried: dict[tuple[frozenset, float | None], Trial] = {}
+        self._tried: dict[tuple[frozenset, float | None, bool], Trial | None] = {}
 
-    def run(self, resident: frozenset, window: float | None) -> Trial:
+    def run(self, resident: frozenset, window: float | None, exact: bool = False) -> Trial:
         """Lower and simulate; returns the trial without its plan (`items` alone holds plans).
-        A resident set and window tried before are not lowered again (paced sets of several
-        room shares are often the same set: all empty where no weight fits beside the pass):
-        that trial is returned, and `items` keeps it once."""
-        if (resident, window) in self._tried:
-            return self._tried[(resident, window)]
+        Where `resident` leaves the pass too little room, fewer blocks are kept
+        (`lower_shrinking`), or, `exact`, `BudgetError` is raised: a point of a search, whose
+        set halved is no neighbour of it. A resident set and window tried before are not
+        lowered again (paced sets of several room shares are often the same set: all empty
+        where no weight fits beside the pass): that trial is returned, and `items` keeps it
+        once."""
+        key = (resident, window, exact)
+        if key in self._tried:
+            if self._tried[key] is None:
+                raise BudgetError(f"{len(resident)} resident blocks leave the pass too little "
+                                  "room (tried before)", 0, self.base.device_bytes)
+            return self._tried[key]
         progress = None
         if self.progress is not None:
             progress = functools.partial(self.progress, f"lowering {len(self.items) + 1}")
         opts = replace(self.base, resident=resident, lookahead_seconds=window, progress=progress)
-        mg, resident = lower_shrinking(self.tg, self.order, opts)
-        self.items.append(Trial(window, resident, mg, simulate(mg, self.profile),
+        try:
+            mg, kept = ((lower(self.tg, self.order, opts), resident) if exact
+                        else lower_shrinking(self.tg, self.order, opts))
+        except BudgetError:
+            if exact:
+                self._tried[key] = None
+            raise
+        self.items.append(Trial(window, kept, mg, simulate(mg, self.profile),
                                 Traffic.of(mg).offload_bytes, mg.live_peak(), self.base.on_host))
         self._drop_losers()
-        self._tried[(resident, window)] = replace(self.items[-1], memgraph=None)
-        return self._tried[(resident, window)]
+        self._tried[key] = replace(self.items[-1], memgraph=None)
+        return self._tried[key]
 
     def reference(self, resident: frozenset) -> Simulation | None:
         """The simulation of `resident` with the default look-ahead (bounded by memory only), to
@@ -109,7 +123,7 @@ class Trials:
         return best(self.items)
 
 
-def search_room(trial_at: Callable[[float], Trial],
+def search_room(trial_at: Callable[[float], Trial | None],
                 bound_at: Callable[[float], float] | None = None, start: float = ROOM_START,
                 seen: dict[float, Trial] | None = None) -> float:
     """Search the room a paced resident set leaves for the pass beside its activation peak, as
@@ -125,8 +139,8 @@ def search_room(trial_at: Callable[[float], Trial],
     return ROOM_SHARES[best]
 
 
-def climb(count: int, start: int, trial_at: Callable[[int], Trial],
-          seen: dict[int, Trial] | None = None,
+def climb(count: int, start: int, trial_at: Callable[[int], Trial | None],
+          seen: dict[int, Trial | None] | None = None,
           bound_at: Callable[[int], float] | None = None) -> int:
     """Minimise the makespan over grid points 0..count-1, taken as unimodal: probe `start`; if
     a point in `seen` (known already) beats it, climb towards it, else probe both neighbours
@@ -135,17 +149,18 @@ def climb(count: int, start: int, trial_at: Callable[[int], Trial],
     each plan's own bound, so no other point can beat it by more than the tolerance). A
     neighbour whose lower bound (`bound_at`) already misses the improvement is not probed: the
     climb takes the same path with fewer lowerings. Returns the point it stopped at: the best
-    it probed on its way."""
+    it probed on its way. A point whose trial is None (its plan does not fit) counts as
+    infinitely slow."""
     seen = dict(seen or {})
 
     def makespan(i: int) -> float:
         if i not in seen:
             seen[i] = trial_at(i)
-        return seen[i].simulation.makespan_s
+        return math.inf if seen[i] is None else seen[i].simulation.makespan_s
 
     def done(i: int) -> bool:
         t = seen[i]
-        return (t.spill_bytes == 0
+        return (t is not None and t.spill_bytes == 0
                 and t.simulation.makespan_s <= (1 + AUTO_TOLERANCE) * t.simulation.compute_s)
 
     i = start

@@ -158,14 +158,16 @@ def disk_seconds(profile: DeviceProfile, nbytes: int) -> float:
     return nbytes / profile.disk_bandwidth + profile.disk_latency
 
 
-def task_seconds(profile: DeviceProfile, tg, on_host: frozenset[int] = frozenset()
-                 ) -> list[float]:
+def task_seconds(profile: DeviceProfile, tg, on_host: frozenset[int] = frozenset(),
+                 on_device: Sequence[float] | None = None) -> list[float]:
     """Predicted compute seconds of every task of a `TaskGraph`, by task id (those `on_host`
-    priced on the profile's host)."""
+    priced on the profile's host; `on_device`: every task's seconds on the device, known
+    already: only the host's are priced)."""
     blocks = tg.blocks
-    out = []
-    for t in tg.tasks:
-        price = host_apply_seconds if t.id in on_host else apply_seconds
-        out.append(price(profile.host if t.id in on_host else profile, t.op,
-                         [blocks[b] for b in t.reads], blocks[t.write], t.accumulate))
-    return out
+
+    def price(t, where=profile.host, how=host_apply_seconds) -> float:
+        return how(where, t.op, [blocks[b] for b in t.reads], blocks[t.write], t.accumulate)
+
+    if on_device is not None:
+        return [price(tg.tasks[tid]) if tid in on_host else s for tid, s in enumerate(on_device)]
+    return [price(t) if t.id in on_host else price(t, profile, apply_seconds) for t in tg.tasks]
