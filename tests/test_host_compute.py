@@ -317,6 +317,23 @@ def test_the_critical_path_is_the_longest_chain_and_no_pass_beats_it(llama_place
     assert simulate(mg, profile).makespan_s >= chain
 
 
+@pytest.mark.parametrize("placed", [True, False])
+def test_an_apply_takes_its_tasks_seconds_as_priced_for_the_search(llama_placed, placed):
+    """The search prices each lowering's applies from the task seconds it knows (device, or
+    host where placed) rather than pricing every apply again: the same durations."""
+    from einpage.predict.cost import task_seconds
+    from einpage.predict.simulator import node_seconds
+    _, _, _, tg, _, on_host, mg, _ = llama_placed
+    if not placed:
+        on_host = frozenset()
+        mg = lower(tg, memory_aware_order(tg), LowerOptions(mg.device_bytes,
+                                                            get_policy("reuse-distance")))
+    profile = get_device("h100-pcie")
+    known = node_seconds(mg, profile, task_seconds(profile, tg, on_host))
+    assert known == node_seconds(mg, profile)
+    assert any(isinstance(n, ApplyNode) and n.on_host for n in mg.nodes) == placed
+
+
 def test_placements_that_cannot_win_are_not_lowered(monkeypatch):
     """llama-7b's decode step of 8 rows over 768 at 16 GB runs 17.4 ms on the device alone.
     Every placement the planner weighs either streams more than that over the link or chains

@@ -16,7 +16,7 @@ from einpage.errors import BudgetError
 from einpage.ir.memgraph import MemGraph
 from einpage.ir.taskgraph import TaskGraph
 from einpage.predict.devices import DeviceProfile
-from einpage.predict.simulator import Simulation, simulate
+from einpage.predict.simulator import Simulation, node_seconds, simulate
 from einpage.units import format_size
 
 # The automatic look-ahead tries memory-bound prefetch and windows of these shares of the pass's
@@ -83,7 +83,9 @@ class Trials:
             if exact:
                 self._tried[key] = None
             raise
-        self.items.append(Trial(window, kept, mg, simulate(mg, self.profile),
+        sim = simulate(mg, self.profile,
+                       node_seconds(mg, self.profile, self.base.task_seconds or None))
+        self.items.append(Trial(window, kept, mg, sim,
                                 Traffic.of(mg).offload_bytes, mg.live_peak(), self.base.on_host))
         self._drop_losers()
         self._tried[key] = replace(self.items[-1], memgraph=None)

@@ -78,14 +78,19 @@ class Simulation:
 
 
 
-def node_seconds(mg: MemGraph, profile: DeviceProfile) -> list[float]:
-    """Predicted duration of every node (0 for input and free)."""
+def node_seconds(mg: MemGraph, profile: DeviceProfile,
+                 tasks: Sequence[float] | None = None) -> list[float]:
+    """Predicted duration of every node (0 for input and free); `tasks`: the seconds of every
+    task of the plan's taskgraph where they are known already (`cost.task_seconds` on this
+    profile, each where its apply runs): an apply of a task takes its task's."""
     tensors = mg.tensors
     group = mg.meta.get("group") if mg.meta.get("parallel") == "hybrid" else None
     out = []
     priced: dict = {}  # blocks of one layer repeat: price each distinct (op, shapes) once
     for n in mg.nodes:
-        if isinstance(n, ApplyNode):
+        if isinstance(n, ApplyNode) and tasks is not None and n.task is not None:
+            out.append(tasks[n.task])
+        elif isinstance(n, ApplyNode):
             reads = [tensors[a.tensor] for a in n.reads]
             w = tensors[n.write.tensor]
             key = (n.op, tuple((t.shape, t.bytes, t.dtype, t.storage) for t in reads), w.shape,
