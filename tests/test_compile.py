@@ -319,3 +319,38 @@ def test_a_task_whose_room_the_placement_split_still_fits_at_the_largest_task():
     got = run(compiled.memgraph, inputs, weights.__getitem__, order=3)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-12)
+
+
+def test_the_collector_is_paused_during_a_compile_and_resumed_after(monkeypatch):
+    """The cyclic collector is off while `compile_graph` runs, back on after it (also when it
+    raises, and after nested pauses), and left off where it was off before."""
+    import gc
+
+    from einpage.compiler import collector, driver
+    g = GraphBuilder()
+    x = g.input("x", (64, 64))
+    for layer in range(4):
+        x = g.einsum("ab,bc->ac", x, g.input(f"w{layer}", (64, 64), role="weight"))
+    g.output("y", x)
+    graph = g.build()
+    seen = []
+    real = driver._plan
+    monkeypatch.setattr(driver, "_plan", lambda *a, **k: seen.append(gc.isenabled())
+                        or real(*a, **k))
+    assert gc.isenabled()
+    compile_graph(graph, CompileOptions(1 << 20))
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(BudgetError):
+        compile_graph(graph, CompileOptions(16))  # below one aligned block
+    assert gc.isenabled()
+    with collector.paused():
+        with collector.paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        compile_graph(graph, CompileOptions(1 << 20))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

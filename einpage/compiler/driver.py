@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Mapping, NamedTuple
 
-from einpage.compiler import placement, search
+from einpage.compiler import collector, placement, search
 from einpage.compiler.allocator import aligned
 from einpage.compiler.cuts import largest_reused_weight
 from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
@@ -96,7 +96,13 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     windows and resident sets by simulated makespan), validate and report `graph` for the budget.
     Where the pass streams, finer partitions are searched too and the faster plan kept: the
     ladder where its activations are small (`LADDER_GATE`), its blocks halved where they are
-    not (`_halve_blocks`)."""
+    not (`_halve_blocks`). The cyclic garbage collector is paused meanwhile
+    (`collector.paused`)."""
+    with collector.paused():
+        return _compile_graph(graph, options)
+
+
+def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     if not isinstance(options.device_bytes, numbers.Integral):
         raise PlanError(f"device_bytes is {options.device_bytes!r}, expected an int")
     if options.device_bytes < ALIGNMENT:
