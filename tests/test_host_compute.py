@@ -308,6 +308,12 @@ def test_the_critical_path_is_the_longest_chain_and_no_pass_beats_it(llama_place
     seconds = [1.0, 2.0, 0.5, 3.0]  # a, the copy of x, its product, the join
     assert [tg.tasks[t].node for t in range(4)] == [a.id, b.id - 1, b.id, b.id + 1]
     assert critical_path(tg, order, seconds) == 2.0 + 0.5 + 3.0
+    # a contraction cut in two: the second partial sum adds to the first's block after it
+    g = GraphBuilder()
+    g.output("y", g.einsum("ab,bc->ac", g.input("x", (4, 64)), g.input("w", (64, 4))))
+    tg = partition(g.build(), PartitionOptions(1 << 20, cuts={2: {"b": 2}}))
+    assert [t.accumulate for t in tg.tasks] == [False, True]
+    assert critical_path(tg, memory_aware_order(tg), [1.0, 2.0]) == 3.0
     _, _, _, tg, _, on_host, mg, _ = llama_placed
     profile = get_device("h100-pcie")
     seconds = task_seconds(profile, tg, on_host)
@@ -353,6 +359,36 @@ def test_placements_that_cannot_win_are_not_lowered(monkeypatch):
     assert not placed
     assert not any(isinstance(n, ApplyNode) and n.on_host for n in compiled.memgraph.nodes)
     assert compiled.simulation.makespan_s < 0.0175
+
+
+def _cli_graph(line: str):
+    from einpage.cli.main import build_parser
+    from einpage.cli.plan import graph_from_args
+    _, graph, sources, _, _ = graph_from_args(build_parser().parse_args(line.split()))
+    return graph, sources
+
+
+def test_a_placement_whose_first_room_does_not_fit_still_climbs():
+    """llama-7b decode B=4 over 4096 rows at 3.4 GB: a placement's set at the device-only
+    winner's room leaves the pass too little room; the shares beside it fit, and one of them
+    is the plan (287.1 ms; dropping the placement gave 312.5 ms)."""
+    graph, sources = _cli_graph("compile llama-7b --phase decode --batch 4 --past 4095 "
+                                "--capacity 4096 --gpu-mem 3.4GB")
+    compiled = compile_graph(graph, CompileOptions(int(3.4e9), sources=sources,
+                                                   validate=False, host_compute=True))
+    assert compiled.simulation.makespan_s < 0.290
+
+
+def test_a_placement_the_floor_rules_out_still_seeds_its_refinement():
+    """qwen2.5-72b decode B=16 over 2048 rows at 36 GB: a KV candidate (348 host tasks) runs
+    2322 ms, beyond the climb's 3% of the best, so it is not lowered; refined twice (what its
+    plan streams moved to the host too: 616, then 622 host tasks) it wins at 2221.6 ms
+    (2225.0 ms where the unlowered candidate seeded nothing)."""
+    graph, sources = _cli_graph("compile qwen2.5-72b --phase decode --batch 16 --past 2047 "
+                                "--capacity 2048 --gpu-mem 36GB")
+    compiled = compile_graph(graph, CompileOptions(36 * 10**9, sources=sources,
+                                                   validate=False, host_compute=True))
+    assert compiled.simulation.makespan_s < 2.2230
 
 
 # ------------------------------------------------------------------ profiles and the CLI

@@ -178,10 +178,10 @@ def test_a_halving_that_cuts_nothing_more_is_not_lowered(monkeypatch):
     from einpage.models.llama import prefill_graph
     cfg, _ = resolve("llama-7b", random_weights=True)
     cut, lowered = [], []
-    real_cut, real_lower = driver._Partitions.cut, search.lower_shrinking
+    real_cut, real_lower = driver._Partitions.cut, search.lower
     monkeypatch.setattr(driver._Partitions, "cut",
                         lambda self, *a: cut.append(a[0]) or real_cut(self, *a))
-    monkeypatch.setattr(search, "lower_shrinking",
+    monkeypatch.setattr(search, "lower",  # every lowering, exact or shrinking
                         lambda *a: lowered.append(len(a[0].tasks)) or real_lower(*a))
     compiled = compile_graph(prefill_graph(cfg).bind(B=1, S=2048),
                              CompileOptions(device_bytes=14 * 10**9, validate=False))

@@ -198,8 +198,9 @@ REFINED = 2
 #: ... of those within this share of the kind's best pass
 REFINE_WITHIN = 0.10
 #: A placement's room is searched (`search.search_room`) only where its plan at the device-only
-#: winner's room is within this share of the best pass so far; otherwise that one lowering is
-#: its trial (qwen3-8b decode B=4 at 8 GB lowered 20 placement plans, none within 4%)
+#: winner's room is within this share of the best pass so far (or does not fit); otherwise that
+#: one lowering is its trial (qwen3-8b decode B=4 at 8 GB lowered 20 placement plans, none within
+#: 4%), and none where the placement's floor already misses this share
 PLACEMENT_CLIMB_WITHIN = 0.03
 
 
@@ -250,9 +251,10 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
                    streamed_bytes(tg, resident, guarded, readers=device_tasks)
                    / profile.h2d_bandwidth)
 
-    def attempt(kept: frozenset) -> search.Trial | None:
+    def attempt(kept: frozenset) -> search.Trial | _Unlowered | None:
         """Lower and search the placement keeping `kept` in host memory; its best trial (adopted
-        by `trials`), or None where it is not tried (nothing to save, tried before, hopeless)."""
+        by `trials`), or None where it is not tried (nothing to save, tried before, hopeless,
+        no room share's set fits), or `_Unlowered` where its floor rules its first plan out."""
         if not kept - device.resident:
             return None  # they stay on the device already: nothing to save
         on_host, seconds = hosted(kept)
@@ -263,9 +265,10 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
             return None  # the host alone (one queue) would outlast the best pass so far
         start = (planned.won.share if planned.won.share in search.ROOM_SHARES
                  else search.ROOM_START)
-        if floor(on_host, seconds, paced_set(start, kept, seconds)) > (
-                trials.best().simulation.makespan_s * (1 + PLACEMENT_CLIMB_WITHIN)):
-            return None  # its first plan would neither win nor be climbed
+        first_set = paced_set(start, kept, seconds)
+        low = floor(on_host, seconds, first_set)
+        if low > trials.best().simulation.makespan_s * (1 + PLACEMENT_CLIMB_WITHIN):
+            return _Unlowered(first_set, low)  # its first plan would neither win nor be climbed
         placed = search.Trials(tg, order, replace(trials.base, on_host=on_host,
                                                   task_seconds=seconds), profile,
                                options.progress)
@@ -278,13 +281,14 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
 
         # from the device-only winner's room; climbed only where that is near the best
         first = paced(start)
-        if first is None:
-            return None
-        if (first.simulation.makespan_s
-                <= trials.best().simulation.makespan_s * (1 + PLACEMENT_CLIMB_WITHIN)):
+        if first is None or (first.simulation.makespan_s
+                             <= trials.best().simulation.makespan_s
+                             * (1 + PLACEMENT_CLIMB_WITHIN)):
             search.search_room(paced, lambda at: floor(on_host, seconds,
                                                        paced_set(at, kept, seconds)),
                                start=start, seen={start: first})
+        if not placed.items:
+            return None  # no room share's set fits beside the pass
         trials.adopt(placed)
         return placed.best()
 
@@ -308,21 +312,36 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
         # then the best REFINED of them (within REFINE_WITHIN of the best), each with what its
         # own plan still streams of the rest moved to the host too (its resident set differs
         # from the device-only plan's), while that gains
-        tried_kind.sort(key=lambda kt: kt[1].simulation.makespan_s)
-        near = tried_kind[0][1].simulation.makespan_s * (1 + REFINE_WITHIN)
+        # (a placement not lowered takes part by its floor: refined, it may win)
+        tried_kind.sort(key=lambda kt: _pass_s(kt[1]))
+        near = _pass_s(tried_kind[0][1]) * (1 + REFINE_WITHIN)
         for kept, best in tried_kind[:REFINED]:
-            if best.simulation.makespan_s > near:
+            if _pass_s(best) > near:
                 break
             for _ in range(REFINE_ROUNDS):
                 more = placement.streamed_groups(tg, every - kept, best.resident)[1]
                 better = attempt(kept | more) if more else None
-                if better is None or better.simulation.makespan_s >= best.simulation.makespan_s:
+                if better is None or _pass_s(better) >= _pass_s(best):
                     break
                 kept, best = kept | more, better
     best = trials.best()
     if best.on_host and not (best.simulation.makespan_s < device.simulation.makespan_s
                              * (1 - search.AUTO_TOLERANCE)):
         trials.items = [t for t in trials.items if not t.on_host]
+
+
+class _Unlowered(NamedTuple):
+    """A placement `_place` did not lower (its floor misses the best pass by more than the
+    climb allows): its first resident set, and the floor standing in for its pass, so that it
+    can still seed a refinement (what its plan would stream moved to the host too: qwen2.5-72b
+    decode B=16 at 36 GB refines such a candidate twice into the winner, 2221.6 ms)."""
+    resident: frozenset
+    floor_s: float
+
+
+def _pass_s(attempted: "search.Trial | _Unlowered") -> float:
+    return (attempted.floor_s if isinstance(attempted, _Unlowered)
+            else attempted.simulation.makespan_s)
 
 
 class _Rung(NamedTuple):
@@ -523,7 +542,8 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
     and that winner are tried instead of the search (a finer partition moves the optimum little,
     and each probe is a lowering); `alone`: only that winner (a prefill's halved or weight-cut
     partition, where the policy's set never won on the grid; on a decode step's finer rungs it
-    does). Returns what won."""
+    does), or the policy's set where that winner's set does not fit. A probe whose set leaves
+    the pass too little room is no candidate. Returns what won."""
     tg, order = trials.tg, trials.order
     compute = sum(seconds)
     windows = search.windows(options.auto_lookahead, options.lookahead_seconds, compute,

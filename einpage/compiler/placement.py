@@ -75,8 +75,9 @@ def place_on_host(tg: TaskGraph, order: list[int], kept: frozenset[int]) -> froz
 def critical_path(tg: TaskGraph, order: Sequence[int], seconds: Sequence[float]) -> float:
     """The longest chain of tasks in `seconds` (each task after every writer of each block it
     reads, an accumulating write after the block's earlier writers): no plan of the taskgraph
-    runs a pass faster, wherever its tasks run and however its blocks move (a transfer only
-    lengthens a chain). `order` is topological (readers after every writer of what they read).
+    runs a pass faster with its tasks where `seconds` prices them (each on the device or the
+    host), however its blocks move (a transfer only lengthens a chain). `order` is
+    topological (readers after every writer of what they read).
     Where a placement moves a decode step's attention to the host, its host and device tasks
     alternate layer by layer, and the chain is their sum."""
     ready = [0.0] * len(tg.blocks)  # when the writers of each block seen so far are done

@@ -59,7 +59,8 @@ class Trials:
         self._tried: dict[tuple[frozenset, float | None, bool], Trial | None] = {}
 
     def run(self, resident: frozenset, window: float | None, exact: bool = False) -> Trial:
-        """Lower and simulate; returns the trial without its plan (`items` alone holds plans).
+        """Lower and simulate; returns the trial without its plan and per-node times (`items`
+        alone holds those). `base.task_seconds` price the tasks where `base.on_host` runs them.
         Where `resident` leaves the pass too little room, fewer blocks are kept
         (`lower_shrinking`), or, `exact`, `BudgetError` is raised: a point of a search, whose
         set halved is no neighbour of it. A resident set and window tried before are not
@@ -88,7 +89,9 @@ class Trials:
         self.items.append(Trial(window, kept, mg, sim,
                                 Traffic.of(mg).offload_bytes, mg.live_peak(), self.base.on_host))
         self._drop_losers()
-        self._tried[key] = replace(self.items[-1], memgraph=None)
+        trial = self.items[-1]  # kept without its plan and timelines (`items` keeps those)
+        self._tried[key] = replace(trial, memgraph=None, simulation=replace(
+            trial.simulation, start=(), end=(), engine=()))
         return self._tried[key]
 
     def reference(self, resident: frozenset) -> Simulation | None:

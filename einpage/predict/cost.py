@@ -169,5 +169,7 @@ def task_seconds(profile: DeviceProfile, tg, on_host: frozenset[int] = frozenset
         return how(where, t.op, [blocks[b] for b in t.reads], blocks[t.write], t.accumulate)
 
     if on_device is not None:
+        if len(on_device) != len(tg.tasks):
+            raise ValueError(f"{len(on_device)} device seconds for {len(tg.tasks)} tasks")
         return [price(tg.tasks[tid]) if tid in on_host else s for tid, s in enumerate(on_device)]
     return [price(t) if t.id in on_host else price(t, profile, apply_seconds) for t in tg.tasks]
