@@ -235,11 +235,9 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
         return memo[kept]
 
     def paced_set(at: float, kept: frozenset, seconds: tuple[float, ...]) -> frozenset:
-        room = int(budget - planned.needs.activation_peak - at * budget)
-        return paced_resident(tg, order, room, seconds, max(1, int(at * budget / 2)),
-                              exclude=kept)
+        return _paced_set(tg, order, planned.needs, budget, at, seconds, exclude=kept)
 
-    guarded = {b: key[2] for b, key in reload_guards(tg, options.guarded_reload_share).items()}
+    guarded = _guarded_shares(tg, options)
 
     def floor(on_host: frozenset, seconds: tuple[float, ...], resident: frozenset) -> float:
         """No plan of the placement keeping `resident` on the device beats its longest chain
@@ -554,8 +552,7 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
 
     def paced_set(at: float) -> frozenset:
         if at not in sets:
-            sets[at] = paced_resident(tg, order, int(budget - needs.activation_peak - at * budget),
-                                      seconds, max(1, int(at * budget / 2)))
+            sets[at] = _paced_set(tg, order, needs, budget, at, seconds)
         return sets[at]
 
     def paced(at: float) -> search.Trial | None:
@@ -568,7 +565,7 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
         shares.setdefault(trial.resident, at)
         return trial
 
-    guarded = {b: key[2] for b, key in reload_guards(tg, options.guarded_reload_share).items()}
+    guarded = _guarded_shares(tg, options)
 
     def bound(at: float) -> float:
         """No plan of `at`'s set beats its compute or the link time of the persistent bytes
@@ -596,6 +593,20 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
         # the large ones resident) leaving the pass a share of the budget beside its peak.
         search.search_room(paced, bound)
     return _finish(trials, windows, shares)
+
+
+def _paced_set(tg: TaskGraph, order: list[int], needs: PassNeeds, budget: int, at: float,
+               seconds: tuple[float, ...], exclude: frozenset = frozenset()) -> frozenset:
+    """The paced resident set (`resident.paced_resident`) that leaves the pass `at` of the
+    budget as room beside its activation peak (the blocks of `exclude` kept elsewhere)."""
+    return paced_resident(tg, order, int(budget - needs.activation_peak - at * budget),
+                          seconds, max(1, int(at * budget / 2)), exclude=exclude)
+
+
+def _guarded_shares(tg: TaskGraph, options: CompileOptions) -> dict[int, float]:
+    """Each block whose reload the lowering guards (an expert copied only when chosen): its
+    expected share of the passes."""
+    return {b: key[2] for b, key in reload_guards(tg, options.guarded_reload_share).items()}
 
 
 def _finish(trials: search.Trials, windows: list[float | None],
