@@ -215,7 +215,8 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
     PLACEMENT_CLIMB_WITHIN of the best, and not lowered at all where a floor of that plan (its
     longest chain of tasks, either queue's compute, the link time of what it leaves off the
     device: `floor`) already misses that (llama-7b decode B=8 at 16 GB lowered five placements,
-    27.7-32.5 ms against 17.4 ms; none now). Every trial
+    27.7-32.5 ms against 17.4 ms, before the floor; none since), though such a placement still
+    seeds a refinement by its floor (`_Unlowered`). Every trial
     joins the partition's; a placement wins only by more than AUTO_TOLERANCE, so a tie keeps
     the device-only plan."""
     trials, tg = planned.trials, planned.tg
@@ -338,6 +339,7 @@ class _Unlowered(NamedTuple):
 
 
 def _pass_s(attempted: "search.Trial | _Unlowered") -> float:
+    """A placement's pass: its best trial's, or the floor of one not lowered."""
     return (attempted.floor_s if isinstance(attempted, _Unlowered)
             else attempted.simulation.makespan_s)
 
