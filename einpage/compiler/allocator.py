@@ -3,8 +3,8 @@
 Free bytes are kept as sorted, non-overlapping segments, each stamped with the memgraph node that
 freed it (or `NEVER`: never used, older than every node). Adjacent segments coalesce for fitting
 but keep their stamps, so an allocation returns exactly the nodes that last touched its bytes:
-the new writer depends on them. Among the ranges that fit, the one whose stamps are oldest is chosen (its dependency stalls
-the pipeline least); ties go to the lowest offset.
+the new writer depends on them. Among the ranges that fit, the one whose stamps are oldest is
+chosen (its dependency stalls the pipeline least); ties go to the lowest offset.
 
 The maximal runs of adjacent free bytes are kept as well, with an upper bound on the longest, so
 an allocation looks only at the runs it fits in and one that cannot fit fails at once: the
