@@ -326,7 +326,8 @@ def test_the_collector_is_paused_during_a_compile_and_resumed_after(monkeypatch)
     raises, and after nested pauses), and left off where it was off before."""
     import gc
 
-    from einpage.compiler import collector, driver
+    from einpage import collector
+    from einpage.compiler import driver
     g = GraphBuilder()
     x = g.input("x", (64, 64))
     for layer in range(4):

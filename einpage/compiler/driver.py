@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Mapping, NamedTuple
 
-from einpage.compiler import collector, placement, search
+from einpage import collector
+from einpage.compiler import placement, search
 from einpage.compiler.allocator import aligned
 from einpage.compiler.cuts import largest_reused_weight
 from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions

@@ -5,17 +5,16 @@ these functions; a file of several ranks' programs (`einpage.ir.peers`) shares t
 writing."""
 from __future__ import annotations
 
-import gc
 import gzip
 import json
 import threading
 import tokenize
 import zlib
-from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
 from typing import Callable
 
+from einpage import collector
 from einpage.errors import EinpageError, PlanError
 from einpage.outputs import atomic_open
 from einpage.ir.dtypes import DType, as_dtype
@@ -131,7 +130,7 @@ def load_plan_file(path: str | Path) -> MemGraph:
         raise PlanError(f"{path}: a plan for {data.get('world')!r} devices, one program per "
                         "rank (`einpage.ir.peers.load_programs`; `einpage run` runs it)")
     try:
-        with _bulk():
+        with collector.paused():
             return plan_from_json(data)
     except PlanError as exc:
         raise PlanError(f"{path}: {exc}") from None
@@ -139,7 +138,7 @@ def load_plan_file(path: str | Path) -> MemGraph:
 
 def plan_graph_hash(mg: MemGraph) -> str:
     """The hash of the plan's graph (`einpage.ir.provenance`), as its file records it."""
-    with _bulk():
+    with collector.paused():
         section = graph_json(mg.graph, _op_json)
     return graph_hash(section, [_logical_json(t) for t in mg.inputs],
                       [_logical_json(t) for t in mg.results])
@@ -152,7 +151,7 @@ RANKS_FORMAT = "einpage.ranks"
 def write_plan_json(path: str | Path, make: Callable[[], object]) -> None:
     """Write the JSON of `make()` to `path`: compact, gzip-compressed when the name ends in
     `.gz`; whole or not at all (`einpage.outputs.atomic_open`: an `OutputError` on failure)."""
-    with _bulk():
+    with collector.paused():
         _ops_json.cache = {}  # ops many nodes share are printed once
         try:
             data = json.dumps(make(), separators=(",", ":")).encode()
@@ -181,7 +180,7 @@ def read_plan_json(path: str | Path) -> object:
             raw = gzip.decompress(raw)
         except (OSError, EOFError, zlib.error) as exc:
             raise PlanError(f"{path}: corrupt gzip file ({exc})") from None
-    with _bulk():
+    with collector.paused():
         try:
             return json.loads(raw)
         except UnicodeDecodeError as exc:
@@ -201,18 +200,6 @@ GZIP_LEVEL = 6
 GZIP_MAGIC = b"\x1f\x8b"
 
 
-@contextmanager
-def _bulk():
-    """Reading or writing a whole plan: millions of small dicts and lists, none of them in a
-    reference cycle, so the cyclic garbage collector is paused (it would otherwise walk them
-    again and again: json.loads of a 69 MB plan, 3.1 s -> 1.0 s)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 #: an op's JSON text (the `repr` of its dict: equal text, equal op) -> the op, parsed once: the

@@ -6,10 +6,10 @@ contracted index is cut. Task ids are a topological order; `deps` derives the ed
 """
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from einpage import collector
 from einpage.errors import GraphError
 from einpage.ir.dtypes import DType
 from einpage.ir.ops import BlockOp, GuardedOp, op_text
@@ -177,13 +177,8 @@ def prune_dead(tg: TaskGraph) -> TaskGraph:
         return tg
     # Hundreds of thousands of new acyclic records: the cyclic collector would only rescan them
     # (60% of the time on llama-65b B=16 S=8192).
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector.paused():
         return _renumbered(tg, needed, live)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _renumbered(tg: TaskGraph, needed: bytearray, live: bytearray) -> TaskGraph:
