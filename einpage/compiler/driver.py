@@ -241,14 +241,19 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
 
     guarded = _guarded_shares(tg, options)
 
+    compute_floor: dict[frozenset, tuple[float, list[int]]] = {}  # on_host -> (floor, device)
+
     def floor(on_host: frozenset, seconds: tuple[float, ...], resident: frozenset) -> float:
         """No plan of the placement keeping `resident` on the device beats its longest chain
-        of tasks, either queue's compute, or the link time of what device tasks read of the
-        persistent blocks left off the device."""
-        device_tasks = [t for t in range(len(seconds)) if t not in on_host]
-        return max(placement.critical_path(tg, order, seconds),
-                   sum(seconds[t] for t in on_host), sum(seconds[t] for t in device_tasks),
-                   streamed_bytes(tg, resident, guarded, readers=device_tasks)
+        of tasks, either queue's compute (those two once per placement), or the link time of
+        what device tasks read of the persistent blocks left off the device."""
+        if on_host not in compute_floor:
+            device_tasks = [t for t in range(len(seconds)) if t not in on_host]
+            compute_floor[on_host] = max(
+                placement.critical_path(tg, order, seconds), sum(seconds[t] for t in on_host),
+                sum(seconds[t] for t in device_tasks)), device_tasks
+        least, device_tasks = compute_floor[on_host]
+        return max(least, streamed_bytes(tg, resident, guarded, readers=device_tasks)
                    / profile.h2d_bandwidth)
 
     def attempt(kept: frozenset) -> search.Trial | _Unlowered | None:
