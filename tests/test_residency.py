@@ -180,7 +180,7 @@ def test_a_halving_that_cuts_nothing_more_is_not_lowered(monkeypatch):
     cut, lowered = [], []
     real_cut, real_lower = driver._Partitions.cut, search.lower
     monkeypatch.setattr(driver._Partitions, "cut",
-                        lambda self, *a: cut.append(a[0]) or real_cut(self, *a))
+                        lambda self, *a, **k: cut.append(a[0]) or real_cut(self, *a, **k))
     monkeypatch.setattr(search, "lower",  # every lowering, exact or shrinking
                         lambda *a: lowered.append(len(a[0].tasks)) or real_lower(*a))
     compiled = compile_graph(prefill_graph(cfg).bind(B=1, S=2048),
