@@ -33,6 +33,7 @@ from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
 from einpage.ir.memgraph import ALIGNMENT, MemGraph
 from einpage.ir.taskgraph import TaskGraph, reload_guards
+from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.predict.cost import task_seconds
 from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
 from einpage.predict.simulator import Simulation, simulate
@@ -136,6 +137,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         planned = _halve_blocks(parts, planned, rungs)
     if not planned.fits:
         planned = _stream_blocks(parts, planned, rungs)
+        planned = _refine_room(planned, options)
+        _evict_ahead(planned)
     if options.host_compute and not planned.fits:
         _place(planned, options)
     tg, trials = planned.tg, planned.trials
@@ -181,6 +184,7 @@ def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
     try:
         mg, resident = search.lower_shrinking(tg, trials.order, replace(
             trials.base, resident=resident, lookahead_seconds=best.window, on_host=best.on_host,
+            evict_ahead=best.evict_ahead,
             task_seconds=tuple(task_seconds(trials.profile, tg, best.on_host))))
     except BudgetError:
         return tiered, best
@@ -377,6 +381,7 @@ class _Planned(NamedTuple):
     rung: _Rung
     won: _Won             # which resident set won its search
     tried: tuple[_Rung, ...] = ()  # its rung, and its other order's where that was tried
+    paced: bool = True    # the policy's residency leaves room: paced sets are candidates
 
 
 def _halve_blocks(parts: _Partitions, planned: "_Planned",
@@ -543,7 +548,7 @@ def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,
     won = _search(trials, options, needs, residency, seconds,
                   max(rung.compute_s, rung.min_stream_bytes / profile.h2d_bandwidth), coarser,
                   alone)
-    planned = _Planned(tg, needs, fits, trials, rung, won, (rung,))
+    planned = _Planned(tg, needs, fits, trials, rung, won, (rung,), residency.room > 0)
     if by_weight or fits or not _read_apart(tg, order):
         return planned
     cut = parts.cut(block, weight_block, by_weight=True)
@@ -652,6 +657,88 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
         # the large ones resident) leaving the pass a share of the budget beside its peak.
         search.search_room(paced, bound)
     return _finish(trials, windows, shares)
+
+
+def _refine_room(planned: _Planned, options: CompileOptions) -> _Planned:
+    """The winning partition's room refined on the finer grid (`search.FINE_ROOM_SHARES`),
+    climbing from what won (from the room the policy's set leaves, where that won), with the
+    winner's look-ahead window: the coarse grid's points are 2-5% of the budget apart, and
+    where the pass turns on a few streamed blocks in flight the best room lies between them
+    (llama3.1-8b prefill at 8 GB: 0.01 of the budget, 188.97 -> 184.21 ms; llama-7b decode B=1
+    at 14 GB: 0.0025, 16.12 -> 15.67 ms). Only where the plan runs below RESIDENT_SEARCH_BELOW
+    of its partition's bound (each probe is a lowering; above it, a few rows gained up to 2%
+    at up to 2.5x the compile time). A probe whose set leaves the pass too little room is no
+    candidate; one whose bound cannot improve the climb is not lowered."""
+    trials, tg, needs, rung = planned.trials, planned.tg, planned.needs, planned.rung
+    best = trials.best()
+    if not planned.paced:  # a policy that keeps nothing resident (lru) is compared as it is
+        return planned
+    if best.simulation.makespan_s * search.RESIDENT_SEARCH_BELOW <= max(
+            rung.compute_s, rung.front_s, rung.min_stream_bytes / trials.profile.h2d_bandwidth):
+        return planned  # near its partition's bound already: little to gain
+    budget, seconds = options.device_bytes, trials.base.task_seconds
+    share = planned.won.share
+    if share is None:  # the policy's own set, or every weight
+        kept = sum(aligned(tg.blocks[b].bytes) for b in best.resident)
+        share = max(0.0, (budget - needs.activation_peak - kept) / budget)
+    start = min(search.FINE_ROOM_SHARES, key=lambda at: (abs(at - share), at))
+    sets: dict[float, frozenset] = {}
+    found: dict[frozenset, float] = {}
+
+    def paced_set(at: float) -> frozenset:
+        if at not in sets:
+            sets[at] = _paced_set(tg, trials.order, needs, budget, at, seconds)
+        return sets[at]
+
+    def paced(at: float) -> search.Trial | None:
+        try:
+            trial = trials.run(paced_set(at), best.window, exact=True)
+        except BudgetError:
+            return None
+        found.setdefault(trial.resident, at)
+        return trial
+
+    guarded, compute = _guarded_shares(tg, options), sum(seconds)
+    search.search_room(paced, lambda at: max(compute, streamed_bytes(tg, paced_set(at), guarded)
+                                             / trials.profile.h2d_bandwidth),
+                       start=start, shares=search.FINE_ROOM_SHARES)
+    winner = trials.best()
+    if winner is best or winner.resident not in found:
+        return planned
+    return planned._replace(won=_Won(found[winner.resident]))
+
+
+def _evict_ahead(planned: _Planned) -> None:
+    """Where the best plan's compute waits on reloads while the link has time to spare and some
+    persistent block is read by stages far apart (a tied table: gathered first, read again by
+    the logits), its resident set and window lowered again with `LowerOptions.evict_ahead`
+    (the allocation horizon may let such a block go to prefetch, and stream it again later),
+    one more trial. llama3.2-1b prefill at 310 MB held 180 MB of its table through the pass:
+    93.2 -> 76.5 ms; where the link binds, the bytes streamed again cost more than the room
+    saves (llama3.2-3b B=4 at 3.3 GB: 0.5% slower), which is why it is a trial."""
+    trials = planned.trials
+    best = trials.best()
+    sim = best.simulation
+    if (best.evict_ahead or sim.stall_h2d_s <= search.AUTO_TOLERANCE * sim.makespan_s
+            or sim.h2d_s >= (1 - search.AUTO_TOLERANCE) * sim.makespan_s
+            or not _read_stages_apart(planned.tg)):
+        return
+    try:
+        trials.run(best.resident, best.window, exact=True, evict_ahead=True)
+    except BudgetError:
+        pass
+
+
+def _read_stages_apart(tg: TaskGraph) -> bool:
+    """Whether some persistent block is read by tasks two stages apart or more."""
+    stages: dict[int, tuple[int, int]] = {}
+    blocks = tg.blocks
+    for t in tg.tasks:
+        for b in t.reads:
+            if blocks[b].role in PERSISTENT_ROLES:
+                lo, hi = stages.get(b, (t.stage, t.stage))
+                stages[b] = (min(lo, t.stage), max(hi, t.stage))
+    return any(hi - lo >= 2 for lo, hi in stages.values())
 
 
 def _paced_set(tg: TaskGraph, order: list[int], needs: PassNeeds, budget: int, at: float,

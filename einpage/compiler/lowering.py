@@ -8,7 +8,9 @@ without choosing where. A prefill's allocation horizon runs tens of tasks ahead,
 every output there at once cut the free room into holes: llama3.1-8b at 8 GB held 0.2-0.6 GB of
 reserved outputs whenever the next weight could not be placed. The *execution horizon*
 `e <= f` emits the apply of task `e` and frees the blocks it used for the last time. While the
-next task's memory can be had without evicting (and the look-ahead limit allows), `a` advances;
+next task's memory can be had without evicting (and the look-ahead limit allows), `a` advances
+(with `evict_ahead`, also where it can be had by letting go clean blocks not needed before two
+stages after that task's: `_far`, a tied table between the gather and the logits);
 otherwise, if `a > e`, `e` advances and frees memory; if `a == e` (or `f == e`), blocks are
 evicted by the policy (a contiguous address window, so fragmentation cannot block the
 allocation), the reads reserved for later tasks let go first (`unreserve`). Eviction is clean
@@ -86,6 +88,7 @@ class LowerOptions:
     task_seconds: tuple[float, ...] = ()         # predicted seconds of each task, by task id
     on_host: frozenset[int] = frozenset()        # tasks that run on the host (placement)
     guarded_reload_share: float = GUARDED_RELOAD_SHARE  # guard reloads whose guard's share is at most
+    evict_ahead: bool = False                    # reserving ahead may evict far clean blocks
     progress: object = None                      # callable(done_tasks, total_tasks) or None
 
 
@@ -110,6 +113,7 @@ class _Lowering:
     def __init__(self, tg: TaskGraph, order: list[int], opt: LowerOptions):
         self.tg, self.order, self.opt, self.policy = tg, order, opt, opt.policy
         self.n = len(order)
+        self.stage_at = [tg.tasks[t].stage for t in order]  # stage of each position
         self.nodes: list = []
         uses: list[list[int]] = [[] for _ in tg.blocks]
         for p, tid in enumerate(order):
@@ -213,12 +217,14 @@ class _Lowering:
             need += [b for b in g.blocks if blocks[b].offset is None and b not in need]
         return sorted(need, key=lambda b: (-blocks[b].size, b))
 
-    def reserve(self, p: int, may_evict: bool) -> int | None:
+    def reserve(self, p: int, may_evict: bool, far: bool = False) -> int | None:
         """Reserve task `p`'s reads ahead (the allocation horizon): pin its blocks and reload
         those that have a current host copy; where writes are deferred (`defer`), its fresh
         write and any read no finished writer has made yet wait for `finalize`, but the
-        bytes left free must still cover `CLAIM_SHARE` of the writes deferred so far. Returns
-        the bytes reserved, or None (nothing changed)."""
+        bytes left free must still cover `CLAIM_SHARE` of the writes deferred so far. `far`:
+        where that room is short, clean blocks not needed before two stages after `p`'s are
+        evicted for it (`_far`). Returns the bytes reserved, or None (nothing changed; with
+        `far`, the far blocks may have been let go)."""
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
         host = t.id in self.opt.on_host
@@ -234,13 +240,15 @@ class _Lowering:
             # its own fresh write is claimed here; a read made later is its writer's claim
             later = blocks[t.write].size if t.write in fresh and not t.accumulate else 0
             need = [b for b in need if b not in fresh]
-            if not may_evict and (sum(blocks[b].size for b in need)
-                                  + CLAIM_SHARE * (self.deferred + later)
-                                  > self.alloc.free_bytes):
+            short = (sum(blocks[b].size for b in need) + CLAIM_SHARE * (self.deferred + later)
+                     - self.alloc.free_bytes)
+            if not may_evict and short > 0 and far:
+                short -= self._evict_far(p, short)
+            if not may_evict and short > 0:
                 return None
         for b in (*t.reads, t.write):
             blocks[b].pins += 1
-        got = self._place(p, need, may_evict, unpin=True)
+        got = self._place(p, need, may_evict, unpin=True, far=far)
         if got is None:
             return None
         self.later[p] = later
@@ -283,9 +291,38 @@ class _Lowering:
                 blocks[b].pins -= 1
             self.deferred -= self.later.pop(p, 0)
 
-    def _place(self, p: int, need: list[int], may_evict: bool, unpin: bool) -> int | None:
+    def _far(self, st: BlockState, p: int) -> bool:
+        """Whether block `st` may be let go to reserve for task `p` ahead of the execution
+        horizon: clean (its host copy current: a free with no transfer) and not needed before
+        two stages after `p`'s (a tied table, gathered first and read again by the logits)."""
+        if not st.host_valid:
+            return False
+        u = bisect.bisect_left(st.uses, p)
+        return u == len(st.uses) or self.stage_at[st.uses[u]] >= self.stage_at[p] + 2
+
+    def _evict_far(self, p: int, short: int) -> int:
+        """Evict unpinned far blocks (`_far`), farthest next use first, until `short` bytes are
+        free or none is left; returns the bytes freed."""
+        blocks = self.blocks
+        far = []
+        for b in self.live:
+            st = blocks[b]
+            if st.pins == 0 and b not in self.opt.resident and self._far(st, p):
+                u = bisect.bisect_left(st.uses, p)
+                far.append((-(st.uses[u] if u < len(st.uses) else self.n), b))
+        freed = 0
+        for _, b in sorted(far):
+            if freed >= short:
+                break
+            freed += blocks[b].size
+            self._evict(b)
+        return freed
+
+    def _place(self, p: int, need: list[int], may_evict: bool, unpin: bool,
+               far: bool = False) -> int | None:
         """Allocate `need` for task `p` (reloads, its fresh write); returns the bytes, or None
-        with nothing changed (and `p`'s pins released where `unpin`)."""
+        with nothing changed (and `p`'s pins released where `unpin`); `far`: evicting far
+        blocks only (`_far`) where an allocation fails."""
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
         got: list[tuple[int, Allocation]] = []
@@ -293,6 +330,8 @@ class _Lowering:
             a = self.alloc.allocate(blocks[b].size)
             if a is None and may_evict:
                 a = self._make_room(b, p)
+            elif a is None and far:
+                a = self._make_room(b, p, far=True)
             if a is None:
                 for _, done in reversed(got):
                     self.alloc.rollback(done)
@@ -347,14 +386,14 @@ class _Lowering:
         items.sort(key=lambda it: (it[0], -1 if it[2] is None else it[2]))
         return items
 
-    def _make_room(self, block: int, p: int) -> Allocation | None:
+    def _make_room(self, block: int, p: int, far: bool = False) -> Allocation | None:
         """Evict the cheapest contiguous window that frees `blocks[block].size` bytes: over the
         arena's items by offset (free segments, and blocks none of the tasks reserved pins),
         each window from an item to the first item past which it spans the size, the least
         (combined cost of its blocks, offset). Two pointers walk each run of adjacent such
         items (a window's right end never moves left as its left end moves right), and each
         window's costs are a slice of one list, combined in order, so the choice is that of
-        trying every window."""
+        trying every window. `far`: of the blocks, only far ones (`_far`: reserving ahead)."""
         if not self.policy.evicts:
             return None
         blocks = self.blocks
@@ -368,7 +407,7 @@ class _Lowering:
         for k, (_, _, b) in enumerate(items):
             if b is not None:
                 st = blocks[b]
-                if st.pins == 0:
+                if st.pins == 0 and (not far or self._far(st, p)):
                     uses = st.uses  # its next use at or after p (len(order) if none)
                     u = bisect.bisect_left(uses, p)
                     costs.append(score(Candidate(b, st.size, not st.host_valid,
@@ -597,6 +636,8 @@ class _Lowering:
                     and (secs is None or ahead_secs[a] - ahead_secs[e] < opt.lookahead_seconds))
                 if a < self.n and room:
                     got = self.reserve(a, may_evict=(a == e))
+                    if got is None and a > e and opt.evict_ahead:
+                        got = self.reserve(a, may_evict=False, far=True)
                     if got is not None:
                         ahead_bytes.append(ahead_bytes[-1] + got)
                         ahead_secs.append(ahead_secs[-1] + (secs[a] if secs is not None else 0.0))

@@ -31,6 +31,11 @@ AUTO_TOLERANCE = 0.005  # makespans within 0.5% of the best count as equal; the 
 RESIDENT_SEARCH_BELOW = 0.96
 ROOM_SHARES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45)
 ROOM_START = 0.05
+#: The finer grid the winning partition's room is refined on (`driver._refine_room`): where a
+#: few streamed blocks in flight decide the pass, the best room lies between the coarse points
+#: (llama3.1-8b prefill at 8 GB: 0.01; llama-7b decode B=1 at 14 GB: 0.0025)
+FINE_ROOM_SHARES = (0.0, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+                    0.1, 0.15, 0.2, 0.25, 0.3, 0.375, 0.45)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class Trial:
     spill_bytes: int
     live_peak: int
     on_host: frozenset = frozenset()  # the tasks it runs on the host (`compiler.placement`)
+    evict_ahead: bool = False  # lowered with `LowerOptions.evict_ahead`
 
 
 class Trials:
@@ -56,9 +62,10 @@ class Trials:
         self.tg, self.order, self.base, self.profile = tg, order, base, profile
         self.progress = progress
         self.items: list[Trial] = []
-        self._tried: dict[tuple[frozenset, float | None, bool], Trial | None] = {}
+        self._tried: dict[tuple[frozenset, float | None, bool, bool], Trial | None] = {}
 
-    def run(self, resident: frozenset, window: float | None, exact: bool = False) -> Trial:
+    def run(self, resident: frozenset, window: float | None, exact: bool = False,
+            evict_ahead: bool = False) -> Trial:
         """Lower and simulate; returns the trial without its plan and per-node times (`items`
         alone holds those). `base.task_seconds` price the tasks where `base.on_host` runs them.
         Where `resident` leaves the pass too little room, fewer blocks are kept
@@ -66,8 +73,8 @@ class Trials:
         set halved is no neighbour of it. A resident set and window tried before are not
         lowered again (paced sets of several room shares are often the same set: all empty
         where no weight fits beside the pass): that trial is returned, and `items` keeps it
-        once."""
-        key = (resident, window, exact)
+        once. `evict_ahead`: lowered with `LowerOptions.evict_ahead`."""
+        key = (resident, window, exact, evict_ahead)
         if key in self._tried:
             if self._tried[key] is None:
                 raise BudgetError(f"{len(resident)} resident blocks leave the pass too little "
@@ -76,7 +83,8 @@ class Trials:
         progress = None
         if self.progress is not None:
             progress = functools.partial(self.progress, f"lowering {len(self.items) + 1}")
-        opts = replace(self.base, resident=resident, lookahead_seconds=window, progress=progress)
+        opts = replace(self.base, resident=resident, lookahead_seconds=window, progress=progress,
+                       evict_ahead=evict_ahead or self.base.evict_ahead)
         try:
             mg, kept = ((lower(self.tg, self.order, opts), resident) if exact
                         else lower_shrinking(self.tg, self.order, opts))
@@ -86,8 +94,8 @@ class Trials:
             raise
         sim = simulate(mg, self.profile,
                        node_seconds(mg, self.profile, self.base.task_seconds or None))
-        self.items.append(Trial(window, kept, mg, sim,
-                                Traffic.of(mg).offload_bytes, mg.live_peak(), self.base.on_host))
+        self.items.append(Trial(window, kept, mg, sim, Traffic.of(mg).offload_bytes,
+                                mg.live_peak(), self.base.on_host, opts.evict_ahead))
         self._drop_losers()
         trial = self.items[-1]  # kept without its plan and timelines (`items` keeps those)
         self._tried[key] = replace(trial, memgraph=None, simulation=replace(
@@ -130,18 +138,19 @@ class Trials:
 
 def search_room(trial_at: Callable[[float], Trial | None],
                 bound_at: Callable[[float], float] | None = None, start: float = ROOM_START,
-                seen: dict[float, Trial] | None = None) -> float:
+                seen: dict[float, Trial] | None = None,
+                shares: tuple[float, ...] = ROOM_SHARES) -> float:
     """Search the room a paced resident set leaves for the pass beside its activation peak, as
-    a share of the budget on the ROOM_SHARES grid (`resident.paced_resident`): little room
+    a share of the budget on the grid `shares` (`resident.paced_resident`): little room
     streams the fewest bytes but leaves the prefetch none to work ahead in; much room the
     reverse. Unimodal like the resident share: start at `start` and `climb` (`bound_at`: a
     lower bound on a share's makespan, to skip probes that cannot move the climb; `seen`: the
     shares probed already). Returns the best share probed."""
-    best = climb(len(ROOM_SHARES), ROOM_SHARES.index(start),
-                 lambda i: trial_at(ROOM_SHARES[i]),
-                 {ROOM_SHARES.index(at): t for at, t in (seen or {}).items()},
-                 None if bound_at is None else lambda i: bound_at(ROOM_SHARES[i]))
-    return ROOM_SHARES[best]
+    best = climb(len(shares), shares.index(start),
+                 lambda i: trial_at(shares[i]),
+                 {shares.index(at): t for at, t in (seen or {}).items()},
+                 None if bound_at is None else lambda i: bound_at(shares[i]))
+    return shares[best]
 
 
 def climb(count: int, start: int, trial_at: Callable[[int], Trial | None],
