@@ -213,7 +213,7 @@ def test_time_lookahead_bounds_prefetch(monkeypatch):
     from einpage.compiler import driver
     from einpage.models import llama
     from einpage.models.config import preset
-    monkeypatch.setattr(driver, "_refine_room", lambda planned, options: planned)
+    monkeypatch.setattr(driver, "_refine_room", lambda planned, *a: planned)
     graph = llama.prefill_graph(preset("tiny")).bind(B=1, S=8)
     weights = compile_graph(graph, CompileOptions(1 << 30)).report.compiled.weight_bytes
     wide = compile_graph(graph, CompileOptions(weights // 3))

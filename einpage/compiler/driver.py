@@ -8,6 +8,7 @@ Each pass is a function of the pass before; the search (`einpage.compiler.search
 taskgraph once per candidate and keeps the fastest plan."""
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,7 @@ from einpage import collector
 from einpage.compiler import placement, search
 from einpage.compiler.allocator import aligned
 from einpage.compiler.cuts import largest_reused_weight
+from einpage.compiler.search import RESIDENT_SEARCH_BELOW
 from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
@@ -130,6 +132,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
                 continue
             finer = _plan(parts, block, planned.won)
             rungs.extend(finer.tried)
+            finer = _refine_room(finer, options, _known_bound(rungs, parts.profile),
+                                 planned.trials.best().simulation.makespan_s)
             best = planned.trials.best().simulation.makespan_s
             if finer.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
                 planned = finer
@@ -137,7 +141,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         planned = _halve_blocks(parts, planned, rungs)
     if not planned.fits:
         planned = _stream_blocks(parts, planned, rungs)
-        planned = _refine_room(planned, options)
+        planned = _refine_room(planned, options, _known_bound(rungs, parts.profile))
         _evict_ahead(planned)
     if options.host_compute and not planned.fits:
         _place(planned, options)
@@ -196,6 +200,10 @@ def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
                           live_peak=mg.live_peak())
 
 
+#: The room of a plan below this share of the problem's bound is refined (`_refine_room`): the
+#: planner's target efficiency; above it a finer room gains a percent or two at several
+#: lowerings
+REFINE_BELOW = 0.95
 #: Rounds of `_place`'s refinement (a placement, plus what its own plan streams of the rest),
 #: and how many of a kind's best placements it refines
 REFINE_ROUNDS = 2
@@ -659,23 +667,35 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
     return _finish(trials, windows, shares)
 
 
-def _refine_room(planned: _Planned, options: CompileOptions) -> _Planned:
-    """The winning partition's room refined on the finer grid (`search.FINE_ROOM_SHARES`),
+def _known_bound(rungs: list[_Rung], profile: DeviceProfile) -> float:
+    """The problem's bound over the rungs so far (device terms: compute, stream, front)."""
+    return max(min(r.compute_s for r in rungs), min(r.front_s for r in rungs),
+               min(r.min_stream_bytes for r in rungs) / profile.h2d_bandwidth)
+
+
+def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
+                 best_s: float = math.inf) -> _Planned:
+    """The winning partition's room (and each decode ladder rung's, before the ladder weighs
+    it: llama-7b decode B=8 at 16 GB wins on its 65.7 MB rung at 0.005 of the budget, 16.82 ms,
+    where the 32.8 MB rung ran 17.40) refined on the finer grid (`search.FINE_ROOM_SHARES`),
     climbing from what won (from the room the policy's set leaves, where that won), with the
     winner's look-ahead window: the coarse grid's points are 2-5% of the budget apart, and
     where the pass turns on a few streamed blocks in flight the best room lies between them
     (llama3.1-8b prefill at 8 GB: 0.01 of the budget, 188.97 -> 184.21 ms; llama-7b decode B=1
-    at 14 GB: 0.0025, 16.12 -> 15.67 ms). Only where the plan runs below RESIDENT_SEARCH_BELOW
-    of its partition's bound (each probe is a lowering; above it, a few rows gained up to 2%
-    at up to 2.5x the compile time). A probe whose set leaves the pass too little room is no
+    at 14 GB: 0.0025, 16.12 -> 15.67 ms). Only where the plan runs below REFINE_BELOW of the
+    problem's bound known so far (`bound_s`; `best_s`: the best pass of another partition so
+    far, on the ladder) and below RESIDENT_SEARCH_BELOW of its partition's
+    (each probe is a lowering; refined everywhere, rows above the target gained up to 2% at up
+    to 2.8x the compile time: mixtral-8x7b prefill at 47 GB 0.952 -> 0.967, 2.95 -> 8.39 s). A probe whose set leaves the pass too little room is no
     candidate; one whose bound cannot improve the climb is not lowered."""
     trials, tg, needs, rung = planned.trials, planned.tg, planned.needs, planned.rung
     best = trials.best()
     if not planned.paced:  # a policy that keeps nothing resident (lru) is compared as it is
         return planned
-    if best.simulation.makespan_s * search.RESIDENT_SEARCH_BELOW <= max(
-            rung.compute_s, rung.front_s, rung.min_stream_bytes / trials.profile.h2d_bandwidth):
-        return planned  # near its partition's bound already: little to gain
+    own = max(rung.compute_s, rung.front_s, rung.min_stream_bytes / trials.profile.h2d_bandwidth)
+    makespan = best.simulation.makespan_s
+    if min(best_s, makespan) * REFINE_BELOW <= bound_s or makespan * RESIDENT_SEARCH_BELOW <= own:
+        return planned  # within the target of the problem's bound, or near its partition's
     budget, seconds = options.device_bytes, trials.base.task_seconds
     share = planned.won.share
     if share is None:  # the policy's own set, or every weight
