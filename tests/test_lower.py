@@ -496,16 +496,30 @@ def test_evicting_ahead_lets_a_table_go_between_the_ends_of_the_pass():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"order {order}")
 
 
+def test_a_claim_share_option_lowers_as_the_module_constant_does(monkeypatch):
+    """`LowerOptions.claim_share` is the room kept for deferred writes, per lowering: the plan
+    with it at 0.5 is the plan with `CLAIM_SHARE` set to 0.5, and differs from the default's."""
+    from einpage.compiler import PartitionOptions, lowering, memory_aware_order, partition
+    tg = partition(_table_both_ends(), PartitionOptions(40_000))
+    options = LowerOptions(200_000, get_policy("reuse-distance"), outputs_to_host=True)
+    order = memory_aware_order(tg)
+    default = lower(tg, order, options).nodes
+    option = lower(tg, order, replace(options, claim_share=0.5)).nodes
+    monkeypatch.setattr(lowering, "CLAIM_SHARE", 0.5)
+    assert lower(tg, order, options).nodes == option != default
+
+
 def test_the_compiler_tries_evicting_ahead_and_keeps_the_faster_plan(monkeypatch):
-    """Where the best plan's compute waits on reloads and a persistent block is read two stages
-    apart or more, the compiler lowers it once more with `evict_ahead` and keeps it where
-    faster (the table above at 200 kB): never a slower plan than without the trial."""
+    """Where the best plan misses the target, its compute waits on reloads and a persistent
+    block is read two stages apart or more, the compiler lowers it again with `evict_ahead`
+    and a smaller claim for deferred writes, and keeps the fastest (the table above at 200 kB):
+    never a slower plan than without those trials."""
     from einpage.compiler import CompileOptions, compile_graph, driver
     graph = _table_both_ends()
 
     def makespan(budget, tried=True):
         if not tried:
-            monkeypatch.setattr(driver, "_evict_ahead", lambda planned: None)
+            monkeypatch.setattr(driver, "_prefetch_trials", lambda planned, bound_s: None)
         try:
             return compile_graph(graph, CompileOptions(budget, block_bytes=40_000,
                                                        validate=False)).simulation.makespan_s

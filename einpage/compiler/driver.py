@@ -142,7 +142,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     if not planned.fits:
         planned = _stream_blocks(parts, planned, rungs)
         planned = _refine_room(planned, options, _known_bound(rungs, parts.profile))
-        _evict_ahead(planned)
+        _prefetch_trials(planned, _known_bound(rungs, parts.profile))
     if options.host_compute and not planned.fits:
         _place(planned, options)
     tg, trials = planned.tg, planned.trials
@@ -188,7 +188,7 @@ def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
     try:
         mg, resident = search.lower_shrinking(tg, trials.order, replace(
             trials.base, resident=resident, lookahead_seconds=best.window, on_host=best.on_host,
-            evict_ahead=best.evict_ahead,
+            evict_ahead=best.evict_ahead, claim_share=best.claim_share,
             task_seconds=tuple(task_seconds(trials.profile, tg, best.on_host))))
     except BudgetError:
         return tiered, best
@@ -204,6 +204,8 @@ def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
 #: planner's target efficiency; above it a finer room gains a percent or two at several
 #: lowerings
 REFINE_BELOW = 0.95
+#: The room deferred writes claim in `_prefetch_trials` (`lowering.CLAIM_SHARE` elsewhere)
+PREFETCH_CLAIM = 1.0
 #: Rounds of `_place`'s refinement (a placement, plus what its own plan streams of the rest),
 #: and how many of a kind's best placements it refines
 REFINE_ROUNDS = 2
@@ -728,25 +730,35 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     return planned._replace(won=_Won(found[winner.resident]))
 
 
-def _evict_ahead(planned: _Planned) -> None:
-    """Where the best plan's compute waits on reloads while the link has time to spare and some
-    persistent block is read by stages far apart (a tied table: gathered first, read again by
-    the logits), its resident set and window lowered again with `LowerOptions.evict_ahead`
-    (the allocation horizon may let such a block go to prefetch, and stream it again later),
-    one more trial. llama3.2-1b prefill at 310 MB held 180 MB of its table through the pass:
-    93.2 -> 76.5 ms; where the link binds, the bytes streamed again cost more than the room
-    saves (llama3.2-3b B=4 at 3.3 GB: 0.5% slower), which is why it is a trial."""
+def _prefetch_trials(planned: _Planned, bound_s: float) -> None:
+    """Where the best plan misses REFINE_BELOW of the problem's bound (`bound_s`) and its
+    compute waits on reloads while the link has time to spare, its prefetch lacks room: its resident set and window lowered again with room made for it, as
+    more trials. The writes deferred claim PREFETCH_CLAIM of their bytes instead of
+    `lowering.CLAIM_SHARE` (llama-7b prefill at 1.7 GB: 249.3 -> 247.7 ms; where the link binds
+    the prefetch takes room those writes then need: llama3.1-8b at 8 GB 185.9 -> 192.0 ms with
+    every plan at 1.0); and where some persistent block is read by stages far apart (a tied
+    table: gathered first, read again by the logits), the allocation horizon may let such blocks
+    go for its prefetch (`LowerOptions.evict_ahead`; they stream again later), with either claim.
+    llama3.2-1b prefill at 310 MB held 180 MB of its table through the pass: 93.2 -> 76.5 ms
+    evicting ahead, 70.8 ms with the smaller claim too; where the link binds, the bytes streamed
+    again cost more than the room saves (llama3.2-3b B=4 at 3.3 GB: 0.5% slower)."""
     trials = planned.trials
     best = trials.best()
     sim = best.simulation
-    if (best.evict_ahead or sim.stall_h2d_s <= search.AUTO_TOLERANCE * sim.makespan_s
-            or sim.h2d_s >= (1 - search.AUTO_TOLERANCE) * sim.makespan_s
-            or not _read_stages_apart(planned.tg)):
+    if (best.evict_ahead or best.claim_share is not None
+            or sim.makespan_s * REFINE_BELOW <= bound_s
+            or sim.stall_h2d_s <= search.AUTO_TOLERANCE * sim.makespan_s
+            or sim.h2d_s >= (1 - search.AUTO_TOLERANCE) * sim.makespan_s):
         return
-    try:
-        trials.run(best.resident, best.window, exact=True, evict_ahead=True)
-    except BudgetError:
-        pass
+    variants = [(False, PREFETCH_CLAIM)]
+    if _read_stages_apart(planned.tg):
+        variants += [(True, None), (True, PREFETCH_CLAIM)]
+    for ahead, claim in variants:
+        try:
+            trials.run(best.resident, best.window, exact=True, evict_ahead=ahead,
+                       claim_share=claim)
+        except BudgetError:
+            pass
 
 
 def _read_stages_apart(tg: TaskGraph) -> bool:

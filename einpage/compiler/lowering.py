@@ -89,6 +89,7 @@ class LowerOptions:
     on_host: frozenset[int] = frozenset()        # tasks that run on the host (placement)
     guarded_reload_share: float = GUARDED_RELOAD_SHARE  # guard reloads whose guard's share is at most
     evict_ahead: bool = False                    # reserving ahead may evict far clean blocks
+    claim_share: float | None = None             # room kept for deferred writes (CLAIM_SHARE)
     progress: object = None                      # callable(done_tasks, total_tasks) or None
 
 
@@ -114,6 +115,7 @@ class _Lowering:
         self.tg, self.order, self.opt, self.policy = tg, order, opt, opt.policy
         self.n = len(order)
         self.stage_at = [tg.tasks[t].stage for t in order]  # stage of each position
+        self.claim = CLAIM_SHARE if opt.claim_share is None else opt.claim_share
         self.nodes: list = []
         uses: list[list[int]] = [[] for _ in tg.blocks]
         for p, tid in enumerate(order):
@@ -221,7 +223,8 @@ class _Lowering:
         """Reserve task `p`'s reads ahead (the allocation horizon): pin its blocks and reload
         those that have a current host copy; where writes are deferred (`defer`), its fresh
         write and any read no finished writer has made yet wait for `finalize`, but the
-        bytes left free must still cover `CLAIM_SHARE` of the writes deferred so far. `far`:
+        bytes left free must still cover `CLAIM_SHARE` (`claim_share`) of the writes deferred
+        so far. `far`:
         where that room is short, clean blocks not needed before two stages after `p`'s are
         evicted for it (`_far`). Returns the bytes reserved, or None (nothing changed; with
         `far`, the far blocks may have been let go)."""
@@ -240,7 +243,7 @@ class _Lowering:
             # its own fresh write is claimed here; a read made later is its writer's claim
             later = blocks[t.write].size if t.write in fresh and not t.accumulate else 0
             need = [b for b in need if b not in fresh]
-            short = (sum(blocks[b].size for b in need) + CLAIM_SHARE * (self.deferred + later)
+            short = (sum(blocks[b].size for b in need) + self.claim * (self.deferred + later)
                      - self.alloc.free_bytes)
             if not may_evict and short > 0 and far:
                 short -= self._evict_far(p, short)

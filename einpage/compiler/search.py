@@ -51,6 +51,7 @@ class Trial:
     live_peak: int
     on_host: frozenset = frozenset()  # the tasks it runs on the host (`compiler.placement`)
     evict_ahead: bool = False  # lowered with `LowerOptions.evict_ahead`
+    claim_share: float | None = None  # ... and `LowerOptions.claim_share`
 
 
 class Trials:
@@ -62,10 +63,10 @@ class Trials:
         self.tg, self.order, self.base, self.profile = tg, order, base, profile
         self.progress = progress
         self.items: list[Trial] = []
-        self._tried: dict[tuple[frozenset, float | None, bool, bool], Trial | None] = {}
+        self._tried: dict[tuple, Trial | None] = {}
 
     def run(self, resident: frozenset, window: float | None, exact: bool = False,
-            evict_ahead: bool = False) -> Trial:
+            evict_ahead: bool = False, claim_share: float | None = None) -> Trial:
         """Lower and simulate; returns the trial without its plan and per-node times (`items`
         alone holds those). `base.task_seconds` price the tasks where `base.on_host` runs them.
         Where `resident` leaves the pass too little room, fewer blocks are kept
@@ -73,8 +74,8 @@ class Trials:
         set halved is no neighbour of it. A resident set and window tried before are not
         lowered again (paced sets of several room shares are often the same set: all empty
         where no weight fits beside the pass): that trial is returned, and `items` keeps it
-        once. `evict_ahead`: lowered with `LowerOptions.evict_ahead`."""
-        key = (resident, window, exact, evict_ahead)
+        once. `evict_ahead`, `claim_share`: lowered with those `LowerOptions`."""
+        key = (resident, window, exact, evict_ahead, claim_share)
         if key in self._tried:
             if self._tried[key] is None:
                 raise BudgetError(f"{len(resident)} resident blocks leave the pass too little "
@@ -84,7 +85,8 @@ class Trials:
         if self.progress is not None:
             progress = functools.partial(self.progress, f"lowering {len(self.items) + 1}")
         opts = replace(self.base, resident=resident, lookahead_seconds=window, progress=progress,
-                       evict_ahead=evict_ahead or self.base.evict_ahead)
+                       evict_ahead=evict_ahead or self.base.evict_ahead,
+                       claim_share=self.base.claim_share if claim_share is None else claim_share)
         try:
             mg, kept = ((lower(self.tg, self.order, opts), resident) if exact
                         else lower_shrinking(self.tg, self.order, opts))
@@ -95,7 +97,8 @@ class Trials:
         sim = simulate(mg, self.profile,
                        node_seconds(mg, self.profile, self.base.task_seconds or None))
         self.items.append(Trial(window, kept, mg, sim, Traffic.of(mg).offload_bytes,
-                                mg.live_peak(), self.base.on_host, opts.evict_ahead))
+                                mg.live_peak(), self.base.on_host, opts.evict_ahead,
+                                opts.claim_share))
         self._drop_losers()
         trial = self.items[-1]  # kept without its plan and timelines (`items` keeps those)
         self._tried[key] = replace(trial, memgraph=None, simulation=replace(
