@@ -527,5 +527,5 @@ def test_the_compiler_tries_evicting_ahead_and_keeps_the_faster_plan(monkeypatch
             monkeypatch.undo()
 
     assert makespan(200_000) < 0.9 * makespan(200_000, tried=False)
-    for budget in (330_000, 500_000):
-        assert makespan(budget) <= makespan(budget, tried=False)
+    for budget in (330_000, 500_000):  # (a trial within AUTO_TOLERANCE that moves fewer
+        assert makespan(budget) <= 1.005 * makespan(budget, tried=False)  # bytes may win)

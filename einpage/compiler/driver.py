@@ -282,8 +282,8 @@ def _place(planned: "_Planned", options: CompileOptions) -> None:
         tried.add(on_host)
         if sum(seconds[t] for t in on_host) >= trials.best().simulation.makespan_s:
             return None  # the host alone (one queue) would outlast the best pass so far
-        start = (planned.won.share if planned.won.share in search.ROOM_SHARES
-                 else search.ROOM_START)
+        start = (search.ROOM_START if planned.won.share is None else  # a refined share:
+                 min(search.ROOM_SHARES, key=lambda at: (abs(at - planned.won.share), at)))
         first_set = paced_set(start, kept, seconds)
         low = floor(on_host, seconds, first_set)
         if low > trials.best().simulation.makespan_s * (1 + PLACEMENT_CLIMB_WITHIN):
@@ -570,7 +570,10 @@ def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,
     if max(grouped.compute_s, grouped.front_s, grouped.min_stream_bytes / profile.h2d_bandwidth
            ) >= best * (1 - search.AUTO_TOLERANCE):
         return planned  # no plan in that order could win
-    other = _plan(parts, block, won, weight_block, alone=True, by_weight=True)
+    try:
+        other = _plan(parts, block, won, weight_block, alone=True, by_weight=True)
+    except BudgetError:  # no set fits beside that order's pass: the row order's plan stands
+        return planned
     if other.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
         return other._replace(tried=planned.tried)
     return planned
@@ -683,7 +686,7 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     climbing from what won (from the room the policy's set leaves, where that won), with the
     winner's look-ahead window: the coarse grid's points are 2-5% of the budget apart, and
     where the pass turns on a few streamed blocks in flight the best room lies between them
-    (llama3.1-8b prefill at 8 GB: 0.01 of the budget, 188.97 -> 184.21 ms; llama-7b decode B=1
+    (llama3.1-8b prefill at 8 GB: 188.97 -> 185.87 ms; llama-7b decode B=1
     at 14 GB: 0.0025, 16.12 -> 15.67 ms). Only where the plan runs below REFINE_BELOW of the
     problem's bound known so far (`bound_s`; `best_s`: the best pass of another partition so
     far, on the ladder) and below RESIDENT_SEARCH_BELOW of its partition's
@@ -803,11 +806,12 @@ def _default_lookahead(trials: search.Trials, best: search.Trial,
     lowering for a window the user set; None without `--lookahead`."""
     if options.auto_lookahead:
         same = [t.simulation.makespan_s for t in trials.items
-                if t.window is None and t.resident == best.resident]
+                if t.window is None and t.resident == best.resident
+                and (t.evict_ahead, t.claim_share) == (best.evict_ahead, best.claim_share)]
         return min(same, default=None)
     if options.lookahead_bytes is None and options.lookahead_seconds is None:
         return None
-    reference = trials.reference(best.resident)
+    reference = trials.reference(best.resident, best.evict_ahead, best.claim_share)
     return reference.makespan_s if reference is not None else None
 
 

@@ -305,7 +305,8 @@ class _Lowering:
 
     def _evict_far(self, p: int, short: int) -> int:
         """Evict unpinned far blocks (`_far`), farthest next use first, until `short` bytes are
-        free or none is left; returns the bytes freed."""
+        free; none where they cannot free that many (they would stream again for nothing).
+        Returns the bytes freed."""
         blocks = self.blocks
         far = []
         for b in self.live:
@@ -313,6 +314,8 @@ class _Lowering:
             if st.pins == 0 and b not in self.opt.resident and self._far(st, p):
                 u = bisect.bisect_left(st.uses, p)
                 far.append((-(st.uses[u] if u < len(st.uses) else self.n), b))
+        if sum(blocks[b].size for _, b in far) < short:
+            return 0
         freed = 0
         for _, b in sorted(far):
             if freed >= short:
@@ -324,8 +327,8 @@ class _Lowering:
     def _place(self, p: int, need: list[int], may_evict: bool, unpin: bool,
                far: bool = False) -> int | None:
         """Allocate `need` for task `p` (reloads, its fresh write); returns the bytes, or None
-        with nothing changed (and `p`'s pins released where `unpin`); `far`: evicting far
-        blocks only (`_far`) where an allocation fails."""
+        with nothing allocated (and `p`'s pins released where `unpin`); `far`: evicting far
+        blocks only (`_far`) where an allocation fails (those evictions stay)."""
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
         got: list[tuple[int, Allocation]] = []

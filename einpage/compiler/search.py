@@ -105,11 +105,15 @@ class Trials:
             trial.simulation, start=(), end=(), engine=()))
         return self._tried[key]
 
-    def reference(self, resident: frozenset) -> Simulation | None:
+    def reference(self, resident: frozenset, evict_ahead: bool = False,
+                  claim_share: float | None = None) -> Simulation | None:
         """The simulation of `resident` with the default look-ahead (bounded by memory only), to
-        weigh a look-ahead the user set against; not a candidate (None if it does not fit)."""
+        weigh a look-ahead the user set against (lowered with the trial's `evict_ahead` and
+        `claim_share`); not a candidate (None if it does not fit)."""
         opts = replace(self.base, resident=resident, lookahead_bytes=None,
-                       lookahead_seconds=None, progress=None)
+                       lookahead_seconds=None, progress=None,
+                       evict_ahead=evict_ahead or self.base.evict_ahead,
+                       claim_share=self.base.claim_share if claim_share is None else claim_share)
         try:
             mg, _ = lower_shrinking(self.tg, self.order, opts)
         except BudgetError:
