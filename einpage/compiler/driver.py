@@ -19,7 +19,6 @@ from einpage import collector
 from einpage.compiler import placement, search
 from einpage.compiler.allocator import aligned
 from einpage.compiler.cuts import largest_reused_weight
-from einpage.compiler.search import RESIDENT_SEARCH_BELOW
 from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
@@ -542,9 +541,9 @@ def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,
     with what won (`alone`), and the faster plan kept; not lowered where that order's rung (its
     compute, front and stream terms) cannot beat the plan by AUTO_TOLERANCE. Both orders are
     rungs of the problem's bound (`tried`), lowered or not, wherever the partition is planned
-    (a partition that is a rung only, not searched, has no plan in either order). llama-7b prefill at 1.7 GB: its
-    halved partition runs 400 ms in row order (18.2 GB streamed), 249 ms by weight block,
-    against 257 ms before."""
+    (a partition that is a rung only, not searched, has no plan in either order). llama-7b
+    prefill at 1.7 GB: its halved partition runs 400 ms in row order (18.2 GB streamed), 249 ms
+    by weight block, against 257 ms before."""
     options, profile = parts.options, parts.profile
     policy = get_policy(options.policy)
     tg, order, needs, seconds, rung = parts.cut(block, weight_block, by_weight)
@@ -686,20 +685,22 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     climbing from what won (from the room the policy's set leaves, where that won), with the
     winner's look-ahead window: the coarse grid's points are 2-5% of the budget apart, and
     where the pass turns on a few streamed blocks in flight the best room lies between them
-    (llama3.1-8b prefill at 8 GB: 188.97 -> 185.87 ms; llama-7b decode B=1
-    at 14 GB: 0.0025, 16.12 -> 15.67 ms). Only where the plan runs below REFINE_BELOW of the
-    problem's bound known so far (`bound_s`; `best_s`: the best pass of another partition so
-    far, on the ladder) and below RESIDENT_SEARCH_BELOW of its partition's
-    (each probe is a lowering; refined everywhere, rows above the target gained up to 2% at up
-    to 2.8x the compile time: mixtral-8x7b prefill at 47 GB 0.952 -> 0.967, 2.95 -> 8.39 s). A probe whose set leaves the pass too little room is no
-    candidate; one whose bound cannot improve the climb is not lowered."""
+    (llama3.1-8b prefill at 8 GB: 188.97 -> 185.87 ms; llama-7b decode B=1 at 14 GB: 0.0025,
+    16.12 -> 15.67 ms). Only where the plan runs below REFINE_BELOW of the problem's bound known
+    so far (`bound_s`; `best_s`: the best pass of another partition so far, on the ladder) and
+    below RESIDENT_SEARCH_BELOW of its partition's (each probe is a lowering; refined
+    everywhere, rows above the target gained up to 2% at up to 2.8x the compile time:
+    mixtral-8x7b prefill at 47 GB 0.952 -> 0.967, 2.95 -> 8.39 s). A probe whose set leaves
+    the pass too little room is no candidate; one whose bound cannot improve the climb is not
+    lowered."""
     trials, tg, needs, rung = planned.trials, planned.tg, planned.needs, planned.rung
     best = trials.best()
     if not planned.paced:  # a policy that keeps nothing resident (lru) is compared as it is
         return planned
     own = max(rung.compute_s, rung.front_s, rung.min_stream_bytes / trials.profile.h2d_bandwidth)
     makespan = best.simulation.makespan_s
-    if min(best_s, makespan) * REFINE_BELOW <= bound_s or makespan * RESIDENT_SEARCH_BELOW <= own:
+    if (min(best_s, makespan) * REFINE_BELOW <= bound_s
+            or makespan * search.RESIDENT_SEARCH_BELOW <= own):
         return planned  # within the target of the problem's bound, or near its partition's
     budget, seconds = options.device_bytes, trials.base.task_seconds
     share = planned.won.share
@@ -735,9 +736,10 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
 
 def _prefetch_trials(planned: _Planned, bound_s: float) -> None:
     """Where the best plan misses REFINE_BELOW of the problem's bound (`bound_s`) and its
-    compute waits on reloads while the link has time to spare, its prefetch lacks room: its resident set and window lowered again with room made for it, as
-    more trials. The writes deferred claim PREFETCH_CLAIM of their bytes instead of
-    `lowering.CLAIM_SHARE` (llama-7b prefill at 1.7 GB: 249.3 -> 247.7 ms; where the link binds
+    compute waits on reloads while the link has time to spare, its prefetch lacks room: its
+    resident set and window are lowered again with room made for it, as more trials. The
+    writes deferred claim PREFETCH_CLAIM of their bytes instead of `lowering.CLAIM_SHARE`
+    (llama-7b prefill at 1.7 GB: 249.3 -> 247.7 ms; where the link binds
     the prefetch takes room those writes then need: llama3.1-8b at 8 GB 185.9 -> 192.0 ms with
     every plan at 1.0); and where some persistent block is read by stages far apart (a tied
     table: gathered first, read again by the logits), the allocation horizon may let such blocks

@@ -17,14 +17,14 @@ sum run in order), then the rest by task id. Deterministic: every choice ends in
 
 `by_weight=True` orders each stage by its weight blocks instead: the walk starts from every task
 that reads the stage's first weight block (in the order above), then from every reader of the
-next, and so on, then from the stage's other tasks in the order above. A weight block read by every row block of a layer
-(a prefill whose sequence is cut: a projection's blocks, once per query block) is then read by
-its readers one after another and can be freed at once, where the order above holds it from the
-first row block's use to the last, through the rest of the layer (llama3.2-1b prefill at 310 MB:
-each layer's 120 MB of weights held through the whole layer, in a 310 MB budget); the cost is
-every row block's inputs and outputs of those readers live together. The compiler plans a
-partition in it too where some weight block's readers in one stage run apart
-(`driver._read_apart`).
+next, and so on, then from the stage's other tasks in the order above. A weight block read by
+every row block of a layer (a prefill whose sequence is cut: a projection's blocks, once per
+query block) is then read by its readers one after another and can be freed at once, where the
+order above holds it from the first row block's use to the last, through the rest of the layer
+(llama3.2-1b prefill at 310 MB: each layer's 120 MB of weights held through the whole layer, in
+a 310 MB budget); the cost is every row block's inputs and outputs of those readers live
+together. The compiler plans a partition in it too where some weight block's readers in one
+stage run apart (`driver._read_apart`).
 """
 from __future__ import annotations
 
