@@ -224,10 +224,9 @@ class _Lowering:
         those that have a current host copy; where writes are deferred (`defer`), its fresh
         write and any read no finished writer has made yet wait for `finalize`, but the
         bytes left free must still cover `CLAIM_SHARE` (`claim_share`) of the writes deferred
-        so far. `far`:
-        where that room is short, clean blocks not needed before two stages after `p`'s are
-        evicted for it (`_far`). Returns the bytes reserved, or None (nothing changed; with
-        `far`, the far blocks may have been let go)."""
+        so far. `far`: where that room is short, clean blocks not needed before two stages
+        after `p`'s are evicted for it (`_far`). Returns the bytes reserved, or None (nothing
+        changed; with `far`, the far blocks may have been let go)."""
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
         host = t.id in self.opt.on_host
