@@ -455,17 +455,17 @@ def test_the_planner_also_tries_hosting_only_what_the_device_streams(hf_fixture,
     blocks the best device-only plan streams: what it keeps resident is computed on the device
     (mixtral-8x7b decode at 24 GB with server-16c: 0.93 -> 0.72 s per step, bench/RESULTS.md).
     The planner keeps the fastest, and a placed plan still computes the reference."""
-    from einpage.compiler import driver
+    from einpage.compiler import placement
     cfg, weights, graph, inputs = _decode(MIXTRAL, hf_fixture, batch=1)
     tried = []
-    inner = driver.placement.place_on_host
+    inner = placement.place_on_host
 
     def spy(tg, order, kept):
         experts = {b.id for b in tg.input_blocks
                    if b.source is not None and ".experts." in f".{b.source.input}"}
         tried.append((len(kept & experts), len(experts)))
         return inner(tg, order, kept)
-    monkeypatch.setattr(driver.placement, "place_on_host", spy)
+    monkeypatch.setattr(placement, "place_on_host", spy)
     host = _FAST_HOST
     # at half the weights the device-only plan keeps some experts resident (at a third it
     # streams them all: an expert copied only when chosen costs a quarter of its bytes)
@@ -550,16 +550,16 @@ def test_placement_refines_a_candidate_with_what_its_own_plan_streams(hf_fixture
     plan's own resident set leaves streaming moved to the host (mixtral-8x7b decode at 24 GB
     with server-16c: 0.244 -> 0.213 s per step, bench/RESULTS.md); a refined plan still
     computes the reference."""
-    from einpage.compiler import driver
+    from einpage.compiler import placement
     cfg, weights, graph, inputs = _decode(MIXTRAL, hf_fixture, batch=1)
-    refine = driver.placement.streamed_groups
+    refine = placement.streamed_groups
     refined = []
 
     def spy_refine(tg, kept, resident):
-        refined.append(kept not in {driver.placement.host_blocks(tg, k)
-                                    for k in driver.placement.KINDS})
+        refined.append(kept not in {placement.host_blocks(tg, k)
+                                    for k in placement.KINDS})
         return refine(tg, kept, resident)
-    monkeypatch.setattr(driver.placement, "streamed_groups", spy_refine)
+    monkeypatch.setattr(placement, "streamed_groups", spy_refine)
     host = _FAST_HOST
     compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3,
                                                    device=_profile(host), host_compute=True))

@@ -174,7 +174,7 @@ def test_the_order_by_weight_block_runs_each_blocks_readers_together():
     block's readers run one after another (one run of reads per block), in a valid order of
     the same tasks."""
     from einpage.compiler.driver import _read_apart
-    from einpage.compiler.lowering import check_order
+    from einpage.compiler.order import check_order
     graph = llama.prefill_graph(preset("small")).bind(B=1, S=64)
     tg = partition(graph, PartitionOptions(12_000))
     rows, by_weight = memory_aware_order(tg), memory_aware_order(tg, by_weight=True)

@@ -6,6 +6,7 @@
     lowering     `lower`: simulated execution with three horizons -> MemGraph (victims chosen by
                  `policies`, offsets by `allocator`)
     search       the look-ahead windows and resident sets tried, and the fastest kept
+    host_search  which blocks to keep in host memory, so the tasks reading them run there
     report       `PlanReport`: what a plan needs, moves and is predicted to take
     driver       `compile_graph`: the passes in order
 

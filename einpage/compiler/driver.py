@@ -16,7 +16,8 @@ from types import MappingProxyType
 from typing import Callable, Mapping, NamedTuple
 
 from einpage import collector
-from einpage.compiler import placement, search
+from einpage.compiler import search
+from einpage.compiler.host_search import place
 from einpage.compiler.allocator import aligned
 from einpage.compiler.cuts import largest_reused_weight
 from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
@@ -25,15 +26,15 @@ from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.policies import Policy, Residency, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
 from einpage.compiler.resident import (PassNeeds, everything_fits, front_seconds,
-                                       least_disk_bytes, memory_lower_bound, min_stream_bytes,
-                                       paced_resident, pass_needs, persistent_blocks,
-                                       streamed_bytes, weights_first)
+                                       guarded_shares, least_disk_bytes, memory_lower_bound,
+                                       min_stream_bytes, paced_at, pass_needs,
+                                       persistent_blocks, streamed_bytes, weights_first)
 from einpage.compiler.tiers import Tiered, place_tiers
 from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
 from einpage.ir.memgraph import ALIGNMENT, MemGraph
-from einpage.ir.taskgraph import TaskGraph, reload_guards
+from einpage.ir.taskgraph import TaskGraph
 from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.predict.cost import task_seconds
 from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
@@ -143,7 +144,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         planned = _refine_room(planned, options, _known_bound(rungs, parts.profile))
         _prefetch_trials(planned, _known_bound(rungs, parts.profile))
     if options.host_compute and not planned.fits:
-        _place(planned, options)
+        place(planned.trials, planned.needs, planned.won.share, options)
     tg, trials = planned.tg, planned.trials
     best = trials.best()
     if best.on_host:  # the bound of the placement it runs (a device-only bound does not hold)
@@ -205,164 +206,6 @@ def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
 REFINE_BELOW = 0.95
 #: The room deferred writes claim in `_prefetch_trials` (`lowering.CLAIM_SHARE` elsewhere)
 PREFETCH_CLAIM = 1.0
-#: Rounds of `_place`'s refinement (a placement, plus what its own plan streams of the rest),
-#: and how many of a kind's best placements it refines
-REFINE_ROUNDS = 2
-REFINED = 2
-#: ... of those within this share of the kind's best pass
-REFINE_WITHIN = 0.10
-#: A placement's room is searched (`search.search_room`) only where its plan at the device-only
-#: winner's room is within this share of the best pass so far (or does not fit); otherwise that
-#: one lowering is its trial (qwen3-8b decode B=4 at 8 GB lowered 20 placement plans, none within
-#: 4%), and none where the placement's floor already misses this share
-PLACEMENT_CLIMB_WITHIN = 0.03
-
-
-def _place(planned: "_Planned", options: CompileOptions) -> None:
-    """Host placement (`einpage.compiler.placement`) weighed beside the device-only plans: for
-    each candidate set of blocks kept in host memory (the KV store, the experts' weights: all of
-    them, or only those the best device-only plan streams, so what it keeps resident is still
-    computed on the device, or shares of those that balance the host against the link), the
-    tasks that read them run on the host, and paced resident sets
-    over the other persistent blocks are searched as the device-only ones were: from the
-    device-only winner's room, climbed only where that first plan is within
-    PLACEMENT_CLIMB_WITHIN of the best, and not lowered at all where a floor of that plan (its
-    longest chain of tasks, either queue's compute, the link time of what it leaves off the
-    device: `floor`) already misses that (llama-7b decode B=8 at 16 GB lowered five placements,
-    27.7-32.5 ms against 17.4 ms, before the floor; none since), though such a placement still
-    seeds a refinement by its floor (`_Unlowered`). Every trial
-    joins the partition's; a placement wins only by more than AUTO_TOLERANCE, so a tie keeps
-    the device-only plan."""
-    trials, tg = planned.trials, planned.tg
-    order, profile = trials.order, trials.profile
-    device = trials.best()
-    budget = options.device_bytes
-    tried: set[frozenset] = set()
-    memo: dict[frozenset, tuple[frozenset, tuple[float, ...]]] = {}
-
-    def hosted(kept: frozenset) -> tuple[frozenset, tuple[float, ...]]:
-        """(the tasks that run on the host with `kept` there, every task's seconds then)."""
-        if kept not in memo:
-            on_host = placement.place_on_host(tg, order, kept)
-            memo[kept] = on_host, (tuple(task_seconds(profile, tg, on_host,
-                                                      trials.base.task_seconds))
-                                   if on_host else ())
-        return memo[kept]
-
-    def paced_set(at: float, kept: frozenset, seconds: tuple[float, ...]) -> frozenset:
-        return _paced_set(tg, order, planned.needs, budget, at, seconds, exclude=kept)
-
-    guarded = _guarded_shares(tg, options)
-
-    compute_floor: dict[frozenset, tuple[float, list[int]]] = {}  # on_host -> (floor, device)
-
-    def floor(on_host: frozenset, seconds: tuple[float, ...], resident: frozenset) -> float:
-        """No plan of the placement keeping `resident` on the device beats its longest chain
-        of tasks, either queue's compute (those two once per placement), or the link time of
-        what device tasks read of the persistent blocks left off the device."""
-        if on_host not in compute_floor:
-            device_tasks = [t for t in range(len(seconds)) if t not in on_host]
-            compute_floor[on_host] = max(
-                placement.critical_path(tg, order, seconds), sum(seconds[t] for t in on_host),
-                sum(seconds[t] for t in device_tasks)), device_tasks
-        least, device_tasks = compute_floor[on_host]
-        return max(least, streamed_bytes(tg, resident, guarded, readers=device_tasks)
-                   / profile.h2d_bandwidth)
-
-    def attempt(kept: frozenset) -> search.Trial | _Unlowered | None:
-        """Lower and search the placement keeping `kept` in host memory; its best trial (adopted
-        by `trials`), or None where it is not tried (nothing to save, tried before, hopeless,
-        no room share's set fits), or `_Unlowered` where its floor rules its first plan out."""
-        if not kept - device.resident:
-            return None  # they stay on the device already: nothing to save
-        on_host, seconds = hosted(kept)
-        if not on_host or on_host in tried:
-            return None
-        tried.add(on_host)
-        if sum(seconds[t] for t in on_host) >= trials.best().simulation.makespan_s:
-            return None  # the host alone (one queue) would outlast the best pass so far
-        start = (search.ROOM_START if planned.won.share is None else  # a refined share:
-                 min(search.ROOM_SHARES, key=lambda at: (abs(at - planned.won.share), at)))
-        first_set = paced_set(start, kept, seconds)
-        low = floor(on_host, seconds, first_set)
-        if low > trials.best().simulation.makespan_s * (1 + PLACEMENT_CLIMB_WITHIN):
-            return _Unlowered(first_set, low)  # its first plan would neither win nor be climbed
-        placed = search.Trials(tg, order, replace(trials.base, on_host=on_host,
-                                                  task_seconds=seconds), profile,
-                               options.progress)
-
-        def paced(at: float) -> search.Trial | None:
-            try:  # None: that set leaves the pass too little room
-                return placed.run(paced_set(at, kept, seconds), device.window, exact=True)
-            except BudgetError:
-                return None
-
-        # from the device-only winner's room; climbed only where that is near the best
-        first = paced(start)
-        if first is None or (first.simulation.makespan_s
-                             <= trials.best().simulation.makespan_s
-                             * (1 + PLACEMENT_CLIMB_WITHIN)):
-            search.search_room(paced, lambda at: floor(on_host, seconds,
-                                                       paced_set(at, kept, seconds)),
-                               start=start, seen={start: first})
-        if not placed.items:
-            return None  # no room share's set fits beside the pass
-        trials.adopt(placed)
-        return placed.best()
-
-    seen: set[frozenset] = set()
-    for kind in placement.KINDS:
-        every = placement.host_blocks(tg, kind)
-        if every in seen:
-            continue  # "kv+experts" of a model without experts is "kv"
-        seen.add(every)
-        # all of them, or only those the device-only plan streams (what it keeps resident
-        # stays there and is computed on the device; in whole groups: `placement.groups`), or
-        # a share of them, so that the host and the link work at once
-        candidates = [every, *placement.streamed_groups(tg, every, device.resident)]
-        candidates += [placement.share_of(tg, every, f) for f in placement.balanced_shares(
-            tg, every, *hosted(every), profile, device.resident,
-            options.guarded_reload_share)]
-        tried_kind = [(kept, attempt(kept)) for kept in candidates]
-        tried_kind = [(kept, t) for kept, t in tried_kind if t is not None]
-        if not tried_kind:
-            continue
-        # then the best REFINED of them (within REFINE_WITHIN of the best), each with what its
-        # own plan still streams of the rest moved to the host too (its resident set differs
-        # from the device-only plan's), while that gains
-        # (a placement not lowered takes part by its floor: refined, it may win)
-        tried_kind.sort(key=lambda kt: _pass_s(kt[1]))
-        near = _pass_s(tried_kind[0][1]) * (1 + REFINE_WITHIN)
-        for kept, best in tried_kind[:REFINED]:
-            if _pass_s(best) > near:
-                break
-            for _ in range(REFINE_ROUNDS):
-                more = placement.streamed_groups(tg, every - kept, best.resident)[1]
-                better = attempt(kept | more) if more else None
-                if better is None or _pass_s(better) >= _pass_s(best):
-                    break
-                kept, best = kept | more, better
-    best = trials.best()
-    if best.on_host and not (best.simulation.makespan_s < device.simulation.makespan_s
-                             * (1 - search.AUTO_TOLERANCE)):
-        trials.items = [t for t in trials.items if not t.on_host]
-
-
-class _Unlowered(NamedTuple):
-    """A placement `_place` did not lower (its floor misses the best pass by more than the
-    climb allows): its first resident set, and the floor standing in for its pass, so that it
-    can still seed a refinement (what its plan would stream moved to the host too: qwen2.5-72b
-    decode B=16 at 36 GB refines such a candidate twice into the winner, 2221.6 ms)."""
-    resident: frozenset
-    floor_s: float
-
-
-def _pass_s(attempted: "search.Trial | _Unlowered") -> float:
-    """A placement's pass: its best trial's, or the floor of one not lowered."""
-    return (attempted.floor_s if isinstance(attempted, _Unlowered)
-            else attempted.simulation.makespan_s)
-
-
 class _Rung(NamedTuple):
     """One partition tried (the coarse one, the ladder's, a halving), for the problem's bound:
     what any plan of it must copy host->device (`resident.min_stream_bytes`) and its compute
@@ -618,36 +461,11 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
     partition, where the policy's set never won on the grid; on a decode step's finer rungs it
     does), or the policy's set where that winner's set does not fit. A probe whose set leaves
     the pass too little room is no candidate. Returns what won."""
-    tg, order = trials.tg, trials.order
-    compute = sum(seconds)
-    windows = search.windows(options.auto_lookahead, options.lookahead_seconds, compute,
+    tg = trials.tg
+    windows = search.windows(options.auto_lookahead, options.lookahead_seconds, sum(seconds),
                              len(tg.tasks))
-    budget = options.device_bytes
-    shares: dict[frozenset, float] = {}  # a paced trial's resident set -> its room share
-    sets: dict[float, frozenset] = {}    # room share -> its paced resident set
-
-    def paced_set(at: float) -> frozenset:
-        if at not in sets:
-            sets[at] = _paced_set(tg, order, needs, budget, at, seconds)
-        return sets[at]
-
-    def paced(at: float) -> search.Trial | None:
-        """The trial of `at`'s paced set; None where that set leaves the pass too little room
-        (a set with fewer blocks is another share's)."""
-        try:
-            trial = trials.run(paced_set(at), windows[0], exact=True)
-        except BudgetError:
-            return None
-        shares.setdefault(trial.resident, at)
-        return trial
-
-    guarded = _guarded_shares(tg, options)
-
-    def bound(at: float) -> float:
-        """No plan of `at`'s set beats its compute or the link time of the persistent bytes
-        it leaves off the device (an expert copied only when chosen at its expected share)."""
-        return max(compute, streamed_bytes(tg, paced_set(at), guarded)
-                   / trials.profile.h2d_bandwidth)
+    probes = _Probes(trials, needs, options, windows[0])
+    paced, shares = probes.run, probes.shares
 
     if (coarser is not None and alone and coarser.share is not None and residency.room > 0
             and paced(coarser.share) is not None):  # what won on the coarser partition, alone
@@ -667,8 +485,46 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
             trials.try_run(everything, windows[0])
         # Paced resident sets (the streaming spread over the compute, the first blocks and
         # the large ones resident) leaving the pass a share of the budget beside its peak.
-        search.search_room(paced, bound)
+        search.search_room(paced, probes.bound)
     return _finish(trials, windows, shares)
+
+
+class _Probes:
+    """The room search's points on one partition's trials: the paced resident set of each room
+    share (`resident.paced_at`), its trial with `window`, the share each tried set came from,
+    and a bound on each share's pass."""
+
+    def __init__(self, trials: search.Trials, needs: PassNeeds, options: CompileOptions,
+                 window: float | None):
+        self.trials, self.needs, self.window = trials, needs, window
+        self.budget = options.device_bytes
+        self.compute = sum(trials.base.task_seconds)
+        self.guarded = guarded_shares(trials.tg, options.guarded_reload_share)
+        self.sets: dict[float, frozenset] = {}      # room share -> its paced resident set
+        self.shares: dict[frozenset, float] = {}    # a tried set -> the room share it came from
+
+    def set(self, at: float) -> frozenset:
+        if at not in self.sets:
+            trials = self.trials
+            self.sets[at] = paced_at(trials.tg, trials.order, self.needs, self.budget, at,
+                                     trials.base.task_seconds)
+        return self.sets[at]
+
+    def run(self, at: float) -> search.Trial | None:
+        """The trial of `at`'s paced set; None where that set leaves the pass too little room
+        (a set with fewer blocks is another share's)."""
+        try:
+            trial = self.trials.run(self.set(at), self.window, exact=True)
+        except BudgetError:
+            return None
+        self.shares.setdefault(trial.resident, at)
+        return trial
+
+    def bound(self, at: float) -> float:
+        """No plan of `at`'s set beats its compute or the link time of the persistent bytes
+        it leaves off the device (an expert copied only when chosen at its expected share)."""
+        return max(self.compute, streamed_bytes(self.trials.tg, self.set(at), self.guarded)
+                   / self.trials.profile.h2d_bandwidth)
 
 
 def _known_bound(rungs: list[_Rung], profile: DeviceProfile) -> float:
@@ -702,36 +558,18 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     if (min(best_s, makespan) * REFINE_BELOW <= bound_s
             or makespan * search.RESIDENT_SEARCH_BELOW <= own):
         return planned  # within the target of the problem's bound, or near its partition's
-    budget, seconds = options.device_bytes, trials.base.task_seconds
+    budget = options.device_bytes
     share = planned.won.share
     if share is None:  # the policy's own set, or every weight
         kept = sum(aligned(tg.blocks[b].bytes) for b in best.resident)
         share = max(0.0, (budget - needs.activation_peak - kept) / budget)
     start = min(search.FINE_ROOM_SHARES, key=lambda at: (abs(at - share), at))
-    sets: dict[float, frozenset] = {}
-    found: dict[frozenset, float] = {}
-
-    def paced_set(at: float) -> frozenset:
-        if at not in sets:
-            sets[at] = _paced_set(tg, trials.order, needs, budget, at, seconds)
-        return sets[at]
-
-    def paced(at: float) -> search.Trial | None:
-        try:
-            trial = trials.run(paced_set(at), best.window, exact=True)
-        except BudgetError:
-            return None
-        found.setdefault(trial.resident, at)
-        return trial
-
-    guarded, compute = _guarded_shares(tg, options), sum(seconds)
-    search.search_room(paced, lambda at: max(compute, streamed_bytes(tg, paced_set(at), guarded)
-                                             / trials.profile.h2d_bandwidth),
-                       start=start, shares=search.FINE_ROOM_SHARES)
+    probes = _Probes(trials, needs, options, best.window)
+    search.search_room(probes.run, probes.bound, start=start, shares=search.FINE_ROOM_SHARES)
     winner = trials.best()
-    if winner is best or winner.resident not in found:
+    if winner is best or winner.resident not in probes.shares:
         return planned
-    return planned._replace(won=_Won(found[winner.resident]))
+    return planned._replace(won=_Won(probes.shares[winner.resident]))
 
 
 def _prefetch_trials(planned: _Planned, bound_s: float) -> None:
@@ -776,20 +614,6 @@ def _read_stages_apart(tg: TaskGraph) -> bool:
                 lo, hi = stages.get(b, (t.stage, t.stage))
                 stages[b] = (min(lo, t.stage), max(hi, t.stage))
     return any(hi - lo >= 2 for lo, hi in stages.values())
-
-
-def _paced_set(tg: TaskGraph, order: list[int], needs: PassNeeds, budget: int, at: float,
-               seconds: tuple[float, ...], exclude: frozenset = frozenset()) -> frozenset:
-    """The paced resident set (`resident.paced_resident`) that leaves the pass `at` of the
-    budget as room beside its activation peak (the blocks of `exclude` kept elsewhere)."""
-    return paced_resident(tg, order, int(budget - needs.activation_peak - at * budget),
-                          seconds, max(1, int(at * budget / 2)), exclude=exclude)
-
-
-def _guarded_shares(tg: TaskGraph, options: CompileOptions) -> dict[int, float]:
-    """Each block whose reload the lowering guards (an expert copied only when chosen): its
-    expected share of the passes."""
-    return {b: key[2] for b, key in reload_guards(tg, options.guarded_reload_share).items()}
 
 
 def _finish(trials: search.Trials, windows: list[float | None],

@@ -45,10 +45,11 @@ writer of a block runs in one place.
 from __future__ import annotations
 
 import bisect
-from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from einpage.compiler.allocator import Allocation, Allocator, aligned
+from einpage.compiler.order import check_order
+from einpage.compiler.writebacks import keep_idle_outputs
 from einpage.compiler.policies import Candidate, Group, Policy
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.memgraph import (ALIGNMENT, Access, ApplyNode, FreeNode, InputNode, MemGraph,
@@ -659,7 +660,7 @@ class _Lowering:
 
     def finish(self) -> MemGraph:
         tg = self.tg
-        nodes, at = _keep_idle_outputs(self.nodes, self.written_back)
+        nodes, at = keep_idle_outputs(self.nodes, self.written_back)
         outputs = []
         for o in tg.outputs:
             b = o.block
@@ -674,48 +675,8 @@ class _Lowering:
                         tg.inputs, tg.results, graph=tg)
 
 
-def _keep_idle_outputs(nodes: list, written_back: dict[int, int]) -> tuple[list, dict[int, int]]:
-    """Undo the write-backs that freed bytes no later node took: an output written back as soon
-    as it was final (`outputs_to_host`) to make room, where the room was never used (no node
-    depends on the free that followed its offload), stays on the device to the end instead, as
-    outputs do in a pass that fits, and the pass ends without copying it. Returns the nodes
-    (renumbered) and where each output kept this way lies."""
-    users = Counter(d for n in nodes for d in n.deps)
-    drop: set[int] = set()
-    at: dict[int, int] = {}
-    for b, fid in written_back.items():
-        oid = fid - 1  # _evict emits the offload right before the free, which alone waits on it
-        if users[fid] == 0 and nodes[oid].kind == "offload" and users[oid] == 1:
-            drop.update((oid, fid))
-            at[b] = nodes[fid].offset
-    if not drop:
-        return nodes, at
-    cut = min(drop)  # the nodes before the first one dropped keep their ids and deps
-    new_id = {k: k for k in range(cut)}
-    out = nodes[:cut]
-    for n in nodes[cut:]:
-        if n.id in drop:
-            continue
-        new_id[n.id] = len(out)
-        out.append(replace(n, id=len(out), deps=tuple(new_id[d] for d in n.deps)))
-    return out, at
-
-
 def lower(tg: TaskGraph, order: list[int], options: LowerOptions) -> MemGraph:
     """The memgraph of running `tg` in `order` within `options.device_bytes`. `order` must be
     every task once, each after the tasks it depends on (PlanError otherwise)."""
     check_order(tg, order)
     return _Lowering(tg, order, options).run()
-
-
-def check_order(tg: TaskGraph, order: list[int]) -> None:
-    """PlanError unless `order` lists every task of `tg` once, each after its dependencies."""
-    if sorted(order) != list(range(len(tg.tasks))):
-        raise PlanError(f"order lists {len(order)} tasks, expected each of the {len(tg.tasks)} "
-                        "tasks once")
-    position = {tid: p for p, tid in enumerate(order)}
-    for p, tid in enumerate(order):
-        late = [d for d in tg.deps[tid] if position[d] > p]
-        if late:
-            raise PlanError(f"order runs task {tid} at position {p} before task {late[0]} it "
-                            f"depends on (position {position[late[0]]})")

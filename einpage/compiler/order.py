@@ -28,6 +28,7 @@ stage run apart (`driver._read_apart`).
 """
 from __future__ import annotations
 
+from einpage.errors import PlanError
 from einpage.ir.taskgraph import TaskGraph
 
 
@@ -165,3 +166,16 @@ def _chain(t: int, onto: list[int], stage: list[int]) -> list[int]:
     while onto[chain[-1]] >= 0 and stage[onto[chain[-1]]] == stage[t]:
         chain.append(onto[chain[-1]])
     return chain[::-1]
+
+
+def check_order(tg: TaskGraph, order: list[int]) -> None:
+    """PlanError unless `order` lists every task of `tg` once, each after its dependencies."""
+    if sorted(order) != list(range(len(tg.tasks))):
+        raise PlanError(f"order lists {len(order)} tasks, expected each of the {len(tg.tasks)} "
+                        "tasks once")
+    position = {tid: p for p, tid in enumerate(order)}
+    for p, tid in enumerate(order):
+        late = [d for d in tg.deps[tid] if position[d] > p]
+        if late:
+            raise PlanError(f"order runs task {tid} at position {p} before task {late[0]} it "
+                            f"depends on (position {position[late[0]]})")

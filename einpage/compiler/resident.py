@@ -382,3 +382,17 @@ def weights_first(tg: TaskGraph, order: list[int], budget: int, seconds: Sequenc
     used = sum(aligned(tg.blocks[b].bytes) for b in weights)
     return weights | paced_resident(tg, order, budget - used, seconds, largest,
                                     frozenset({"cache"}))
+
+
+def paced_at(tg: TaskGraph, order: list[int], needs: PassNeeds, budget: int, at: float,
+             seconds: Sequence[float], exclude: frozenset = frozenset()) -> frozenset:
+    """The paced resident set (`resident.paced_resident`) that leaves the pass `at` of the
+    budget as room beside its activation peak (the blocks of `exclude` kept elsewhere)."""
+    return paced_resident(tg, order, int(budget - needs.activation_peak - at * budget),
+                          seconds, max(1, int(at * budget / 2)), exclude=exclude)
+
+
+def guarded_shares(tg: TaskGraph, share: float) -> dict[int, float]:
+    """Each block whose reload the lowering guards where its guard is on in at most `share` of
+    the passes (an expert copied only when chosen): its expected share of the passes."""
+    return {b: key[2] for b, key in reload_guards(tg, share).items()}
