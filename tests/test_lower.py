@@ -519,7 +519,7 @@ def test_the_compiler_tries_evicting_ahead_and_keeps_the_faster_plan(monkeypatch
 
     def makespan(budget, tried=True):
         if not tried:
-            monkeypatch.setattr(driver, "_prefetch_trials", lambda planned, bound_s: None)
+            monkeypatch.setattr(driver, "_prefetch_trials", lambda *args: None)
         try:
             return compile_graph(graph, CompileOptions(budget, block_bytes=40_000,
                                                        validate=False)).simulation.makespan_s

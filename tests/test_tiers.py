@@ -85,6 +85,41 @@ def test_tiered_logits_equal_the_unconstrained_run(tiny):
         assert np.array_equal(got, want), seed
 
 
+def test_the_room_is_climbed_again_by_the_tiered_pass(monkeypatch):
+    """Where the host budget sends blocks to disk and the disk binds, the compiler climbs the
+    room again weighing each resident set by its tiered pass (`tier_room.climb_tiered`), beside
+    the activation peak of a pass that writes its outputs back: more stays on the device, less
+    is read from disk. A small llama with as many KV heads as heads (the KV rows its prefill
+    writes a quarter of its weights) at half its weights, with a host for half of what streams:
+    faster than the device search's set tiered, valid, and giving the unconstrained plan's
+    logits in random orders."""
+    from einpage.compiler import driver
+    from einpage.models import config
+    from einpage.models.checkpoint import RandomWeights
+    cfg = dataclasses.replace(config.preset("small"), kv_heads=8)
+    graph = llama.prefill_graph(cfg).bind(B=1, S=128)
+    base = CompileOptions(cfg.weight_bytes() // 2)
+    free = compile_graph(graph, base)
+    needs = host_needs(free.memgraph)
+    largest = max(free.memgraph.tensors[t].bytes for t in needs.streamed)
+    options = dataclasses.replace(base, host_bytes=needs.fixed_bytes + 2 * largest
+                                  + needs.streamed_bytes // 2)
+    climbed = compile_graph(graph, options)
+    monkeypatch.setattr(driver, "climb_tiered", lambda trials, best, tiered, *rest: (tiered, best))
+    device_only = compile_graph(graph, options)
+    assert climbed.simulation.makespan_s < 0.85 * device_only.simulation.makespan_s
+    assert 0 < climbed.simulation.disk_bytes < device_only.simulation.disk_bytes
+    assert climbed.memgraph.meta["resident_bytes"] > device_only.memgraph.meta["resident_bytes"]
+    mg = climbed.memgraph
+    assert validate(mg).read_bytes == climbed.simulation.disk_bytes
+    weights = RandomWeights(cfg, 0)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab, (1, 128))
+    want = executor.run(free.memgraph, {"tokens": ids}, weights)["logits"]
+    for order in ("sequential", 3, 7):
+        got = executor.run(mg, {"tokens": ids}, weights, order=order)["logits"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"order {order}")
+
+
 def test_threads_backend_reads_the_safetensors_file(tiny):
     mg, ids, weights, want = tiny["tiered"].memgraph, tiny["ids"], tiny["weights"], tiny["want"]
     program = compile_streams(mg, preload=True)

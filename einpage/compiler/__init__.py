@@ -7,6 +7,8 @@
                  `policies`, offsets by `allocator`)
     search       the look-ahead windows and resident sets tried, and the fastest kept
     host_search  which blocks to keep in host memory, so the tasks reading them run there
+    tiers        which streamed blocks the host budget pins and which are read from disk
+    tier_room    the resident set weighed again by the tiered pass, where the disk binds
     report       `PlanReport`: what a plan needs, moves and is predicted to take
     driver       `compile_graph`: the passes in order
 

@@ -28,8 +28,9 @@ from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
 from einpage.compiler.resident import (PassNeeds, everything_fits, front_seconds,
                                        guarded_shares, least_disk_bytes, memory_lower_bound,
                                        min_stream_bytes, paced_at, pass_needs,
-                                       persistent_blocks, streamed_bytes, weights_first)
-from einpage.compiler.tiers import Tiered, place_tiers
+                                       persistent_blocks, streamed_bytes)
+from einpage.compiler.tier_room import climb_tiered, weights_first_tiered
+from einpage.compiler.tiers import place_tiers
 from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
@@ -38,7 +39,7 @@ from einpage.ir.taskgraph import TaskGraph
 from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.predict.cost import task_seconds
 from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
-from einpage.predict.simulator import Simulation, simulate
+from einpage.predict.simulator import Simulation
 from einpage.units import format_size
 
 
@@ -141,8 +142,9 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         planned = _halve_blocks(parts, planned, rungs)
     if not planned.fits:
         planned = _stream_blocks(parts, planned, rungs)
+        coarse = planned.trials.best()
         planned = _refine_room(planned, options, _known_bound(rungs, parts.profile))
-        _prefetch_trials(planned, _known_bound(rungs, parts.profile))
+        _prefetch_trials(planned, _known_bound(rungs, parts.profile), coarse)
     if options.host_compute and not planned.fits:
         place(planned.trials, planned.needs, planned.won.share, options)
     tg, trials = planned.tg, planned.trials
@@ -152,8 +154,15 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             min_stream_bytes=best.simulation.h2d_min_bytes,
             compute_s=max(best.simulation.compute_s, best.simulation.host_s), front_s=0.0)]
     tiered = place_tiers(best.memgraph, best.simulation, options.host_bytes, trials.profile)
+    if (tiered.choice.disk_bytes and planned.paced and tiered.simulation.makespan_s
+            > best.simulation.makespan_s * (1 + search.AUTO_TOLERANCE)):  # the disk binds
+        probes = _Probes(trials, planned.needs, options, best.window, written_back=True)
+        tiered, best = climb_tiered(
+            trials, best, tiered, _won_share(planned, best, options.device_bytes), probes.set,
+            lambda at: streamed_bytes(tg, probes.set(at), probes.guarded), options.host_bytes)
     if tiered.choice.disk_bytes and planned.needs.kv_bytes:
-        tiered, best = _weights_first(planned, best, tiered, options)
+        tiered, best = weights_first_tiered(trials, best, tiered, options.device_bytes,
+                                            options.host_bytes)
     mg = tiered.memgraph
     valid = validate(mg) if options.validate else None
     figures = _figures(planned, best, rungs, _default_lookahead(trials, best, options), options,
@@ -171,33 +180,6 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     return Compiled(mg, tg, tuple(trials.order),
                     PlanReport.of_plan(mg, valid, tiered.simulation, figures, trials.profile),
                     tiered.simulation)
-
-
-def _weights_first(planned: "_Planned", best: search.Trial, tiered: Tiered,
-                   options: CompileOptions) -> tuple[Tiered, search.Trial]:
-    """Where the host budget sends weights to disk and the pass reads a KV store: the same
-    resident bytes with weights kept before KV blocks (`resident.weights_first`) also lowered
-    and tiered, and the faster plan kept with its trial (the device-side search weighs the link
-    alone, where a resident KV block and a resident weight save the same bytes)."""
-    trials, tg = planned.trials, planned.tg
-    room = sum(aligned(tg.blocks[b].bytes) for b in best.resident)
-    resident = weights_first(tg, trials.order, room, trials.base.task_seconds,
-                             max(1, (options.device_bytes - room) // 2))
-    if resident == best.resident:
-        return tiered, best
-    try:
-        mg, resident = search.lower_shrinking(tg, trials.order, replace(
-            trials.base, resident=resident, lookahead_seconds=best.window, on_host=best.on_host,
-            evict_ahead=best.evict_ahead, claim_share=best.claim_share,
-            task_seconds=tuple(task_seconds(trials.profile, tg, best.on_host))))
-    except BudgetError:
-        return tiered, best
-    sim = simulate(mg, trials.profile)
-    other = place_tiers(mg, sim, options.host_bytes, trials.profile)
-    if other.simulation.makespan_s >= tiered.simulation.makespan_s:
-        return tiered, best
-    return other, replace(best, resident=resident, memgraph=mg, simulation=sim,
-                          live_peak=mg.live_peak())
 
 
 #: The room of a plan below this share of the problem's bound is refined (`_refine_room`): the
@@ -221,7 +203,9 @@ class _Rung(NamedTuple):
 
 class _Won(NamedTuple):
     """What won a partition's search: a paced resident set leaving the pass `share` of the
-    budget as room, or (None) the policy's own set or every weight."""
+    budget as room beside its activation peak (the coarse grid's measure; a share the fine
+    grid won at is kept in it, as 0 where that room is less than the outputs take), or
+    (None) the policy's own set or every weight."""
     share: float | None
 
 
@@ -491,12 +475,14 @@ def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
 
 class _Probes:
     """The room search's points on one partition's trials: the paced resident set of each room
-    share (`resident.paced_at`), its trial with `window`, the share each tried set came from,
-    and a bound on each share's pass."""
+    share (`resident.paced_at`, beside the activation peak, or with `written_back` beside the
+    peak of a pass that writes its outputs back), its trial with `window`, the share each tried
+    set came from, and a bound on each share's pass."""
 
     def __init__(self, trials: search.Trials, needs: PassNeeds, options: CompileOptions,
-                 window: float | None):
+                 window: float | None, written_back: bool = False):
         self.trials, self.needs, self.window = trials, needs, window
+        self.peak = needs.written_back_peak if written_back else needs.activation_peak
         self.budget = options.device_bytes
         self.compute = sum(trials.base.task_seconds)
         self.guarded = guarded_shares(trials.tg, options.guarded_reload_share)
@@ -506,7 +492,7 @@ class _Probes:
     def set(self, at: float) -> frozenset:
         if at not in self.sets:
             trials = self.trials
-            self.sets[at] = paced_at(trials.tg, trials.order, self.needs, self.budget, at,
+            self.sets[at] = paced_at(trials.tg, trials.order, self.peak, self.budget, at,
                                      trials.base.task_seconds)
         return self.sets[at]
 
@@ -538,7 +524,10 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     """The winning partition's room (and each decode ladder rung's, before the ladder weighs
     it: llama-7b decode B=8 at 16 GB wins on its 65.7 MB rung at 0.005 of the budget, 16.82 ms,
     where the 32.8 MB rung ran 17.40) refined on the finer grid (`search.FINE_ROOM_SHARES`),
-    climbing from what won (from the room the policy's set leaves, where that won), with the
+    its rooms beside the peak of a pass that writes its outputs back (`_Probes`'s
+    `written_back`: the coarse grid counts them to the pass's end, so a room smaller than the
+    KV rows a prefill writes was out of its reach: llama-13b at 12 GB 316.7 -> 309.1 ms,
+    llama3.2-3b B=4 at 3.3 GB 277.8 -> 266.5 ms), climbing from what won (from the room the policy's set leaves, where that won), with the
     winner's look-ahead window: the coarse grid's points are 2-5% of the budget apart, and
     where the pass turns on a few streamed blocks in flight the best room lies between them
     (llama3.1-8b prefill at 8 GB: 188.97 -> 185.87 ms; llama-7b decode B=1 at 14 GB: 0.0025,
@@ -549,7 +538,7 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     mixtral-8x7b prefill at 47 GB 0.952 -> 0.967, 2.95 -> 8.39 s). A probe whose set leaves
     the pass too little room is no candidate; one whose bound cannot improve the climb is not
     lowered."""
-    trials, tg, needs, rung = planned.trials, planned.tg, planned.needs, planned.rung
+    trials, needs, rung = planned.trials, planned.needs, planned.rung
     best = trials.best()
     if not planned.paced:  # a policy that keeps nothing resident (lru) is compared as it is
         return planned
@@ -558,21 +547,36 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     if (min(best_s, makespan) * REFINE_BELOW <= bound_s
             or makespan * search.RESIDENT_SEARCH_BELOW <= own):
         return planned  # within the target of the problem's bound, or near its partition's
-    budget = options.device_bytes
-    share = planned.won.share
-    if share is None:  # the policy's own set, or every weight
-        kept = sum(aligned(tg.blocks[b].bytes) for b in best.resident)
-        share = max(0.0, (budget - needs.activation_peak - kept) / budget)
-    start = min(search.FINE_ROOM_SHARES, key=lambda at: (abs(at - share), at))
-    probes = _Probes(trials, needs, options, best.window)
-    search.search_room(probes.run, probes.bound, start=start, shares=search.FINE_ROOM_SHARES)
+    probes = _Probes(trials, needs, options, best.window, written_back=True)
+    search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES,
+                       start=_won_share(planned, best, options.device_bytes))
     winner = trials.best()
     if winner is best or winner.resident not in probes.shares:
         return planned
-    return planned._replace(won=_Won(probes.shares[winner.resident]))
+    return planned._replace(won=_Won(max(0.0, probes.shares[winner.resident]
+                                         - _outputs_share(needs, options.device_bytes))))
 
 
-def _prefetch_trials(planned: _Planned, bound_s: float) -> None:
+def _won_share(planned: _Planned, best: search.Trial, budget: int) -> float:
+    """The point of the fine room grid (`search.FINE_ROOM_SHARES`, beside the written-back
+    peak) nearest the room `best`'s resident set leaves: the share it won at, or (the policy's
+    own set, or every weight) the budget its set and that peak leave."""
+    share = planned.won.share
+    if share is not None:
+        share += _outputs_share(planned.needs, budget)
+    else:
+        kept = sum(aligned(planned.tg.blocks[b].bytes) for b in best.resident)
+        share = max(0.0, (budget - planned.needs.written_back_peak - kept) / budget)
+    return min(search.FINE_ROOM_SHARES, key=lambda at: (abs(at - share), at))
+
+
+def _outputs_share(needs: PassNeeds, budget: int) -> float:
+    """The share of the budget by which a room beside the written-back peak (the fine room
+    grid's) exceeds the same room beside the activation peak (the coarse grid's)."""
+    return (needs.activation_peak - needs.written_back_peak) / budget
+
+
+def _prefetch_trials(planned: _Planned, bound_s: float, coarse: search.Trial) -> None:
     """Where the best plan misses REFINE_BELOW of the problem's bound (`bound_s`) and its
     compute waits on reloads while the link has time to spare, its prefetch lacks room: its
     resident set and window are lowered again with room made for it, as more trials. The
@@ -584,24 +588,28 @@ def _prefetch_trials(planned: _Planned, bound_s: float) -> None:
     go for its prefetch (`LowerOptions.evict_ahead`; they stream again later), with either claim.
     llama3.2-1b prefill at 310 MB held 180 MB of its table through the pass: 93.2 -> 76.5 ms
     evicting ahead, 70.8 ms with the smaller claim too; where the link binds, the bytes streamed
-    again cost more than the room saves (llama3.2-3b B=4 at 3.3 GB: 0.5% slower)."""
+    again cost more than the room saves (llama3.2-3b B=4 at 3.3 GB: 0.5% slower). The coarse
+    search's winner (`coarse`) is tried so too where the fine room refined another set: the
+    refined one may gain less from it (llama3.2-1b at 310 MB: 78.5 ms against 70.8)."""
     trials = planned.trials
     best = trials.best()
-    sim = best.simulation
     if (best.evict_ahead or best.claim_share is not None
-            or sim.makespan_s * REFINE_BELOW <= bound_s
-            or sim.stall_h2d_s <= search.AUTO_TOLERANCE * sim.makespan_s
-            or sim.h2d_s >= (1 - search.AUTO_TOLERANCE) * sim.makespan_s):
+            or best.simulation.makespan_s * REFINE_BELOW <= bound_s):
         return
     variants = [(False, PREFETCH_CLAIM)]
     if _read_stages_apart(planned.tg):
         variants += [(True, None), (True, PREFETCH_CLAIM)]
-    for ahead, claim in variants:
-        try:
-            trials.run(best.resident, best.window, exact=True, evict_ahead=ahead,
-                       claim_share=claim)
-        except BudgetError:
-            pass
+    for plan in (best, coarse) if coarse.resident != best.resident else (best,):
+        sim = plan.simulation
+        if (sim.stall_h2d_s <= search.AUTO_TOLERANCE * sim.makespan_s
+                or sim.h2d_s >= (1 - search.AUTO_TOLERANCE) * sim.makespan_s):
+            continue
+        for ahead, claim in variants:
+            try:
+                trials.run(plan.resident, plan.window, exact=True, evict_ahead=ahead,
+                           claim_share=claim)
+            except BudgetError:
+                pass
 
 
 def _read_stages_apart(tg: TaskGraph) -> bool:

@@ -60,7 +60,7 @@ def place(trials: search.Trials, needs: PassNeeds, won_share: float | None,
         return memo[kept]
 
     def paced_set(at: float, kept: frozenset, seconds: tuple[float, ...]) -> frozenset:
-        return paced_at(tg, order, needs, budget, at, seconds, exclude=kept)
+        return paced_at(tg, order, needs.activation_peak, budget, at, seconds, exclude=kept)
 
     guarded = guarded_shares(tg, options.guarded_reload_share)
 

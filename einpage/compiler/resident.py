@@ -31,6 +31,8 @@ class PassNeeds:
     kv_bytes: int              # all KV-store (cache) input blocks, aligned
     input_bytes: int           # activation input blocks, aligned
     activation_peak: int       # peak of live produced blocks over the order
+    written_back_peak: int     # the same with outputs leaving after their last use (a pass
+                               # that streams writes each back to the host once final)
     max_working_set: int       # the largest task's blocks
     max_task_weights: int      # the most persistent (weight, KV) bytes one task reads
 
@@ -77,6 +79,7 @@ def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> Pa
     """What one pass needs; with `outputs_stay=False` output blocks leave the device after their
     last use (written back to the host) instead of staying to the end."""
     peak = produced_peak(tg, order, outputs_stay)
+    written_back = peak if not outputs_stay else produced_peak(tg, order, outputs_stay=False)
 
     def total(role: str) -> int:
         return sum(aligned(b.bytes) for b in tg.input_blocks if b.role == role)
@@ -85,7 +88,7 @@ def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> Pa
         weight_bytes=total("weight"), kv_bytes=total("cache"),
         input_bytes=sum(aligned(b.bytes) for b in tg.input_blocks
                         if b.role not in PERSISTENT_ROLES),
-        activation_peak=peak,
+        activation_peak=peak, written_back_peak=written_back,
         max_working_set=max((working_set(tg, t) for t in range(len(tg.tasks))), default=0),
         max_task_weights=max((sum(aligned(tg.blocks[b].bytes) for b in set(t.reads)
                                   if tg.blocks[b].role in PERSISTENT_ROLES) for t in tg.tasks),
@@ -384,11 +387,16 @@ def weights_first(tg: TaskGraph, order: list[int], budget: int, seconds: Sequenc
                                     frozenset({"cache"}))
 
 
-def paced_at(tg: TaskGraph, order: list[int], needs: PassNeeds, budget: int, at: float,
+def paced_at(tg: TaskGraph, order: list[int], peak: int, budget: int, at: float,
              seconds: Sequence[float], exclude: frozenset = frozenset()) -> frozenset:
     """The paced resident set (`resident.paced_resident`) that leaves the pass `at` of the
-    budget as room beside its activation peak (the blocks of `exclude` kept elsewhere)."""
-    return paced_resident(tg, order, int(budget - needs.activation_peak - at * budget),
+    budget as room beside `peak` bytes of activations (the blocks of `exclude` kept elsewhere):
+    `PassNeeds.activation_peak`, outputs kept to the pass's end, for the coarse room search
+    (whose grid was measured so), or `PassNeeds.written_back_peak`, outputs leaving once
+    written back as a pass that streams does, for the fine one (which may then keep resident
+    the room that the KV rows a prefill writes would otherwise take: 1.07 GB of llama-7b's
+    4 GB)."""
+    return paced_resident(tg, order, int(budget - peak - at * budget),
                           seconds, max(1, int(at * budget / 2)), exclude=exclude)
 
 
