@@ -154,8 +154,10 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             min_stream_bytes=best.simulation.h2d_min_bytes,
             compute_s=max(best.simulation.compute_s, best.simulation.host_s), front_s=0.0)]
     tiered = place_tiers(best.memgraph, best.simulation, options.host_bytes, trials.profile)
-    if (tiered.choice.disk_bytes and planned.paced and tiered.simulation.makespan_s
-            > best.simulation.makespan_s * (1 + search.AUTO_TOLERANCE)):  # the disk binds
+    disk_binds = tiered.choice.disk_bytes and (
+        tiered.simulation.makespan_s > best.simulation.makespan_s * (1 + search.AUTO_TOLERANCE))
+    if disk_binds and planned.paced and not best.on_host:  # (a placement's sets leave out the
+        # blocks its host tasks read: `host_search`)
         probes = _Probes(trials, planned.needs, options, best.window, written_back=True)
         tiered, best = climb_tiered(
             trials, best, tiered, _won_share(planned, best, options.device_bytes), probes.set,
