@@ -142,7 +142,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         planned = _halve_blocks(parts, planned, rungs)
     if not planned.fits:
         planned = _stream_blocks(parts, planned, rungs)
-        coarse = planned.trials.best()
+        coarse = search.without_plan(planned.trials.best())  # (`_prefetch_trials` lowers it)
         planned = _refine_room(planned, options, _known_bound(rungs, parts.profile))
         _prefetch_trials(planned, _known_bound(rungs, parts.profile), coarse)
     if options.host_compute and not planned.fits:
@@ -529,8 +529,8 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     its rooms beside the peak of a pass that writes its outputs back (`_Probes`'s
     `written_back`: the coarse grid counts them to the pass's end, so a room smaller than the
     KV rows a prefill writes was out of its reach: llama-13b at 12 GB 316.7 -> 309.1 ms,
-    llama3.2-3b B=4 at 3.3 GB 277.8 -> 266.5 ms), climbing from what won (from the room the policy's set leaves, where that won), with the
-    winner's look-ahead window: the coarse grid's points are 2-5% of the budget apart, and
+    llama3.2-3b B=4 at 3.3 GB 277.8 -> 266.5 ms), climbing from what won (from the room the
+    policy's set leaves, where that won), with the winner's look-ahead window: the coarse grid's points are 2-5% of the budget apart, and
     where the pass turns on a few streamed blocks in flight the best room lies between them
     (llama3.1-8b prefill at 8 GB: 188.97 -> 185.87 ms; llama-7b decode B=1 at 14 GB: 0.0025,
     16.12 -> 15.67 ms). Only where the plan runs below REFINE_BELOW of the problem's bound known

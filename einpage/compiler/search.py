@@ -101,8 +101,7 @@ class Trials:
                                 opts.claim_share))
         self._drop_losers()
         trial = self.items[-1]  # kept without its plan and timelines (`items` keeps those)
-        self._tried[key] = replace(trial, memgraph=None, simulation=replace(
-            trial.simulation, start=(), end=(), engine=()))
+        self._tried[key] = without_plan(trial)
         return self._tried[key]
 
     def reference(self, resident: frozenset, evict_ahead: bool = False,
@@ -136,11 +135,16 @@ class Trials:
     def _drop_losers(self) -> None:
         fastest = min(t.simulation.makespan_s for t in self.items) * (1 + AUTO_TOLERANCE)
         self.items = [t if t.memgraph is None or t.simulation.makespan_s <= fastest
-                      else replace(t, memgraph=None, simulation=replace(
-                          t.simulation, start=(), end=(), engine=())) for t in self.items]
+                      else without_plan(t) for t in self.items]
 
     def best(self) -> Trial:
         return best(self.items)
+
+
+def without_plan(trial: Trial) -> Trial:
+    """`trial` without its plan and its simulation's per-node times (its figures kept)."""
+    return replace(trial, memgraph=None, simulation=replace(trial.simulation, start=(), end=(),
+                                                            engine=()))
 
 
 def search_room(trial_at: Callable[[float], Trial | None],

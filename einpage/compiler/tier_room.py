@@ -23,11 +23,13 @@ from typing import Callable
 from einpage.compiler import search
 from einpage.compiler.allocator import aligned
 from einpage.compiler.lowering import LowerOptions, lower
+from einpage.compiler.report import Traffic
 from einpage.compiler.resident import weights_first
 from einpage.compiler.tiers import Tiered, place_tiers
 from einpage.errors import BudgetError
+from einpage.ir.memgraph import MemGraph
 from einpage.predict.cost import task_seconds
-from einpage.predict.simulator import node_seconds, simulate
+from einpage.predict.simulator import Simulation, node_seconds, simulate
 
 
 def climb_tiered(trials: search.Trials, best: search.Trial, tiered: Tiered, start: float,
@@ -56,8 +58,7 @@ def climb_tiered(trials: search.Trials, best: search.Trial, tiered: Tiered, star
                 other = place_tiers(mg, sim, host_bytes, profile)
             except BudgetError:  # too little room for the pass, or for its host needs
                 return None
-            plan = replace(best, resident=resident, memgraph=mg, simulation=sim,
-                           live_peak=mg.live_peak())
+            plan = _trial(best, resident, mg, sim)
             seen[resident] = _light(plan, other)
             if other.simulation.makespan_s < chosen[0][0].simulation.makespan_s:
                 chosen[0] = (other, plan)
@@ -88,14 +89,13 @@ def weights_first_tiered(trials: search.Trials, best: search.Trial, tiered: Tier
     opts = _options_of(trials, best)
     try:
         mg, resident = search.lower_shrinking(tg, trials.order, replace(opts, resident=resident))
-    except BudgetError:
+        sim = simulate(mg, trials.profile, node_seconds(mg, trials.profile, opts.task_seconds))
+        other = place_tiers(mg, sim, host_bytes, trials.profile)
+    except BudgetError:  # too little room for the pass, or for its host needs
         return tiered, best
-    sim = simulate(mg, trials.profile, node_seconds(mg, trials.profile, opts.task_seconds))
-    other = place_tiers(mg, sim, host_bytes, trials.profile)
     if other.simulation.makespan_s >= tiered.simulation.makespan_s:
         return tiered, best
-    return other, replace(best, resident=resident, memgraph=mg, simulation=sim,
-                          live_peak=mg.live_peak())
+    return other, _trial(best, resident, mg, sim)
 
 
 def _options_of(trials: search.Trials, best: search.Trial) -> LowerOptions:
@@ -106,10 +106,16 @@ def _options_of(trials: search.Trials, best: search.Trial) -> LowerOptions:
                    progress=None)
 
 
+def _trial(best: search.Trial, resident: frozenset, mg: MemGraph,
+           sim: Simulation) -> search.Trial:
+    """`best` lowered again with `resident`: plan `mg`, simulated as `sim`."""
+    return replace(best, resident=resident, memgraph=mg, simulation=sim,
+                   spill_bytes=Traffic.of(mg).offload_bytes, live_peak=mg.live_peak())
+
+
 def _light(plan: search.Trial, tiered: Tiered) -> search.Trial:
     """`plan` as the climb weighs it: by its tiered pass, without its plan."""
-    return replace(plan, memgraph=None, simulation=replace(tiered.simulation, start=(), end=(),
-                                                           engine=()))
+    return search.without_plan(replace(plan, simulation=tiered.simulation))
 
 
 __all__ = ["climb_tiered", "weights_first_tiered"]
