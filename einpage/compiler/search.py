@@ -151,12 +151,13 @@ def search_room(trial_at: Callable[[float], Trial | None],
                 bound_at: Callable[[float], float] | None = None, start: float = ROOM_START,
                 seen: dict[float, Trial] | None = None,
                 shares: tuple[float, ...] = ROOM_SHARES) -> float:
-    """Search the room a paced resident set leaves for the pass beside its activation peak, as
-    a share of the budget on the grid `shares` (`resident.paced_resident`): little room
-    streams the fewest bytes but leaves the prefetch none to work ahead in; much room the
-    reverse. Unimodal like the resident share: start at `start` and `climb` (`bound_at`: a
-    lower bound on a share's makespan, to skip probes that cannot move the climb; `seen`: the
-    shares probed already). Returns the best share probed."""
+    """Search the room a paced resident set leaves for the pass beside its activation peak
+    (`resident.paced_at`: counting its outputs or not), as a share of the budget on the grid
+    `shares` (`resident.paced_resident`): little room streams the fewest bytes but leaves the
+    prefetch none to work ahead in; much room the reverse. Unimodal like the resident share:
+    start at `start` and `climb` (`bound_at`: a lower bound on a share's makespan, to skip
+    probes that cannot move the climb; `seen`: the shares probed already). Returns the best
+    share probed."""
     best = climb(len(shares), shares.index(start),
                  lambda i: trial_at(shares[i]),
                  {shares.index(at): t for at, t in (seen or {}).items()},
