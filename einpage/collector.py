@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 _lock = threading.Lock()
-_depth = 0           # compiles running
+_depth = 0           # pauses under way (compiles, plan files, renumberings)
 _resume = False      # whether the collector ran before the first of them
 
 

@@ -142,9 +142,11 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         planned = _halve_blocks(parts, planned, rungs)
     if not planned.fits:
         planned = _stream_blocks(parts, planned, rungs)
-        coarse = search.without_plan(planned.trials.best())  # (`_prefetch_trials` lowers it)
+        coarse, won = search.without_plan(planned.trials.best()), planned.won
         planned = _refine_room(planned, options, _known_bound(rungs, parts.profile))
         _prefetch_trials(planned, _known_bound(rungs, parts.profile), coarse)
+        if planned.trials.best().resident == coarse.resident:  # a trial of it won after all
+            planned = planned._replace(won=won)
     if options.host_compute and not planned.fits:
         place(planned.trials, planned.needs, planned.won.share, options)
     tg, trials = planned.tg, planned.trials
@@ -530,8 +532,9 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     `written_back`: the coarse grid counts them to the pass's end, so a room smaller than the
     KV rows a prefill writes was out of its reach: llama-13b at 12 GB 316.7 -> 309.1 ms,
     llama3.2-3b B=4 at 3.3 GB 277.8 -> 266.5 ms), climbing from what won (from the room the
-    policy's set leaves, where that won), with the winner's look-ahead window: the coarse grid's points are 2-5% of the budget apart, and
-    where the pass turns on a few streamed blocks in flight the best room lies between them
+    policy's set leaves, where that won), with the winner's look-ahead window: the coarse
+    grid's points are 2-5% of the budget apart, and where the pass turns on a few streamed
+    blocks in flight the best room lies between them
     (llama3.1-8b prefill at 8 GB: 188.97 -> 185.87 ms; llama-7b decode B=1 at 14 GB: 0.0025,
     16.12 -> 15.67 ms). Only where the plan runs below REFINE_BELOW of the problem's bound known
     so far (`bound_s`; `best_s`: the best pass of another partition so far, on the ladder) and
@@ -556,7 +559,7 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     if winner is best or winner.resident not in probes.shares:
         return planned
     return planned._replace(won=_Won(max(0.0, probes.shares[winner.resident]
-                                         - _outputs_share(needs, options.device_bytes))))
+                                         - needs.outputs_held / options.device_bytes)))
 
 
 def _won_share(planned: _Planned, best: search.Trial, budget: int) -> float:
@@ -565,17 +568,11 @@ def _won_share(planned: _Planned, best: search.Trial, budget: int) -> float:
     own set, or every weight) the budget its set and that peak leave."""
     share = planned.won.share
     if share is not None:
-        share += _outputs_share(planned.needs, budget)
+        share += planned.needs.outputs_held / budget
     else:
         kept = sum(aligned(planned.tg.blocks[b].bytes) for b in best.resident)
         share = max(0.0, (budget - planned.needs.written_back_peak - kept) / budget)
     return min(search.FINE_ROOM_SHARES, key=lambda at: (abs(at - share), at))
-
-
-def _outputs_share(needs: PassNeeds, budget: int) -> float:
-    """The share of the budget by which a room beside the written-back peak (the fine room
-    grid's) exceeds the same room beside the activation peak (the coarse grid's)."""
-    return (needs.activation_peak - needs.written_back_peak) / budget
 
 
 def _prefetch_trials(planned: _Planned, bound_s: float, coarse: search.Trial) -> None:

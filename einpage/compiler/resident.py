@@ -37,6 +37,11 @@ class PassNeeds:
     max_task_weights: int      # the most persistent (weight, KV) bytes one task reads
 
     @property
+    def outputs_held(self) -> int:
+        """What the outputs add to the activation peak where they stay to the pass's end."""
+        return self.activation_peak - self.written_back_peak
+
+    @property
     def persistent_bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes
 
@@ -54,12 +59,14 @@ def touches(tg: TaskGraph, order: list[int]) -> tuple[dict[int, int], dict[int, 
 
 
 def produced_peak(tg: TaskGraph, order: list[int], outputs_stay: bool = True,
-                  size: Callable[[int], int] = aligned) -> int:
+                  size: Callable[[int], int] = aligned,
+                  touched: tuple[dict[int, int], dict[int, int]] | None = None) -> int:
     """The most bytes of produced blocks (activations, partial sums) live at once over the order,
     each live from the task that first touches it to the task that last does; with
     `outputs_stay=False` output blocks leave the device after their last use (written back to
-    the host) instead of staying to the end. `size` maps a block's bytes (aligned by default)."""
-    first, last = touches(tg, order)
+    the host) instead of staying to the end. `size` maps a block's bytes (aligned by default);
+    `touched`: `touches(tg, order)`, where the caller has it."""
+    first, last = touches(tg, order) if touched is None else touched
     outputs = {o.block for o in tg.outputs} if outputs_stay else set()
     delta = [0] * (len(order) + 1)
     for b, p in first.items():
@@ -78,8 +85,10 @@ def produced_peak(tg: TaskGraph, order: list[int], outputs_stay: bool = True,
 def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> PassNeeds:
     """What one pass needs; with `outputs_stay=False` output blocks leave the device after their
     last use (written back to the host) instead of staying to the end."""
-    peak = produced_peak(tg, order, outputs_stay)
-    written_back = peak if not outputs_stay else produced_peak(tg, order, outputs_stay=False)
+    touched = touches(tg, order)
+    peak = produced_peak(tg, order, outputs_stay, touched=touched)
+    written_back = (peak if not outputs_stay
+                    else produced_peak(tg, order, outputs_stay=False, touched=touched))
 
     def total(role: str) -> int:
         return sum(aligned(b.bytes) for b in tg.input_blocks if b.role == role)
@@ -108,7 +117,8 @@ def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int) -> int:
     - a persistent byte not resident streams at least once per pass: 1, unless it is on the
       device at p, either resident (0) or held there between two of its uses;
     - a persistent byte *spanning* p (read by tasks before p and after p, written by none) that
-      is not on the device at p streams twice, once for the reads on each side: 2; held at p, 1; resident, 0.
+      is not on the device at p streams twice, once for the reads on each side: 2; held at p,
+      1; resident, 0.
 
     So the copies are at least `sum(value * bytes)` over every byte, less what the bytes on the
     device at p save: at most 1 per byte of A(p) or of a non-spanning block, 2 per byte of a

@@ -29,7 +29,7 @@ from einpage.compiler.tiers import Tiered, place_tiers
 from einpage.errors import BudgetError
 from einpage.ir.memgraph import MemGraph
 from einpage.predict.cost import task_seconds
-from einpage.predict.simulator import Simulation, node_seconds, simulate
+from einpage.predict.simulator import node_seconds, simulate
 
 
 def climb_tiered(trials: search.Trials, best: search.Trial, tiered: Tiered, start: float,
@@ -54,11 +54,9 @@ def climb_tiered(trials: search.Trials, best: search.Trial, tiered: Tiered, star
             seen[resident] = None
             try:
                 mg = lower(trials.tg, trials.order, replace(opts, resident=resident))
-                sim = simulate(mg, profile, node_seconds(mg, profile, opts.task_seconds))
-                other = place_tiers(mg, sim, host_bytes, profile)
+                other, plan = _tiered(trials, opts, best, resident, mg, host_bytes)
             except BudgetError:  # too little room for the pass, or for its host needs
                 return None
-            plan = _trial(best, resident, mg, sim)
             seen[resident] = _light(plan, other)
             if other.simulation.makespan_s < chosen[0][0].simulation.makespan_s:
                 chosen[0] = (other, plan)
@@ -89,13 +87,12 @@ def weights_first_tiered(trials: search.Trials, best: search.Trial, tiered: Tier
     opts = _options_of(trials, best)
     try:
         mg, resident = search.lower_shrinking(tg, trials.order, replace(opts, resident=resident))
-        sim = simulate(mg, trials.profile, node_seconds(mg, trials.profile, opts.task_seconds))
-        other = place_tiers(mg, sim, host_bytes, trials.profile)
+        other, plan = _tiered(trials, opts, best, resident, mg, host_bytes)
     except BudgetError:  # too little room for the pass, or for its host needs
         return tiered, best
     if other.simulation.makespan_s >= tiered.simulation.makespan_s:
         return tiered, best
-    return other, _trial(best, resident, mg, sim)
+    return other, plan
 
 
 def _options_of(trials: search.Trials, best: search.Trial) -> LowerOptions:
@@ -106,11 +103,16 @@ def _options_of(trials: search.Trials, best: search.Trial) -> LowerOptions:
                    progress=None)
 
 
-def _trial(best: search.Trial, resident: frozenset, mg: MemGraph,
-           sim: Simulation) -> search.Trial:
-    """`best` lowered again with `resident`: plan `mg`, simulated as `sim`."""
-    return replace(best, resident=resident, memgraph=mg, simulation=sim,
-                   spill_bytes=Traffic.of(mg).offload_bytes, live_peak=mg.live_peak())
+def _tiered(trials: search.Trials, opts: LowerOptions, best: search.Trial, resident: frozenset,
+            mg: MemGraph, host_bytes: int) -> tuple[Tiered, search.Trial]:
+    """`mg` (`best` lowered again with `resident` and `opts`) simulated as its trials are and
+    tiered within `host_bytes` (`BudgetError` where its host needs do not fit), with its
+    trial."""
+    profile = trials.profile
+    sim = simulate(mg, profile, node_seconds(mg, profile, opts.task_seconds))
+    return place_tiers(mg, sim, host_bytes, profile), replace(
+        best, resident=resident, memgraph=mg, simulation=sim,
+        spill_bytes=Traffic.of(mg).offload_bytes, live_peak=mg.live_peak())
 
 
 def _light(plan: search.Trial, tiered: Tiered) -> search.Trial:
