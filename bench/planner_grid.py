@@ -16,8 +16,8 @@ efficiency the issue quoted where it quoted one; cases that do not fit their bud
 
 Columns: case (model, batch, tokens or KV capacity and position), phase, budget, host budget,
 efficiency, predicted pass (ms), bound (ms), what bounds it (the bound's largest term: compute,
-h2d, disk or front, the first bytes before their tasks; "a ~ b" where another term is within
-5%), streamed GB (host->device bytes per pass / the least any plan must copy), compile s (the
+h2d, disk, front (the first bytes before their tasks) or tail (the outputs after theirs);
+"a ~ b" where another term is within 5%), streamed GB (host->device bytes per pass / the least any plan must copy), compile s (the
 compiler's own figure), and the issue's figure.
 """
 from __future__ import annotations
@@ -136,7 +136,7 @@ CASES = (
 def bound_terms(bound) -> str:
     """The bound's largest term, and any other within 5% of it ("h2d ~ compute")."""
     terms = {"compute": bound.compute_s, "h2d": bound.stream_s, "disk": bound.disk_s,
-             "front": bound.front_s}
+             "front": bound.front_s, "tail": bound.tail_s}
     top = max(terms.values())
     return " ~ ".join(k for k, v in sorted(terms.items(), key=lambda kv: -kv[1])
                       if v > 0 and v >= 0.95 * top)

@@ -175,13 +175,13 @@ def test_a_halving_that_cuts_nothing_more_is_not_lowered(monkeypatch):
     """llama-7b prefill at 14 GB: its largest working sets are below half the default block,
     so the halved partition is the same partition; it is a rung of the bound, and no lowering
     (it would lower the very plan the coarser partition did)."""
-    from einpage.compiler import driver, search
+    from einpage.compiler import rungs, search
     from einpage.models import resolve
     from einpage.models.llama import prefill_graph
     cfg, _ = resolve("llama-7b", random_weights=True)
     cut, lowered = [], []
-    real_cut, real_lower = driver._Partitions.cut, search.lower
-    monkeypatch.setattr(driver._Partitions, "cut",
+    real_cut, real_lower = rungs.Partitions.cut, search.lower
+    monkeypatch.setattr(rungs.Partitions, "cut",
                         lambda self, *a, **k: cut.append(a[0]) or real_cut(self, *a, **k))
     monkeypatch.setattr(search, "lower",  # every lowering, exact or shrinking
                         lambda *a: lowered.append(len(a[0].tasks)) or real_lower(*a))

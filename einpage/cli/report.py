@@ -135,6 +135,9 @@ def _time_lines(r: PlanReport) -> list[str]:
         if b.front_s > b.steady_s:
             disk += (f"; the first bytes its tasks read, over the link before them, then the "
                      f"compute after them: {_secs(b.front_s)}")
+        if b.tail_s > max(b.steady_s, b.front_s):
+            disk += (f"; the compute to its outputs' last tasks, then their write-back over the "
+                     f"device->host link: {_secs(b.tail_s)}")
         lines.append(f"  lower bound for any plan at this budget: {_secs(b.seconds)} (the most of "
                      f"compute {_secs(b.compute_s)}; {_gb(b.stream_bytes)} that no plan can keep "
                      f"on the device, over the host->device link: {_secs(b.stream_s)}{disk}); "

@@ -21,13 +21,11 @@ from einpage.compiler.host_search import place
 from einpage.compiler.allocator import aligned
 from einpage.compiler.cuts import largest_reused_weight
 from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
-from einpage.compiler.order import memory_aware_order
-from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.policies import Policy, Residency, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
-from einpage.compiler.resident import (PassNeeds, everything_fits, front_seconds,
-                                       guarded_shares, least_disk_bytes, memory_lower_bound,
-                                       min_stream_bytes, paced_at, pass_needs,
+from einpage.compiler.rungs import Partitions, Rung, known_bound
+from einpage.compiler.resident import (PassNeeds, everything_fits, guarded_shares,
+                                       least_disk_bytes, memory_lower_bound, paced_at,
                                        persistent_blocks, streamed_bytes)
 from einpage.compiler.tier_room import climb_tiered, weights_first_tiered
 from einpage.compiler.tiers import place_tiers
@@ -37,8 +35,7 @@ from einpage.ir.graph import Graph
 from einpage.ir.memgraph import ALIGNMENT, MemGraph
 from einpage.ir.taskgraph import TaskGraph
 from einpage.ir.tensors import PERSISTENT_ROLES
-from einpage.predict.cost import task_seconds
-from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
+from einpage.predict.devices import DeviceProfile
 from einpage.predict.simulator import Simulation
 from einpage.units import format_size
 
@@ -119,7 +116,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         options = replace(options, device_bytes=int(options.device_bytes))
     t0 = time.perf_counter()
     block = options.block_bytes or max(4096, int(options.device_bytes * options.block_fraction))
-    parts = _Partitions(graph, options)
+    parts = Partitions(graph, options)
     planned = _plan(parts, block)
     rungs = list(planned.tried)  # the partitions of the ladder: the problem's bound is the least
     if (options.block_bytes is None and not planned.fits
@@ -133,7 +130,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
                 continue
             finer = _plan(parts, block, planned.won)
             rungs.extend(finer.tried)
-            finer = _refine_room(finer, options, _known_bound(rungs, parts.profile),
+            finer = _refine_room(finer, options, known_bound(rungs, parts.profile),
                                  planned.trials.best().simulation.makespan_s)
             best = planned.trials.best().simulation.makespan_s
             if finer.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
@@ -143,10 +140,11 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     if not planned.fits:
         planned = _stream_blocks(parts, planned, rungs)
         coarse, won = search.without_plan(planned.trials.best()), planned.won
-        planned = _refine_room(planned, options, _known_bound(rungs, parts.profile))
-        _prefetch_trials(planned, _known_bound(rungs, parts.profile), coarse)
+        planned = _refine_room(planned, options, known_bound(rungs, parts.profile))
+        _prefetch_trials(planned, known_bound(rungs, parts.profile), coarse)
         if planned.trials.best().resident == coarse.resident:  # a trial of it won after all
             planned = planned._replace(won=won)
+        planned = _drain_behind(parts, planned, rungs)
     if options.host_compute and not planned.fits:
         place(planned.trials, planned.needs, planned.won.share, options)
     tg, trials = planned.tg, planned.trials
@@ -154,7 +152,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     if best.on_host:  # the bound of the placement it runs (a device-only bound does not hold)
         rungs = [planned.rung._replace(
             min_stream_bytes=best.simulation.h2d_min_bytes,
-            compute_s=max(best.simulation.compute_s, best.simulation.host_s), front_s=0.0)]
+            compute_s=max(best.simulation.compute_s, best.simulation.host_s), front_s=0.0,
+            tail_s=0.0)]
     tiered = place_tiers(best.memgraph, best.simulation, options.host_bytes, trials.profile)
     disk_binds = tiered.choice.disk_bytes and (
         tiered.simulation.makespan_s > best.simulation.makespan_s * (1 + search.AUTO_TOLERANCE))
@@ -192,19 +191,6 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
 REFINE_BELOW = 0.95
 #: The room deferred writes claim in `_prefetch_trials` (`lowering.CLAIM_SHARE` elsewhere)
 PREFETCH_CLAIM = 1.0
-class _Rung(NamedTuple):
-    """One partition tried (the coarse one, the ladder's, a halving), for the problem's bound:
-    what any plan of it must copy host->device (`resident.min_stream_bytes`) and its compute
-    time (every plan of a taskgraph runs the same tasks)."""
-    block: int
-    max_working_set: int
-    min_stream_bytes: int
-    compute_s: float
-    front_s: float = 0.0  # `resident.front_seconds`: the link's first bytes before their tasks
-    weight_block: int | None = None  # its weights cut to at most this (`_stream_blocks`)
-    by_weight: bool = False          # ordered by weight block (`_plan`)
-
-
 class _Won(NamedTuple):
     """What won a partition's search: a paced resident set leaving the pass `share` of the
     budget as room beside its activation peak (the coarse grid's measure; a share the fine
@@ -218,14 +204,14 @@ class _Planned(NamedTuple):
     needs: PassNeeds
     fits: bool            # everything stays on the device: nothing streams
     trials: search.Trials
-    rung: _Rung
+    rung: Rung
     won: _Won             # which resident set won its search
-    tried: tuple[_Rung, ...] = ()  # its rung, and its other order's where that was tried
+    tried: tuple[Rung, ...] = ()  # its rung, and its other order's where that was tried
     paced: bool = True    # the policy's residency leaves room: paced sets are candidates
 
 
-def _halve_blocks(parts: _Partitions, planned: "_Planned",
-                  rungs: list[_Rung]) -> "_Planned":
+def _halve_blocks(parts: Partitions, planned: "_Planned",
+                  rungs: list[Rung]) -> "_Planned":
     """A streaming pass whose activations are too large for the ladder (a prefill): its blocks
     halved (HALVINGS times at most, while each gains makespan), the faster plan kept. Streaming
     a block needs room for it in flight beside the resident weights, and the largest blocks set
@@ -265,8 +251,8 @@ def _halve_blocks(parts: _Partitions, planned: "_Planned",
     return planned
 
 
-def _stream_blocks(parts: _Partitions, planned: "_Planned",
-                   rungs: list[_Rung]) -> "_Planned":
+def _stream_blocks(parts: Partitions, planned: "_Planned",
+                   rungs: list[Rung]) -> "_Planned":
     """Where the link binds the best plan, the same partition with its reused weights (a
     prefill's projections) cut into blocks of at most 1/WEIGHT_BLOCK_SHARE of its working sets
     (`cuts.cap_streamed_weights`), tried with what won (`coarser`, `alone`: the winner's room,
@@ -314,51 +300,10 @@ def _read_apart(tg: TaskGraph, order: list[int]) -> bool:
     return False
 
 
-class _Cut(NamedTuple):
-    """A partition of the pass, ordered, with what every plan of it shares."""
-    tg: TaskGraph
-    order: list[int]
-    needs: PassNeeds
-    seconds: tuple[float, ...]
-    rung: _Rung
-
-
-class _Partitions:
-    """The partitions of one compile, the last one kept: a rung of the bound and then the
-    search may ask for the same block size (`_halve_blocks`), and a partition of a large pass
-    takes seconds (and gigabytes: only the last is kept beside the plans that hold theirs)."""
-
-    def __init__(self, graph: Graph, options: CompileOptions):
-        self.graph, self.options = graph, options
-        self.profile = options.device or get_device(DEFAULT_DEVICE)
-        self._made: dict[tuple[int, int | None, bool], _Cut] = {}
-
-    def cut(self, block: int, weight_block: int | None = None, by_weight: bool = False) -> _Cut:
-        """The partition for `block`-byte working sets (weights in blocks of at most
-        `weight_block` bytes), ordered by weight block where `by_weight` (the same partition as
-        without it: made once)."""
-        key = (block, weight_block, by_weight)
-        if key not in self._made:
-            options = self.options
-            same = self._made.get((block, weight_block, not by_weight))
-            tg = same.tg if same is not None else partition(self.graph, PartitionOptions(
-                block, options.cuts, options.sources,
-                drop_constant_blocks=options.drop_constant_blocks,
-                weight_block_bytes=weight_block))
-            order = memory_aware_order(tg, by_weight)
-            needs = pass_needs(tg, order)
-            seconds = same.seconds if same is not None else tuple(task_seconds(self.profile, tg))
-            rung = _Rung(block, needs.max_working_set,
-                         min_stream_bytes(tg, order, options.device_bytes), sum(seconds),
-                         front_seconds(tg, order, seconds, options.device_bytes,
-                                       self.profile.h2d_bandwidth), weight_block, by_weight)
-            self._made = {key: _Cut(tg, order, needs, seconds, rung)}
-        return self._made[key]
-
-
-def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,
+def _plan(parts: Partitions, block: int, coarser: _Won | None = None,
           weight_block: int | None = None, unless_like: TaskGraph | None = None,
-          alone: bool = False, by_weight: bool = False) -> _Planned | None:
+          alone: bool = False, by_weight: bool = False, drained: bool = False
+          ) -> _Planned | None:
     """The partition for `block`-byte working sets (weights in blocks of at most `weight_block`
     bytes; ordered by weight block where `by_weight`) with its resident set searched (or, given
     what won on a `coarser` partition of the same pass, that and the policy's set tried, or that
@@ -377,7 +322,7 @@ def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,
     by weight block, against 257 ms before."""
     options, profile = parts.options, parts.profile
     policy = get_policy(options.policy)
-    tg, order, needs, seconds, rung = parts.cut(block, weight_block, by_weight)
+    tg, order, needs, seconds, rung = parts.cut(block, weight_block, by_weight, drained)
     if unless_like is not None and _same_partition(tg, unless_like):
         return None
     _check_largest_task(needs, options.device_bytes, block)
@@ -389,7 +334,7 @@ def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,
                   max(rung.compute_s, rung.min_stream_bytes / profile.h2d_bandwidth), coarser,
                   alone)
     planned = _Planned(tg, needs, fits, trials, rung, won, (rung,), residency.room > 0)
-    if by_weight or fits or not _read_apart(tg, order):
+    if by_weight or drained or fits or not _read_apart(tg, order):
         return planned
     cut = parts.cut(block, weight_block, by_weight=True)
     if cut.order == order:
@@ -397,8 +342,8 @@ def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,
     grouped = cut.rung
     planned = planned._replace(tried=(rung, grouped))
     best = trials.best().simulation.makespan_s
-    if max(grouped.compute_s, grouped.front_s, grouped.min_stream_bytes / profile.h2d_bandwidth
-           ) >= best * (1 - search.AUTO_TOLERANCE):
+    if max(grouped.compute_s, grouped.front_s, grouped.tail_s,
+           grouped.min_stream_bytes / profile.h2d_bandwidth) >= best * (1 - search.AUTO_TOLERANCE):
         return planned  # no plan in that order could win
     try:
         other = _plan(parts, block, won, weight_block, alone=True, by_weight=True)
@@ -406,6 +351,31 @@ def _plan(parts: _Partitions, block: int, coarser: _Won | None = None,
         return planned
     if other.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
         return other._replace(tried=planned.tried)
+    return planned
+
+
+def _drain_behind(parts: Partitions, planned: _Planned, rungs: list[Rung]) -> _Planned:
+    """Where the plan's order ends in a write-back that bounds its pass (its rung's tail term
+    above its other terms by AUTO_TOLERANCE), the same partition with its rows drained behind
+    compute (`drain.drained_order`) planned from what won, and the faster plan kept; that order
+    is a rung of the problem's bound either way. llama3.2-1b prefill at B=16 and 2.6 GB:
+    703 ms in the stage order, 7.5 GB of logits drained at its end; 614 ms drained."""
+    rung, profile = planned.rung, parts.profile
+    steady = max(rung.compute_s, rung.front_s, rung.min_stream_bytes / profile.h2d_bandwidth)
+    if rung.tail_s <= steady * (1 + search.AUTO_TOLERANCE):
+        return planned
+    cut = parts.cut(rung.block, rung.weight_block, rung.by_weight, drained=True)
+    if cut is None:
+        return planned
+    rungs.append(cut.rung)
+    try:
+        other = _plan(parts, rung.block, None, rung.weight_block,
+                      by_weight=rung.by_weight, drained=True)
+    except BudgetError:  # no set fits beside that order's pass
+        return planned
+    best = planned.trials.best().simulation.makespan_s
+    if other.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
+        return other
     return planned
 
 
@@ -517,12 +487,6 @@ class _Probes:
                    / self.trials.profile.h2d_bandwidth)
 
 
-def _known_bound(rungs: list[_Rung], profile: DeviceProfile) -> float:
-    """The problem's bound over the rungs so far (device terms: compute, stream, front)."""
-    return max(min(r.compute_s for r in rungs), min(r.front_s for r in rungs),
-               min(r.min_stream_bytes for r in rungs) / profile.h2d_bandwidth)
-
-
 def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
                  best_s: float = math.inf) -> _Planned:
     """The winning partition's room (and each decode ladder rung's, before the ladder weighs
@@ -547,7 +511,8 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     best = trials.best()
     if not planned.paced:  # a policy that keeps nothing resident (lru) is compared as it is
         return planned
-    own = max(rung.compute_s, rung.front_s, rung.min_stream_bytes / trials.profile.h2d_bandwidth)
+    own = max(rung.compute_s, rung.front_s, rung.tail_s,
+              rung.min_stream_bytes / trials.profile.h2d_bandwidth)
     makespan = best.simulation.makespan_s
     if (min(best_s, makespan) * REFINE_BELOW <= bound_s
             or makespan * search.RESIDENT_SEARCH_BELOW <= own):
@@ -648,7 +613,7 @@ def _default_lookahead(trials: search.Trials, best: search.Trial,
     return reference.makespan_s if reference is not None else None
 
 
-def _figures(planned: _Planned, best: search.Trial, rungs: list[_Rung],
+def _figures(planned: _Planned, best: search.Trial, rungs: list[Rung],
              default_makespan: float | None, options: CompileOptions,
              elapsed: float) -> CompileFigures:
     tg, needs, trials = planned.tg, planned.needs, planned.trials
@@ -674,7 +639,7 @@ def _figures(planned: _Planned, best: search.Trial, rungs: list[_Rung],
         kv_streamed_bytes=needs.kv_bytes - kept_kv,
         min_stream_bytes=min(r.min_stream_bytes for r in rungs),
         min_compute_s=min(r.compute_s for r in rungs),
-        min_front_s=min(r.front_s for r in rungs),
+        min_front_s=min(r.front_s for r in rungs), min_tail_s=min(r.tail_s for r in rungs),
         activation_peak_bytes=needs.activation_peak, compile_seconds=round(elapsed, 3),
         tasks_per_second=round(len(tg.tasks) / elapsed, 1) if elapsed > 0 else None,
         lookahead=lookahead(best.window), lookahead_makespan_s=best.simulation.makespan_s,

@@ -95,6 +95,9 @@ class CompileFigures:
     #: no plan is faster than its first persistent bytes over the link and the compute after
     #: them (`resident.front_seconds`; the least over the partitions tried)
     min_front_s: float = 0.0
+    #: no plan is faster than its outputs' write-back after the tasks that finish them
+    #: (`drain.tail_seconds`; the least over the partitions and orders tried)
+    min_tail_s: float = 0.0
 
     @property
     def min_budget_bytes(self) -> int:
@@ -109,7 +112,8 @@ class ProblemBound:
     the link's bandwidth; and of those, the bytes that a host budget of `host_bytes` cannot hold
     (they must be read from disk) over the disk's bandwidth; the persistent bytes its tasks
     read first, over the link before those tasks, and the compute from them to the end
-    (`front_s`, `resident.front_seconds`); whichever is most. Each plan also
+    (`front_s`, `resident.front_seconds`); the outputs' write-back after the tasks that finish
+    them (`tail_s`, `drain.tail_seconds`); whichever is most. Each plan also
     has its own bound (`PlanReport.plan_bound_s`, from the bytes it chose to stream); only this
     one compares plans with each other."""
     compute_s: float
@@ -118,23 +122,25 @@ class ProblemBound:
     disk_bytes: int = 0
     disk_s: float = 0.0
     front_s: float = 0.0  # the first bytes over the link, then the compute after them
+    tail_s: float = 0.0   # the compute to the outputs' last writers, then their write-back
 
     @property
     def seconds(self) -> float:
-        return max(self.steady_s, self.front_s)
+        return max(self.steady_s, self.front_s, self.tail_s)
 
     @property
     def steady_s(self) -> float:
-        """The bound without its front term, for passes of other programs than the one compiled
-        (a pipeline's or tensor-parallel group's rank programs, their nodes relisted after the
-        compile) or run back to back by a runtime that may overlap them: `front_s` assumes the
-        tasks in the compiled order and a pass that starts with nothing copied."""
+        """The bound without its front and tail terms, for passes of other programs than the one
+        compiled (a pipeline's or tensor-parallel group's rank programs, their nodes relisted
+        after the compile) or run back to back by a runtime that may overlap them: `front_s`
+        and `tail_s` assume the tasks in the compiled order, a pass that starts with nothing
+        copied and ends with its outputs written back."""
         return max(self.compute_s, self.stream_s, self.disk_s)
 
     @staticmethod
     def of(compute_s: float, stream_bytes: int, profile,
            host_bytes: int | None = None, least_disk: int = 0,
-           front_s: float = 0.0) -> "ProblemBound":
+           front_s: float = 0.0, tail_s: float = 0.0) -> "ProblemBound":
         """`least_disk`: the bytes no plan can hold on the device and the host together (their
         outputs counted, `resident.least_disk_bytes`), which the disk supplies whatever the
         link does."""
@@ -142,7 +148,7 @@ class ProblemBound:
                 else 0)
         disk_bw = getattr(profile, "disk_bandwidth", None)
         return ProblemBound(compute_s, stream_bytes, stream_bytes / profile.h2d_bandwidth,
-                            disk, disk / disk_bw if disk and disk_bw else 0.0, front_s)
+                            disk, disk / disk_bw if disk and disk_bw else 0.0, front_s, tail_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,8 +216,9 @@ class PlanReport:
         # the front term is in seconds of the compile's device: a saved plan priced on another
         # (`einpage inspect --device`) keeps the terms it can price again
         front = compiled.min_front_s if compiled else 0.0
+        tail = compiled.min_tail_s if compiled else 0.0
         bound = (ProblemBound.of(compute, stream, profile, mg.meta.get("host_bytes"),
-                                 disk if isinstance(disk, int) else 0, front)
+                                 disk if isinstance(disk, int) else 0, front, tail)
                  if isinstance(stream, int) and profile is not None else None)
         return PlanReport(mg.device_bytes, len(mg.nodes), len(mg.tensors),
                           valid.peak_bytes if valid else mg.high_water(),
@@ -238,10 +245,10 @@ class PlanReport:
     @property
     def plan_bound_s(self) -> float:
         """The plan's own bound (`simulation.lower_bound_s`: its compute, each byte it streams
-        moved once), or the problem's front term where that is more: it holds for this plan
-        too, and the plan's bound is never below the problem's."""
-        front = self.bound.front_s if self.bound is not None else 0.0
-        return max(self.simulation.lower_bound_s, front)
+        moved once), or the problem's front or tail term where that is more: they hold for
+        this plan too, and the plan's bound is never below the problem's."""
+        b = self.bound
+        return max(self.simulation.lower_bound_s, b.front_s if b else 0.0, b.tail_s if b else 0.0)
 
     @property
     def plan_efficiency(self) -> float:
@@ -290,7 +297,8 @@ class PlanReport:
                    lower_bound_compute_s=b.compute_s if b else None,
                    lower_bound_stream_s=b.stream_s if b else None,
                    lower_bound_disk_s=b.disk_s if b else None,
-                   lower_bound_front_s=b.front_s if b else None)
+                   lower_bound_front_s=b.front_s if b else None,
+                   lower_bound_tail_s=b.tail_s if b else None)
         # the disk tier (compiler.tiers): bytes read from disk per pass and the host budget
         out.update(disk_s=sim.disk_s, disk_read_bytes=sim.disk_bytes,
                    disk_min_bytes=sim.disk_min_bytes,

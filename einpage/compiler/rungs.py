@@ -1,0 +1,95 @@
+"""The partitions of one compile and the rungs of the problem's bound they give.
+
+Each partition the compiler tries (the coarse one, the ladder's, a halving, one ordered by
+weight block or with its rows drained) is a *rung*: what any plan of it must copy
+host->device, its compute, and the terms of its order (the first bytes before their tasks, the
+outputs after theirs). The problem's bound is taken over the rungs (`known_bound`): no plan of
+any partition tried beats it."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from einpage.compiler.drain import drained_order, tail_seconds
+from einpage.compiler.order import memory_aware_order
+from einpage.compiler.partitioner import PartitionOptions, partition
+from einpage.compiler.resident import PassNeeds, front_seconds, min_stream_bytes, pass_needs
+from einpage.ir.graph import Graph
+from einpage.ir.taskgraph import TaskGraph
+from einpage.predict.cost import task_seconds
+from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
+
+if TYPE_CHECKING:
+    from einpage.compiler.driver import CompileOptions
+
+
+class Rung(NamedTuple):
+    """One partition tried (the coarse one, the ladder's, a halving) in one order, for the
+    problem's bound: what any plan of it must copy host->device (`resident.min_stream_bytes`),
+    its compute time (every plan of a taskgraph runs the same tasks), and its order's front and
+    tail terms."""
+    block: int
+    max_working_set: int
+    min_stream_bytes: int
+    compute_s: float
+    front_s: float = 0.0  # `resident.front_seconds`: the link's first bytes before their tasks
+    weight_block: int | None = None  # its weights cut to at most this (`driver._stream_blocks`)
+    by_weight: bool = False          # ordered by weight block (`driver._plan`)
+    tail_s: float = 0.0  # `drain.tail_seconds`: the outputs' write-back after their tasks
+    drained: bool = False            # its rows drained behind compute (`driver._drain_behind`)
+
+
+class Cut(NamedTuple):
+    """A partition of the pass, ordered, with what every plan of it shares."""
+    tg: TaskGraph
+    order: list[int]
+    needs: PassNeeds
+    seconds: tuple[float, ...]
+    rung: Rung
+
+
+class Partitions:
+    """The partitions of one compile, the last one kept: a rung of the bound and then the
+    search may ask for the same block size (`driver._halve_blocks`), and a partition of a large pass
+    takes seconds (and gigabytes: only the last is kept beside the plans that hold theirs)."""
+
+    def __init__(self, graph: Graph, options: CompileOptions):
+        self.graph, self.options = graph, options
+        self.profile = options.device or get_device(DEFAULT_DEVICE)
+        self._made: dict[tuple[int, int | None, bool, bool], Cut] = {}
+
+    def cut(self, block: int, weight_block: int | None = None, by_weight: bool = False,
+            drained: bool = False) -> Cut | None:
+        """The partition for `block`-byte working sets (weights in blocks of at most
+        `weight_block` bytes), ordered by weight block where `by_weight` (the same partition as
+        without it: made once), its rows drained behind compute where `drained` (None where
+        they cannot be: `drain.drained_order`)."""
+        key = (block, weight_block, by_weight, drained)
+        if key not in self._made:
+            options, profile = self.options, self.profile
+            same = next((c for k, c in self._made.items() if k[:2] == key[:2]), None)
+            tg = same.tg if same is not None else partition(self.graph, PartitionOptions(
+                block, options.cuts, options.sources,
+                drop_constant_blocks=options.drop_constant_blocks,
+                weight_block_bytes=weight_block))
+            seconds = same.seconds if same is not None else tuple(task_seconds(profile, tg))
+            order = memory_aware_order(tg, by_weight)
+            if drained:
+                order = drained_order(tg, order, seconds, profile.d2h_bandwidth)
+                if order is None:
+                    return None
+            needs = pass_needs(tg, order)
+            rung = Rung(block, needs.max_working_set,
+                        min_stream_bytes(tg, order, options.device_bytes), sum(seconds),
+                        front_seconds(tg, order, seconds, options.device_bytes,
+                                      profile.h2d_bandwidth), weight_block, by_weight,
+                        tail_seconds(tg, order, seconds, options.device_bytes,
+                                     profile.d2h_bandwidth), drained)
+            self._made = {key: Cut(tg, order, needs, seconds, rung)}
+        return self._made[key]
+
+
+def known_bound(rungs: list[Rung], profile: DeviceProfile) -> float:
+    """The problem's bound over the rungs so far (device terms: compute, stream, front, tail)."""
+    return max(min(r.compute_s for r in rungs), min(r.front_s for r in rungs),
+               min(r.tail_s for r in rungs),
+               min(r.min_stream_bytes for r in rungs) / profile.h2d_bandwidth)
