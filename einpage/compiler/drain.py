@@ -18,6 +18,7 @@ second group's own outputs are left to drain at the end. Each group streams the 
 not keep resident once more (the compiler keeps the order only where its plan is faster)."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from einpage.ir.taskgraph import TaskGraph
@@ -30,21 +31,26 @@ DRAIN_COVER = 0.8
 
 
 def tail_seconds(tg: TaskGraph, order: Sequence[int], seconds: Sequence[float],
-                 device_bytes: int, bandwidth: float) -> float:
+                 device_bytes: int, bandwidth: float,
+                 waits: Sequence[float] | None = None) -> float:
     """The least time any plan of this taskgraph and order takes per pass, from its outputs'
     write-back: the pass's results that are not persistent (the logits, the KV rows a prefill
     returns) end on the host, or on the device where the pass ends with them there.
 
-    The tasks run in `order`, one at a time, task t for at least `seconds[t]`, so the task at
-    position k finishes no earlier than F(k), the seconds of the tasks up to and including it.
-    An output is final when its last writer finishes; a copy of it taken earlier is not its
-    value. Let O(k) be the bytes of the outputs whose last writer is at position k or later:
-    each is final at F(k) or later, and then either crosses the device->host link, one byte at
-    a time at `bandwidth`, or stays on the device to the end, where at most `device_bytes` fit.
-    So at least O(k) - device_bytes bytes cross after F(k), and
+    The tasks run in `order`, one at a time, task t for at least `seconds[t]`, the task at
+    position t starting no earlier than `waits[t]` (`resident.front_waits`: the persistent
+    bytes first read up to it that no resident set can hold, over the link; 0 without them).
+    So the task at position u finishes no earlier than F(u), the most over t <= u of waits[t]
+    plus the seconds of the tasks from t to u. An output is final when its last writer
+    finishes; a copy of it taken earlier is not its value. Let O(u) be the bytes of the outputs
+    whose last writer is at position u or later: each is final at F(u) or later, and then
+    either crosses the device->host link, one byte at a time at `bandwidth`, or stays on the
+    device to the end, where at most `device_bytes` fit. So at least O(u) - device_bytes bytes
+    cross after F(u), and
 
-        pass >= max over k of  F(k) + max(0, O(k) - device_bytes) / bandwidth
+        pass >= max over u of  F(u) + max(0, O(u) - device_bytes) / bandwidth
 
+    With u the last position this is the front term (`resident.front_seconds`), never less.
     Tasks placed on the host write there and are not counted: this holds for a device-only
     plan."""
     outputs = {o.block for o in tg.outputs if tg.blocks[o.block].role not in PERSISTENT_ROLES}
@@ -52,15 +58,17 @@ def tail_seconds(tg: TaskGraph, order: Sequence[int], seconds: Sequence[float],
     for k, t in enumerate(order):
         if tg.tasks[t].write in outputs:
             last[tg.tasks[t].write] = k
-    after = [0] * (len(order) + 1)  # O(k): bytes of outputs whose last write is at >= k
+    after = [0] * (len(order) + 1)  # O(u): bytes of outputs whose last write is at >= u
     for b, k in last.items():
         after[k] += tg.blocks[b].bytes
     for k in range(len(order) - 1, -1, -1):
         after[k] += after[k + 1]
-    bound = finished = 0.0
+    bound = done = 0.0
+    start = -math.inf  # the most over t <= u of waits[t] less the seconds before t
     for k, t in enumerate(order):
-        finished += seconds[t]
-        bound = max(bound, finished + max(0, after[k] - device_bytes) / bandwidth)
+        start = max(start, (waits[k] if waits is not None else 0.0) - done)
+        done += seconds[t]
+        bound = max(bound, start + done + max(0, after[k] - device_bytes) / bandwidth)
     return bound
 
 

@@ -23,6 +23,7 @@ from einpage.compiler.cuts import largest_reused_weight
 from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
 from einpage.compiler.policies import Policy, Residency, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
+from einpage.compiler.drain import tail_seconds
 from einpage.compiler.rungs import Partitions, Rung, known_bound
 from einpage.compiler.resident import (PassNeeds, everything_fits, guarded_shares,
                                        least_disk_bytes, memory_lower_bound, paced_at,
@@ -91,6 +92,13 @@ MIN_BLOCK = 1 << 20
 #: A streaming pass that the link binds also tries its weights cut into blocks of at most
 #: 1/WEIGHT_BLOCK_SHARE of its partition's working sets (`_stream_blocks`)
 WEIGHT_BLOCK_SHARE = 16
+#: ... and one that compute binds, where its compute waits on the link for more than
+#: STALL_GATE of its pass (each large block copied whole just before its readers: qwen2.5-7b
+#: B=16 at 1.9 GB waits 2 ms on each 136 MB feed-forward matrix, 110 ms in all), to
+#: 1/STALLED_BLOCK_SHARE (1/16 costs its compute more launches than the waits: 1.95 s against
+#: 1.83 s at 1/4 and 1.91 s uncapped)
+STALL_GATE = 0.03
+STALLED_BLOCK_SHARE = 4
 
 
 def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
@@ -261,16 +269,18 @@ def _stream_blocks(parts: Partitions, planned: "_Planned",
     read, beside the resident weights and the activations: the smaller the blocks, the more
     weights stay resident and the fewer bytes stream. llama3.1-8b prefill at 8 GB reads its
     117 MB feed-forward matrices whole at 500 MB working sets and streams 9.33 GB (0.193 s); cut
-    to 31 MB blocks it streams 9.28 GB (0.189 s; 0.185 s with the full search). Not where
-    compute binds: the smaller tasks only cost more there (llama3.2-1b prefill at 310 MB with
-    every partition capped: 0.098 -> 0.145 s). The capped partition is a rung of the problem's
-    bound beside the uncapped one, so the bound never rises by it."""
+    to 31 MB blocks it streams 9.28 GB (0.189 s; 0.185 s with the full search). Where compute
+    binds, smaller tasks only cost more (llama3.2-1b prefill at 310 MB with every partition
+    capped: 0.098 -> 0.145 s), unless the compute waits on the link (STALL_GATE): then the cap
+    is 1/STALLED_BLOCK_SHARE. The capped partition is a rung of the problem's bound beside the
+    uncapped one, so the bound never rises by it."""
     sim = planned.trials.best().simulation
     block = planned.rung.block
-    if (not sim.h2d_s > sim.compute_s
-            or largest_reused_weight(parts.graph) <= block // WEIGHT_BLOCK_SHARE):
+    share = (WEIGHT_BLOCK_SHARE if sim.h2d_s > sim.compute_s else
+             STALLED_BLOCK_SHARE if sim.stall_h2d_s > STALL_GATE * sim.makespan_s else None)
+    if share is None or largest_reused_weight(parts.graph) <= block // share:
         return planned  # (a decode step reuses no weight enough: no partition to build)
-    capped = _plan(parts, block, planned.won, weight_block=block // WEIGHT_BLOCK_SHARE,
+    capped = _plan(parts, block, planned.won, weight_block=block // share,
                    unless_like=planned.tg, alone=True)
     if capped is None:  # its weights were cut below the cap already: the same partition
         return planned
@@ -305,10 +315,10 @@ def _plan(parts: Partitions, block: int, coarser: _Won | None = None,
           alone: bool = False, by_weight: bool = False, drained: bool = False
           ) -> _Planned | None:
     """The partition for `block`-byte working sets (weights in blocks of at most `weight_block`
-    bytes; ordered by weight block where `by_weight`) with its resident set searched (or, given
-    what won on a `coarser` partition of the same pass, that and the policy's set tried, or that
-    `alone`). None where the partition is `unless_like` (the same cuts: nothing to search
-    again).
+    bytes; ordered by weight block where `by_weight`, its rows drained behind compute where
+    `drained`) with its resident set searched (or, given what won on a `coarser` partition of
+    the same pass, that and the policy's set tried, or that `alone`). None where the partition
+    is `unless_like` (the same cuts: nothing to search again) or its rows cannot be drained.
 
     Where a weight block's readers run apart in its order (a prefill whose sequence is cut:
     each row block goes through a layer before the next, so each projection block is held, or
@@ -322,7 +332,10 @@ def _plan(parts: Partitions, block: int, coarser: _Won | None = None,
     by weight block, against 257 ms before."""
     options, profile = parts.options, parts.profile
     policy = get_policy(options.policy)
-    tg, order, needs, seconds, rung = parts.cut(block, weight_block, by_weight, drained)
+    cut = parts.cut(block, weight_block, by_weight, drained)
+    if cut is None:  # no drained order
+        return None
+    tg, order, needs, seconds, rung = cut
     if unless_like is not None and _same_partition(tg, unless_like):
         return None
     _check_largest_task(needs, options.device_bytes, block)
@@ -355,25 +368,26 @@ def _plan(parts: Partitions, block: int, coarser: _Won | None = None,
 
 
 def _drain_behind(parts: Partitions, planned: _Planned, rungs: list[Rung]) -> _Planned:
-    """Where the plan's order ends in a write-back that bounds its pass (its rung's tail term
-    above its other terms by AUTO_TOLERANCE), the same partition with its rows drained behind
-    compute (`drain.drained_order`) planned from what won, and the faster plan kept; that order
-    is a rung of the problem's bound either way. llama3.2-1b prefill at B=16 and 2.6 GB:
-    703 ms in the stage order, 7.5 GB of logits drained at its end; 614 ms drained."""
-    rung, profile = planned.rung, parts.profile
+    """Where the plan's order ends in a write-back that bounds its pass (`drain.tail_seconds`
+    of it above its rung's other terms by AUTO_TOLERANCE), the same partition with its rows
+    drained behind compute (`drain.drained_order`) searched, and the faster plan kept.
+    llama3.2-1b prefill at B=16 and 2.6 GB: 703 ms in the stage order, 7.5 GB of logits
+    drained at its end; 614 ms drained."""
+    rung, trials, profile = planned.rung, planned.trials, parts.profile
     steady = max(rung.compute_s, rung.front_s, rung.min_stream_bytes / profile.h2d_bandwidth)
-    if rung.tail_s <= steady * (1 + search.AUTO_TOLERANCE):
+    tail = tail_seconds(planned.tg, trials.order, trials.base.task_seconds,
+                        parts.options.device_bytes, profile.d2h_bandwidth)
+    if rung.drained or tail <= steady * (1 + search.AUTO_TOLERANCE):
         return planned
-    cut = parts.cut(rung.block, rung.weight_block, rung.by_weight, drained=True)
-    if cut is None:
-        return planned
-    rungs.append(cut.rung)
     try:
-        other = _plan(parts, rung.block, None, rung.weight_block,
-                      by_weight=rung.by_weight, drained=True)
+        other = _plan(parts, rung.block, None, rung.weight_block, by_weight=rung.by_weight,
+                      drained=True)
     except BudgetError:  # no set fits beside that order's pass
         return planned
-    best = planned.trials.best().simulation.makespan_s
+    if other is None:  # the rows meet, or nothing drains
+        return planned
+    rungs.extend(other.tried)
+    best = trials.best().simulation.makespan_s
     if other.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
         return other
     return planned

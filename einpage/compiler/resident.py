@@ -227,6 +227,18 @@ def front_seconds(tg: TaskGraph, order: list[int], seconds: Sequence[float],
     Guarded blocks (an expert copied only when chosen) and blocks some task writes (the KV
     rows a pass appends) are left out of W: the bound only falls by it. Where X covers every
     such block it is the compute time, no more."""
+    waits = front_waits(tg, order, device_bytes, bandwidth)
+    bound = after = 0.0
+    for k in range(len(order) - 1, -1, -1):
+        after += seconds[order[k]]
+        bound = max(bound, waits[k] + after)
+    return bound
+
+
+def front_waits(tg: TaskGraph, order: list[int], device_bytes: int,
+                bandwidth: float) -> list[float]:
+    """Position by position of `order`, the earliest any plan can start its task:
+    `max(0, W(t) - X) / bandwidth` (`front_seconds`)."""
     guarded = reload_guards(tg)
     counted = {b.id for b in tg.input_blocks if b.role in PERSISTENT_ROLES
                and not tg.writers[b.id] and b.id not in guarded}
@@ -247,11 +259,7 @@ def front_seconds(tg: TaskGraph, order: list[int], seconds: Sequence[float],
         first[k] = read
         most_produced = max(most_produced, produced)
     room = max(0, min(persistent, device_bytes - most_produced))
-    bound = after = 0.0
-    for k in range(len(order) - 1, -1, -1):
-        after += seconds[order[k]]
-        bound = max(bound, max(0, first[k] - room) / bandwidth + after)
-    return bound
+    return [max(0, w - room) / bandwidth for w in first]
 
 
 def streamed_bytes(tg: TaskGraph, resident: frozenset[int] = frozenset(),

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from einpage.compiler.drain import drained_order, tail_seconds
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
-from einpage.compiler.resident import PassNeeds, front_seconds, min_stream_bytes, pass_needs
+from einpage.compiler.resident import (PassNeeds, front_seconds, front_waits, min_stream_bytes,
+                                       pass_needs)
 from einpage.ir.graph import Graph
 from einpage.ir.taskgraph import TaskGraph
 from einpage.predict.cost import task_seconds
@@ -34,7 +35,9 @@ class Rung(NamedTuple):
     front_s: float = 0.0  # `resident.front_seconds`: the link's first bytes before their tasks
     weight_block: int | None = None  # its weights cut to at most this (`driver._stream_blocks`)
     by_weight: bool = False          # ordered by weight block (`driver._plan`)
-    tail_s: float = 0.0  # `drain.tail_seconds`: the outputs' write-back after their tasks
+    #: `drain.tail_seconds`: the outputs' write-back after their tasks, the least of its order
+    #: and that order with its rows drained (`drain.drained_order`), planned or not
+    tail_s: float = 0.0
     drained: bool = False            # its rows drained behind compute (`driver._drain_behind`)
 
 
@@ -62,7 +65,8 @@ class Partitions:
         """The partition for `block`-byte working sets (weights in blocks of at most
         `weight_block` bytes), ordered by weight block where `by_weight` (the same partition as
         without it: made once), its rows drained behind compute where `drained` (None where
-        they cannot be: `drain.drained_order`)."""
+        they cannot be: `drain.drained_order`). Its rung's tail term is the least of both
+        orders: a bound is not raised by an order the search did not plan."""
         key = (block, weight_block, by_weight, drained)
         if key not in self._made:
             options, profile = self.options, self.profile
@@ -73,17 +77,20 @@ class Partitions:
                 weight_block_bytes=weight_block))
             seconds = same.seconds if same is not None else tuple(task_seconds(profile, tg))
             order = memory_aware_order(tg, by_weight)
-            if drained:
-                order = drained_order(tg, order, seconds, profile.d2h_bandwidth)
-                if order is None:
-                    return None
+            rows = drained_order(tg, order, seconds, profile.d2h_bandwidth)
+            if drained and rows is None:
+                return None
+            order = rows if drained else order
+            tail = min(tail_seconds(tg, o, seconds, options.device_bytes, profile.d2h_bandwidth,
+                                    front_waits(tg, o, options.device_bytes,
+                                                profile.h2d_bandwidth))
+                       for o in (order, rows) if o is not None)
             needs = pass_needs(tg, order)
             rung = Rung(block, needs.max_working_set,
                         min_stream_bytes(tg, order, options.device_bytes), sum(seconds),
                         front_seconds(tg, order, seconds, options.device_bytes,
-                                      profile.h2d_bandwidth), weight_block, by_weight,
-                        tail_seconds(tg, order, seconds, options.device_bytes,
-                                     profile.d2h_bandwidth), drained)
+                                      profile.h2d_bandwidth), weight_block, by_weight, tail,
+                        drained)
             self._made = {key: Cut(tg, order, needs, seconds, rung)}
         return self._made[key]
 
