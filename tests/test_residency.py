@@ -9,7 +9,7 @@ from einpage.compiler import CompileOptions, compile_graph
 from einpage.compiler.allocator import aligned
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
-from einpage.compiler.resident import paced_resident, weights_first
+from einpage.compiler.resident import SMALL_BLOCK_SHARE, paced_resident, weights_first
 from einpage.ir import GraphBuilder
 from einpage.ir.validator import validate
 from einpage.predict.cost import task_seconds
@@ -68,6 +68,31 @@ def test_paced_resident_keeps_blocks_too_large_to_prefetch():
     size = aligned(tg.blocks[weights[0]].bytes)
     assert paced_resident(tg, order, 4 * size, seconds, largest=size - 1) == frozenset(
         weights[:4])  # none may stream by pace: the budget alone sends the last ones
+
+
+def test_paced_resident_keeps_blocks_whose_copy_is_mostly_latency():
+    """In a pass that reads a KV store (a decode step), a layer's norm-like weight (a row, far
+    below 1/SMALL_BLOCK_SHARE of the matrices) stays resident in every paced set that keeps
+    its bytes' worth of anything: each copy of it would cost the link its latency for a few
+    bytes; the matrices and KV blocks stream instead."""
+    g = GraphBuilder()
+    x = g.input("x", (64, 512))
+    for layer in range(8):
+        x = g.einsum("ab,b->ab", x, g.input(f"norm{layer}", (512,), role="weight"))
+        x = g.einsum("ab,bc->ac", x, g.input(f"w{layer}", (512, 512), role="weight"))
+        x = g.einsum("ab,cb->ac", x, g.input(f"kv{layer}", (512, 512), role="cache"))
+    g.output("y", x)
+    tg = partition(g.build(), PartitionOptions(1 << 23))
+    order = memory_aware_order(tg)
+    seconds = tuple(task_seconds(get_device("h100-pcie"), tg))
+    norms = {b.id for b in tg.input_blocks if b.name.startswith("norm")}
+    size = aligned(tg.blocks[next(b.id for b in tg.input_blocks
+                                  if b.name.startswith("w"))].bytes)
+    assert size // SMALL_BLOCK_SHARE > max(tg.blocks[b].bytes for b in norms)
+    for keep in (1, 3, 5):
+        chosen = paced_resident(tg, order, keep * size + _bytes(tg, norms), seconds,
+                                largest=size)
+        assert norms <= chosen and len(chosen - norms) == keep
 
 
 def test_weights_first_keeps_weights_before_the_kv_store():
