@@ -17,8 +17,8 @@ efficiency the issue quoted where it quoted one; cases that do not fit their bud
 Columns: case (model, batch, tokens or KV capacity and position), phase, budget, host budget,
 efficiency, predicted pass (ms), bound (ms), what bounds it (the bound's largest term: compute,
 h2d, disk, front (the first bytes before their tasks) or tail (the outputs after theirs);
-"a ~ b" where another term is within 5%), streamed GB (host->device bytes per pass / the least any plan must copy), compile s (the
-compiler's own figure), and the issue's figure.
+"a ~ b" where another term is within 5%), streamed GB (host->device bytes per pass / the least
+any plan must copy), compile s (the compiler's own figure), and the issue's figure.
 """
 from __future__ import annotations
 

@@ -172,3 +172,28 @@ def test_no_plan_beats_the_front_and_tail_together():
                 lowered += 1
                 assert simulate(mg, profile).makespan_s >= both * (1 - 1e-9), (budget, kept)
     assert lowered >= 20 and raised
+
+
+def test_no_drained_order_where_a_task_outside_the_stages_reads_the_last_one():
+    """Stages are the model's hint: a task built outside every stage (stage 0) that reads the
+    last stage's outputs would run before them once the last stage is moved; no drained order
+    is offered there (and the compile plans the stage order)."""
+    g = GraphBuilder()
+    x = g.input("x", (8, 4, 8))
+    with g.stage(1):
+        x = g.einsum("bsm,nm->bsn", x, g.input("w", (8, 8), role="weight"))
+    with g.stage(2):
+        logits = g.einsum("bsm,vm->bsv", x, g.input("table", (4096, 8), role="weight"))
+    g.output("y", g.einsum("bsv,bsv->bsv", logits, logits))
+    graph = g.build()
+    einsums = [n.id for n in graph.nodes if type(n.op).__name__ == "Einsum"]
+    tg = partition(graph, PartitionOptions(1 << 24, cuts={i: {"b": 8} for i in einsums}))
+    profile = get_device("h100-pcie")
+    order = memory_aware_order(tg)
+    assert len({c for c in row_components(tg) if c is not None}) == 8
+    assert drained_order(tg, order, task_seconds(profile, tg), profile.d2h_bandwidth) is None
+    budget = max(working_set(tg, t.id) for t in tg.tasks) + sum(
+        b.bytes for b in tg.input_blocks if b.role == "weight") // 2
+    compiled = compile_graph(graph, CompileOptions(budget, block_bytes=1 << 24,
+                                                   cuts={i: {"b": 8} for i in einsums}))
+    check_order(compiled.taskgraph, list(compiled.order))

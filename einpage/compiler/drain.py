@@ -50,7 +50,8 @@ def tail_seconds(tg: TaskGraph, order: Sequence[int], seconds: Sequence[float],
 
         pass >= max over u of  F(u) + max(0, O(u) - device_bytes) / bandwidth
 
-    With u the last position this is the front term (`resident.front_seconds`), never less.
+    With `waits` and u the last position this is the front term (`resident.front_seconds`),
+    never less.
     Tasks placed on the host write there and are not counted: this holds for a device-only
     plan."""
     outputs = {o.block for o in tg.outputs if tg.blocks[o.block].role not in PERSISTENT_ROLES}
@@ -102,7 +103,8 @@ def row_components(tg: TaskGraph) -> list[int | None]:
 def drained_order(tg: TaskGraph, order: Sequence[int], seconds: Sequence[float],
                   bandwidth: float) -> list[int] | None:
     """`order` with the row components in two groups (the module's docstring); None where the
-    tasks are one component or nothing drains.
+    tasks are one component, nothing drains, or moving the last stage would run a task before
+    one it reads.
 
     The components run in the order of their first task in `order`, the second group the fewest
     last ones whose compute covers the first group's drain (its outputs' bytes over
@@ -123,7 +125,7 @@ def drained_order(tg: TaskGraph, order: Sequence[int], seconds: Sequence[float],
     for t in order:
         if comp[t] is not None:
             compute[first[comp[t]]] += seconds[t]
-    for o in tg.outputs:
+    for o in tg.outputs:  # every output a row writes (a prefill's KV rows too: a heuristic)
         blk = tg.blocks[o.block]
         writer = tg.writers[o.block]
         if blk.role not in PERSISTENT_ROLES and writer and comp[writer[-1]] is not None:
@@ -145,7 +147,17 @@ def drained_order(tg: TaskGraph, order: Sequence[int], seconds: Sequence[float],
     body = [t for t in behind if stage[t] != last_b]
     out.extend(_spread(carried, body, seconds))
     out.extend(t for t in behind if stage[t] == last_b)
-    return out
+    return out if _follows_reads(tg, out) else None
+
+
+def _follows_reads(tg: TaskGraph, order: list[int]) -> bool:
+    """Whether every task of `order` comes after the tasks it depends on: stages are the
+    model's hint, not a promise (a task built outside every stage, reading the last stage's
+    outputs, is at stage 0), so an order moved by stage is checked."""
+    at = [0] * len(tg.tasks)
+    for k, t in enumerate(order):
+        at[t] = k
+    return all(at[d] < at[t] for t in order for d in tg.deps[t])
 
 
 def _spread(carried: list[int], body: list[int], seconds: Sequence[float]) -> list[int]:

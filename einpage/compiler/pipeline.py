@@ -448,9 +448,9 @@ class RankFigures:
     min_stream_bytes: int         # what no plan of this rank's graph can avoid streaming
     sent_bytes: int               # to later ranks, per pass
     pass_s: float                 # its pass alone, every message there at its start
-    bound_s: float                # its problem's bound without the front term
+    bound_s: float                # its problem's bound without the front and tail terms
                                   # (`ProblemBound.steady_s`): M passes in a row pay the
-                                  # front once, not M times
+                                  # front and the tail once, not M times
     compute_s: float              # ... of which compute
 
     def to_json(self) -> dict:

@@ -213,8 +213,8 @@ class PlanReport:
         stream = compiled.min_stream_bytes if compiled else mg.meta.get("min_stream_bytes")
         compute = compiled.min_compute_s if compiled else simulation.compute_s
         disk = compiled.min_disk_bytes if compiled else mg.meta.get("min_disk_bytes", 0)
-        # the front term is in seconds of the compile's device: a saved plan priced on another
-        # (`einpage inspect --device`) keeps the terms it can price again
+        # the front and tail terms are in seconds of the compile's device: a saved plan priced
+        # on another (`einpage inspect --device`) keeps the terms it can price again
         front = compiled.min_front_s if compiled else 0.0
         tail = compiled.min_tail_s if compiled else 0.0
         bound = (ProblemBound.of(compute, stream, profile, mg.meta.get("host_bytes"),

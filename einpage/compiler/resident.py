@@ -368,9 +368,10 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
     in a pass that reads a KV store (a decode step) so do those below 1/SMALL_BLOCK_SHARE of
     the largest (a norm's weights: each copy costs the link its latency, more than its bytes;
     keeping it streams as many bytes more of a block that streams anyway; its pace still goes
-    to the blocks after it); if the walk streams less than S, it is walked again with a proportionally faster pace, and what
-    still exceeds `budget` streams from the end. Only blocks of `roles` are candidates, and
-    none in `exclude` (blocks kept in host memory for the tasks placed there)."""
+    to the blocks after it); if the walk streams less than S, it is walked again with a
+    proportionally faster pace, and what still exceeds `budget` streams from the end. Only
+    blocks of `roles` are candidates, and none in `exclude` (blocks kept in host memory for the
+    tasks placed there)."""
     first = first_reads(tg, order)
     clock = [0.0]
     for tid in order:
@@ -385,7 +386,7 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
         return frozenset(b.id for b in blocks)
     rate = must / total if total > 0 else float("inf")
     small = (max(sizes, default=0) // SMALL_BLOCK_SHARE
-             if any(b.role == "cache" for b in blocks) else -1)
+             if any(b.role == "cache" for b in tg.input_blocks) else -1)
     for _ in range(8):
         streamed, kept = 0, []
         for b, size, t in zip(blocks, sizes, at):
