@@ -110,9 +110,11 @@ def drained_order(tg: TaskGraph, order: Sequence[int], seconds: Sequence[float],
     last ones whose compute covers the first group's drain (its outputs' bytes over
     `bandwidth`) with DRAIN_COVER to spare. The first group's tasks (and the shared ones) run
     in `order`, but for its last stage, whose tasks are spread through the second group's tasks
-    before that group's own last stage, by compute seconds; then that stage. Every task still
-    follows what it reads: the groups share no produced block but the shared ones, which run
-    with the first group where `order` puts them."""
+    before that group's own last stage, by compute seconds; then that stage. The second group's
+    first stage (the embedding gather) runs right after the first group's, so a table both read
+    streams once (qwen2.5-7b B=16 at 1.9 GB: 1.805 -> 1.787 s). Every task still follows what
+    it reads (checked: stages are a hint): the groups share no produced block but the shared
+    ones, which run with the first group where `order` puts them."""
     comp = row_components(tg)
     first: dict[int, int] = {}
     for t in order:
@@ -143,10 +145,20 @@ def drained_order(tg: TaskGraph, order: Sequence[int], seconds: Sequence[float],
     last_b = max(stage[t] for t in behind)
     carried = [t for t in ahead if stage[t] == last_a and comp[t] is not None]
     moved = set(carried)
-    out = [t for t in ahead if t not in moved]
-    body = [t for t in behind if stage[t] != last_b]
+    first_a = min(stage[t] for t in ahead if comp[t] is not None)
+    early = [t for t in behind if stage[t] == first_a < last_b]  # (the embedding gather: its
+    out = []                                                     # table streamed once)
+    for k, t in enumerate(ahead):
+        if t not in moved:
+            out.append(t)
+        if early and stage[t] == first_a and (k + 1 == len(ahead)
+                                               or stage[ahead[k + 1]] != first_a):
+            out.extend(early)
+            early = []
+    taken = set(out)
+    body = [t for t in behind if stage[t] != last_b and t not in taken]
     out.extend(_spread(carried, body, seconds))
-    out.extend(t for t in behind if stage[t] == last_b)
+    out.extend(t for t in behind if stage[t] == last_b and t not in taken)
     return out if _follows_reads(tg, out) else None
 
 
