@@ -197,3 +197,21 @@ def test_no_drained_order_where_a_task_outside_the_stages_reads_the_last_one():
     compiled = compile_graph(graph, CompileOptions(budget, block_bytes=1 << 24,
                                                    cuts={i: {"b": 8} for i in einsums}))
     check_order(compiled.taskgraph, list(compiled.order))
+
+
+def test_the_report_names_the_tail_term_where_it_binds():
+    """A compile whose bound is its outputs' write-back: the report's bound, its JSON and its
+    text carry the tail term, and the plan's own bound is never below it."""
+    from einpage.cli.report import report_lines
+    graph = _logits()
+    cuts = {n.id: {"b": 3} for n in graph.nodes if type(n.op).__name__ == "Einsum"}
+    tg = partition(graph, PartitionOptions(1 << 24, cuts=cuts))
+    budget = max(working_set(tg, t.id) for t in tg.tasks) + (1 << 16)
+    report = compile_graph(graph, CompileOptions(budget, block_bytes=1 << 24, cuts=cuts)).report
+    bound = report.bound
+    assert bound.tail_s > max(bound.steady_s, bound.front_s) and bound.seconds == bound.tail_s
+    assert report.to_json()["lower_bound_tail_s"] == bound.tail_s
+    assert report.plan_bound_s >= bound.tail_s
+    text = "\n".join(report_lines(report))
+    assert "then their write-back over the device->host link" in text
+    assert "the problem's tail term, which is more" in text

@@ -136,8 +136,9 @@ def _time_lines(r: PlanReport) -> list[str]:
             disk += (f"; the first bytes its tasks read, over the link before them, then the "
                      f"compute after them: {_secs(b.front_s)}")
         if b.tail_s > max(b.steady_s, b.front_s):
-            disk += (f"; the compute to its outputs' last tasks, then their write-back over the "
-                     f"device->host link: {_secs(b.tail_s)}")
+            disk += (f"; its first bytes over the link, the compute to its outputs' last "
+                     f"tasks, then their write-back over the device->host link: "
+                     f"{_secs(b.tail_s)}")
         lines.append(f"  lower bound for any plan at this budget: {_secs(b.seconds)} (the most of "
                      f"compute {_secs(b.compute_s)}; {_gb(b.stream_bytes)} that no plan can keep "
                      f"on the device, over the host->device link: {_secs(b.stream_s)}{disk}); "
@@ -146,7 +147,8 @@ def _time_lines(r: PlanReport) -> list[str]:
         lines.append("  lower bound for any plan at this budget: unknown (the plan file does not "
                      "record the bytes no plan can avoid; compile it again)")
     disk = getattr(sim, "disk_min_bytes", 0)
-    front = ("; here the problem's front term, which is more"
+    front = ("; here the problem's " + ("tail" if r.bound is not None and r.bound.tail_s
+                                         > r.bound.front_s else "front") + " term, which is more"
              if r.plan_bound_s > sim.lower_bound_s else "")
     lines.append(f"  this plan's own bound: {_secs(r.plan_bound_s)} (its compute, and each "
                  f"byte it streams moved once: {_gb(sim.h2d_min_bytes)} host->device"
