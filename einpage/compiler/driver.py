@@ -379,6 +379,7 @@ def _drain_behind(parts: Partitions, planned: _Planned, rungs: list[Rung]) -> _P
                         parts.options.device_bytes, profile.d2h_bandwidth)
     if rung.drained or tail <= steady * (1 + search.AUTO_TOLERANCE):
         return planned
+    parts.hold(rung, planned.tg, trials.order, planned.needs, trials.base.task_seconds)
     try:
         other = _plan(parts, rung.block, None, rung.weight_block, by_weight=rung.by_weight,
                       drained=True)

@@ -80,11 +80,12 @@ class Partitions:
             rows = drained_order(tg, order, seconds, profile.d2h_bandwidth)
             if drained and rows is None:
                 return None
-            order = rows if drained else order
+            orders = [rows] if drained else [order] if rows is None else [order, rows]
+            order = orders[0]
             tail = min(tail_seconds(tg, o, seconds, options.device_bytes, profile.d2h_bandwidth,
                                     front_waits(tg, o, options.device_bytes,
                                                 profile.h2d_bandwidth))
-                       for o in (order, rows) if o is not None)
+                       for o in orders)
             needs = pass_needs(tg, order)
             rung = Rung(block, needs.max_working_set,
                         min_stream_bytes(tg, order, options.device_bytes), sum(seconds),
@@ -93,6 +94,14 @@ class Partitions:
                         drained)
             self._made = {key: Cut(tg, order, needs, seconds, rung)}
         return self._made[key]
+
+    def hold(self, rung: Rung, tg: TaskGraph, order: list[int], needs: PassNeeds,
+             seconds: tuple[float, ...]) -> None:
+        """Keep `rung`'s partition (what a plan of it carries: its taskgraph, order, needs and
+        task seconds) as the one made, so that `cut` asks no partition again for it in another
+        order (`driver._drain_behind`, after a capped partition was tried and lost)."""
+        key = (rung.block, rung.weight_block, rung.by_weight, rung.drained)
+        self._made = {key: Cut(tg, order, needs, seconds, rung)}
 
 
 def known_bound(rungs: list[Rung], profile: DeviceProfile) -> float:
