@@ -20,10 +20,10 @@ from einpage.compiler import search
 from einpage.compiler.host_search import place
 from einpage.compiler.allocator import aligned
 from einpage.compiler.cuts import largest_reused_weight
+from einpage.compiler.drain import tail_seconds
 from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
 from einpage.compiler.policies import Policy, Residency, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
-from einpage.compiler.drain import tail_seconds
 from einpage.compiler.rungs import Partitions, Rung, known_bound
 from einpage.compiler.resident import (PassNeeds, everything_fits, guarded_shares,
                                        least_disk_bytes, memory_lower_bound, paced_at,
@@ -199,6 +199,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
 REFINE_BELOW = 0.95
 #: The room deferred writes claim in `_prefetch_trials` (`lowering.CLAIM_SHARE` elsewhere)
 PREFETCH_CLAIM = 1.0
+
+
 class _Won(NamedTuple):
     """What won a partition's search: a paced resident set leaving the pass `share` of the
     budget as room beside its activation peak (the coarse grid's measure; a share the fine
