@@ -24,8 +24,8 @@ from typing import Sequence
 from einpage.ir.taskgraph import TaskGraph
 from einpage.ir.tensors import PERSISTENT_ROLES
 
-#: The second group's compute must cover the first group's drain with this share of it to
-#: spare: the drain competes for room with the blocks the compute streams (llama3.2-1b B=16 at
+#: This share of the second group's compute must cover the first group's drain (20% to
+#: spare: the drain competes for room with the blocks the compute streams; llama3.2-1b B=16 at
 #: 2.6 GB: 11 rows then 5 ran 613 ms, 12 then 4 619 ms, 13 then 3 637 ms)
 DRAIN_COVER = 0.8
 
