@@ -355,3 +355,34 @@ def test_each_ladder_rung_is_refined_before_the_ladder_weighs_it():
                              CompileOptions(device_bytes=16 * 10**9, validate=False))
     assert 60 << 20 < compiled.report.compiled.block_bytes < 70 << 20
     assert compiled.simulation.makespan_s < 0.0170
+
+
+def test_the_weights_are_capped_by_what_binds_the_pass(monkeypatch):
+    """`driver._stream_blocks` caps the weights at 1/WEIGHT_BLOCK_SHARE of the working sets
+    where the link binds, at 1/STALLED_BLOCK_SHARE where compute binds but waits on the link for
+    more than STALL_GATE of the pass (qwen2.5-7b B=16 at 1.9 GB: 1/16 cost more launches than
+    its waits), and tries no cap where compute binds without waiting."""
+    from types import SimpleNamespace as NS
+    from einpage.compiler import driver
+    from einpage.compiler.cuts import largest_reused_weight
+    from einpage.models import config, llama
+    graph = llama.prefill_graph(config.preset("small")).bind(B=1, S=64)
+    block = 2 * largest_reused_weight(graph)  # every cap cuts its largest reused weight
+    asked = []
+
+    def plan(parts, blk, won, weight_block=None, **kw):
+        asked.append(blk // weight_block)
+        return None  # "the same partition": nothing to compare
+
+    monkeypatch.setattr(driver, "_plan", plan)
+
+    def planned(h2d, compute, stall):
+        sim = NS(h2d_s=h2d, compute_s=compute, stall_h2d_s=stall, makespan_s=1.0)
+        return NS(trials=NS(best=lambda: NS(simulation=sim)), rung=NS(block=block), won=None,
+                  tg=None)
+
+    parts = NS(graph=graph)
+    for h2d, compute, stall in ((0.9, 0.5, 0.0), (0.3, 0.9, 0.05), (0.3, 0.9, 0.01)):
+        driver._stream_blocks(parts, planned(h2d, compute, stall), [])
+    assert asked == [driver.WEIGHT_BLOCK_SHARE, driver.STALLED_BLOCK_SHARE]
+    assert 0.01 < driver.STALL_GATE < 0.05  # the cases straddle the gate
