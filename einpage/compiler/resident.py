@@ -377,7 +377,8 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
     for tid in order:
         clock.append(clock[-1] + seconds[tid])
     total = clock[-1]
-    blocks = sorted((b for b in tg.input_blocks if b.role in roles and b.id not in exclude),
+    inputs = tg.input_blocks  # (a walk over every block: once)
+    blocks = sorted((b for b in inputs if b.role in roles and b.id not in exclude),
                     key=lambda b: (first.get(b.id, len(order)), b.id))
     sizes = [aligned(b.bytes) for b in blocks]
     at = [clock[first.get(b.id, len(order))] for b in blocks]
@@ -386,7 +387,7 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
         return frozenset(b.id for b in blocks)
     rate = must / total if total > 0 else float("inf")
     small = (max(sizes, default=0) // SMALL_BLOCK_SHARE
-             if any(b.role == "cache" for b in tg.input_blocks) else -1)
+             if any(b.role == "cache" for b in inputs) else -1)
     for _ in range(8):
         streamed, kept = 0, []
         for b, size, t in zip(blocks, sizes, at):
