@@ -289,6 +289,24 @@ def test_the_planner_places_on_the_host_only_where_it_is_faster():
            reference.evaluate(graph, inputs, weights))
 
 
+def test_the_winning_placement_is_lowered_by_stamp_too(monkeypatch):
+    """The placement that wins is lowered again with every block placed where bytes were freed
+    longest ago (`search.stamped_trials` on its own trials, whose base runs its host tasks),
+    and the faster plan of the two is kept."""
+    from einpage.compiler import search
+    cfg, _, graph, _ = _decode("tiny", capacity=256)
+    lowered = []
+    real = search.lower
+    monkeypatch.setattr(search, "lower", lambda tg, order, opts: lowered.append(
+        (opts.on_host, opts.pack_low)) or real(tg, order, opts))
+    fast = dataclasses.replace(_FAST_HOST, apply_overhead=0.0)
+    placed = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3, device=_profile(fast),
+                                                 host_compute=True, validate=False))
+    on_host = frozenset(n.task for n in placed.memgraph.nodes
+                        if isinstance(n, ApplyNode) and n.on_host)
+    assert on_host and (on_host, False) in lowered and (on_host, True) in lowered
+
+
 def test_the_critical_path_is_the_longest_chain_and_no_pass_beats_it(llama_placed):
     """Two branches from one input, joined by a third task, each task in a chain after the
     writers of what it reads: the longest chain is the longer branch plus the join. On a

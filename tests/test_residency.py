@@ -71,10 +71,9 @@ def test_paced_resident_keeps_blocks_too_large_to_prefetch():
 
 
 def test_paced_resident_keeps_blocks_whose_copy_is_mostly_latency():
-    """In a pass that reads a KV store (a decode step), a layer's norm-like weight (a row, far
-    below 1/SMALL_BLOCK_SHARE of the matrices) stays resident in every paced set that keeps
-    its bytes' worth of anything: each copy of it would cost the link its latency for a few
-    bytes; the matrices and KV blocks stream instead."""
+    """A layer's norm-like weight (a row, far below 1/SMALL_BLOCK_SHARE of the matrices) stays
+    resident in every paced set that keeps its bytes' worth of anything: each copy of it would
+    cost the link its latency for a few bytes; the matrices and KV blocks stream instead."""
     g = GraphBuilder()
     x = g.input("x", (64, 512))
     for layer in range(8):

@@ -26,7 +26,7 @@ from einpage.compiler.policies import Policy, Residency, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
 from einpage.compiler.rungs import Partitions, Rung, known_bound
 from einpage.compiler.resident import (PassNeeds, everything_fits, guarded_shares,
-                                       least_disk_bytes, memory_lower_bound, paced_at,
+                                       memory_lower_bound, paced_at,
                                        persistent_blocks, streamed_bytes)
 from einpage.compiler.tier_room import climb_tiered, weights_first_tiered
 from einpage.compiler.tiers import place_tiers
@@ -153,6 +153,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         if planned.trials.best().resident == coarse.resident:  # a trial of it won after all
             planned = planned._replace(won=won)
         planned = _drain_behind(parts, planned, rungs)
+        search.stamped_trials(planned.trials, known_bound(rungs, parts.profile))
     if options.host_compute and not planned.fits:
         place(planned.trials, planned.needs, planned.won.share, options)
     tg, trials = planned.tg, planned.trials
@@ -471,8 +472,9 @@ class _Probes:
     set came from, and a bound on each share's pass."""
 
     def __init__(self, trials: search.Trials, needs: PassNeeds, options: CompileOptions,
-                 window: float | None, written_back: bool = False):
-        self.trials, self.needs, self.window = trials, needs, window
+                 window: float | None, written_back: bool = False,
+                 knobs: search.Knobs = search.DEFAULT_KNOBS):
+        self.trials, self.needs, self.window, self.knobs = trials, needs, window, knobs
         self.peak = needs.written_back_peak if written_back else needs.activation_peak
         self.budget = options.device_bytes
         self.compute = sum(trials.base.task_seconds)
@@ -491,7 +493,7 @@ class _Probes:
         """The trial of `at`'s paced set; None where that set leaves the pass too little room
         (a set with fewer blocks is another share's)."""
         try:
-            trial = self.trials.run(self.set(at), self.window, exact=True)
+            trial = self.trials.run(self.set(at), self.window, exact=True, knobs=self.knobs)
         except BudgetError:
             return None
         self.shares.setdefault(trial.resident, at)
@@ -517,13 +519,14 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     grid's points are 2-5% of the budget apart, and where the pass turns on a few streamed
     blocks in flight the best room lies between them
     (llama3.1-8b prefill at 8 GB: 188.97 -> 185.87 ms; llama-7b decode B=1 at 14 GB: 0.0025,
-    16.12 -> 15.67 ms). Only where the plan runs below REFINE_BELOW of the problem's bound known
-    so far (`bound_s`; `best_s`: the best pass of another partition so far, on the ladder) and
-    below RESIDENT_SEARCH_BELOW of its partition's (each probe is a lowering; refined
-    everywhere, rows above the target gained up to 2% at up to 2.8x the compile time:
-    mixtral-8x7b prefill at 47 GB 0.952 -> 0.967, 2.95 -> 8.39 s). A probe whose set leaves
-    the pass too little room is no candidate; one whose bound cannot improve the climb is not
-    lowered."""
+    16.12 -> 15.67 ms); climbed twice, with the blocks that stay packed from below and with
+    every block placed by stamp (`search.STAMPED`: that decode step 15.63 -> 15.41 ms). Only
+    where the plan runs below REFINE_BELOW of the problem's bound known so far (`bound_s`;
+    `best_s`: the best pass of another partition so far, on the ladder) and below
+    RESIDENT_SEARCH_BELOW of its partition's (each probe is a lowering; refined everywhere,
+    rows above the target gained up to 2% at up to 2.8x the compile time: mixtral-8x7b
+    prefill at 47 GB 0.952 -> 0.967, 2.95 -> 8.39 s). A probe whose set leaves the pass too
+    little room is no candidate; one whose bound cannot improve the climb is not lowered."""
     trials, needs, rung = planned.trials, planned.needs, planned.rung
     best = trials.best()
     if not planned.paced:  # a policy that keeps nothing resident (lru) is compared as it is
@@ -534,13 +537,17 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
     if (min(best_s, makespan) * REFINE_BELOW <= bound_s
             or makespan * search.RESIDENT_SEARCH_BELOW <= own):
         return planned  # within the target of the problem's bound, or near its partition's
-    probes = _Probes(trials, needs, options, best.window, written_back=True)
-    search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES,
-                       start=_won_share(planned, best, options.device_bytes))
+    start = _won_share(planned, best, options.device_bytes)
+    shares: dict[frozenset, float] = {}
+    for knobs in (search.DEFAULT_KNOBS, search.STAMPED):
+        probes = _Probes(trials, needs, options, best.window, written_back=True, knobs=knobs)
+        search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES,
+                           start=start)
+        shares = {**probes.shares, **shares}
     winner = trials.best()
-    if winner is best or winner.resident not in probes.shares:
+    if winner is best or winner.resident not in shares:
         return planned
-    return planned._replace(won=_Won(max(0.0, probes.shares[winner.resident]
+    return planned._replace(won=_Won(max(0.0, shares[winner.resident]
                                          - needs.outputs_held / options.device_bytes)))
 
 
@@ -574,7 +581,7 @@ def _prefetch_trials(planned: _Planned, bound_s: float, coarse: search.Trial) ->
     refined one may gain less from it (llama3.2-1b at 310 MB: 78.5 ms against 70.8)."""
     trials = planned.trials
     best = trials.best()
-    if (best.evict_ahead or best.claim_share is not None
+    if (best.knobs.evict_ahead or best.knobs.claim_share is not None
             or best.simulation.makespan_s * REFINE_BELOW <= bound_s):
         return
     variants = [(False, PREFETCH_CLAIM)]
@@ -587,8 +594,8 @@ def _prefetch_trials(planned: _Planned, bound_s: float, coarse: search.Trial) ->
             continue
         for ahead, claim in variants:
             try:
-                trials.run(plan.resident, plan.window, exact=True, evict_ahead=ahead,
-                           claim_share=claim)
+                trials.run(plan.resident, plan.window, exact=True,
+                           knobs=replace(plan.knobs, evict_ahead=ahead, claim_share=claim))
             except BudgetError:
                 pass
 
@@ -622,11 +629,11 @@ def _default_lookahead(trials: search.Trials, best: search.Trial,
     if options.auto_lookahead:
         same = [t.simulation.makespan_s for t in trials.items
                 if t.window is None and t.resident == best.resident
-                and (t.evict_ahead, t.claim_share) == (best.evict_ahead, best.claim_share)]
+                and t.knobs == best.knobs]
         return min(same, default=None)
     if options.lookahead_bytes is None and options.lookahead_seconds is None:
         return None
-    reference = trials.reference(best.resident, best.evict_ahead, best.claim_share)
+    reference = trials.reference(best.resident, best.knobs)
     return reference.makespan_s if reference is not None else None
 
 
@@ -662,8 +669,7 @@ def _figures(planned: _Planned, best: search.Trial, rungs: list[Rung],
         lookahead=lookahead(best.window), lookahead_makespan_s=best.simulation.makespan_s,
         default_lookahead_makespan_s=default_makespan,
         trials=summaries, weight_formats=_weight_formats(tg),
-        min_disk_bytes=least_disk_bytes(tg, list(trials.order), options.device_bytes,
-                                        options.host_bytes))
+        min_disk_bytes=min(r.min_disk_bytes for r in rungs))
 
 
 def _weight_formats(tg: TaskGraph) -> tuple[tuple[str, int], ...]:

@@ -48,6 +48,7 @@ def place(trials: search.Trials, needs: PassNeeds, won_share: float | None,
     device = trials.best()
     budget = options.device_bytes
     tried: set[frozenset] = set()
+    placements: dict[frozenset, search.Trials] = {}  # tasks on the host -> their trials
     memo: dict[frozenset, tuple[frozenset, tuple[float, ...]]] = {}
 
     def hosted(kept: frozenset) -> tuple[frozenset, tuple[float, ...]]:
@@ -117,7 +118,8 @@ def place(trials: search.Trials, needs: PassNeeds, won_share: float | None,
                                start=start, seen={start: first})
         if not placed.items:
             return None  # no room share's set fits beside the pass
-        trials.adopt(placed)
+        trials.adopt(placed.items)
+        placements[on_host] = placed
         return placed.best()
 
     seen: set[frozenset] = set()
@@ -153,6 +155,12 @@ def place(trials: search.Trials, needs: PassNeeds, won_share: float | None,
                     break
                 kept, best = kept | more, better
     best = trials.best()
+    if best.on_host:  # its best plans placed by stamp too (`search.stamped_trials`)
+        placed = placements[best.on_host]
+        lowered = len(placed.items)
+        search.stamped_trials(placed, 0.0)
+        trials.adopt(placed.items[lowered:])
+        best = trials.best()
     if best.on_host and not (best.simulation.makespan_s < device.simulation.makespan_s
                              * (1 - search.AUTO_TOLERANCE)):
         trials.items = [t for t in trials.items if not t.on_host]

@@ -25,6 +25,13 @@ Each block's state during the walk is one `BlockState` record. The policy choose
 (`Policy.groups`: layerwise streaming pins a whole stage's weights from its first task to its
 last); the allocator places the bytes.
 
+Where a block goes (`_allocate`): a produced block that outlives the task placing it is packed
+first fit from the bottom of the room (`LowerOptions.pack_low`); a weight's reload and a block
+one task touches go where bytes were freed longest ago (the allocator's rule: it waits on no
+recent free). Placed all by that rule, the blocks that stay cut the free room into holes:
+llama3.1-8b prefill at 8 GB had 299 MB free in runs of at most 103 MB for a 134 MB softmax
+output, and evicted 21 MB of activations for it, 26 times a pass (0.29 GB more over the link).
+
 Resident blocks (weights and KV-store blocks that stay on the device for every pass) are placed at fixed offsets at
 the bottom of the arena as `input at device` and never freed or evicted.
 
@@ -91,6 +98,7 @@ class LowerOptions:
     guarded_reload_share: float = GUARDED_RELOAD_SHARE  # guard reloads whose guard's share is at most
     evict_ahead: bool = False                    # reserving ahead may evict far clean blocks
     claim_share: float | None = None             # room kept for deferred writes (CLAIM_SHARE)
+    pack_low: bool = True                        # blocks that stay packed from below (`_allocate`)
     progress: object = None                      # callable(done_tasks, total_tasks) or None
 
 
@@ -127,6 +135,8 @@ class _Lowering:
         self.blocks = [BlockState(aligned(blk.bytes), uses[blk.id], blk.id in outputs)
                        for blk in tg.blocks]
         self.e = 0  # the execution horizon (`run`)
+        # the blocks `_allocate` packs from below where they outlive the task placing them
+        self.packs = [opt.pack_low and blk.role not in PERSISTENT_ROLES for blk in tg.blocks]
         self.guard_of = reload_guards(tg, opt.guarded_reload_share)
         # guard block -> the position of its last writer (a guarded reload comes after it)
         position = {tid: p for p, tid in enumerate(order)}
@@ -333,7 +343,7 @@ class _Lowering:
         blocks = self.blocks
         got: list[tuple[int, Allocation]] = []
         for b in need:
-            a = self.alloc.allocate(blocks[b].size)
+            a = self._allocate(b, p)
             if a is None and may_evict:
                 a = self._make_room(b, p)
             elif a is None and far:
@@ -452,7 +462,14 @@ class _Lowering:
         for _, _, b in items[left:right + 1]:
             if b is not None:
                 self._evict(b)
-        return self.alloc.allocate(need) or None
+        return self._allocate(block, p) or None
+
+    def _allocate(self, b: int, p: int) -> Allocation | None:
+        """Block `b`'s bytes for the task at position `p` (the module's docstring)."""
+        st = self.blocks[b]
+        if self.packs[b] and st.uses[-1] > p:
+            return self.alloc.allocate_lowest(st.size)
+        return self.alloc.allocate(st.size)
 
     def _compact(self, p: int, need: list[int]) -> list[tuple[int, Allocation]]:
         """Last resort at the execution horizon: evict everything not pinned, then the task's own

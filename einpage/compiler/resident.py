@@ -340,12 +340,12 @@ def choose_resident(tg: TaskGraph, order: list[int], budget: int) -> frozenset[i
     return frozenset(chosen)
 
 
-#: Blocks below 1/SMALL_BLOCK_SHARE of the largest candidate stay resident in a paced set of a
-#: pass that reads a KV store (`paced_resident`): llama-7b's decode step at 14 GB streamed 59
-#: of its 65 norm weights of 8 KB each, 0.59 ms of copy latency on a link that bounds the
-#: 15.7 ms step (15.41 ms kept). Not in a prefill: there the planner grid's rows moved both
-#: ways, up to 3.5% slower (qwen2.5-7b at 16 GB), where the sets it paces lost the stream's
-#: pace by the change
+#: Blocks below 1/SMALL_BLOCK_SHARE of the largest candidate stay resident in a paced set
+#: (`paced_resident`): llama-7b's decode step at 14 GB streamed 59 of its 65 norm weights of
+#: 8 KB each, 0.59 ms of copy latency on a link that bounds the 15.7 ms step (15.41 ms kept);
+#: llama3.1-8b prefill at 8 GB copied 66 (0.66 ms: 178.37 -> 177.71 ms). (It was kept to
+#: decode steps while the blocks that stay were placed by stamp: qwen2.5-7b prefill at 16 GB
+#: ran 3.5% slower with it then; packed from below (`lowering`), 1.000 with it.)
 SMALL_BLOCK_SHARE = 256
 
 
@@ -365,20 +365,18 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
     that computes long hides more streaming than one that computes briefly. Blocks above
     `largest` bytes stay resident (their prefetch would need that much room free at once, which
     the pass near its activation peak does not have: the lm_head of an 8B model is 1 GB), and
-    in a pass that reads a KV store (a decode step) so do those below 1/SMALL_BLOCK_SHARE of
-    the largest (a norm's weights: each copy costs the link its latency, more than its bytes;
-    keeping it streams as many bytes more of a block that streams anyway; its pace still goes
-    to the blocks after it); if the walk streams less than S, it is walked again with a
-    proportionally faster pace, and what still exceeds `budget` streams from the end. Only
-    blocks of `roles` are candidates, and none in `exclude` (blocks kept in host memory for the
-    tasks placed there)."""
+    so do those below 1/SMALL_BLOCK_SHARE of the largest (a norm's weights: each copy costs
+    the link its latency, more than its bytes; keeping it streams as many bytes more of a
+    block that streams anyway; its pace still goes to the blocks after it); if the walk
+    streams less than S, it is walked again with a proportionally faster pace, and what still
+    exceeds `budget` streams from the end. Only blocks of `roles` are candidates, and none in
+    `exclude` (blocks kept in host memory for the tasks placed there)."""
     first = first_reads(tg, order)
     clock = [0.0]
     for tid in order:
         clock.append(clock[-1] + seconds[tid])
     total = clock[-1]
-    inputs = tg.input_blocks  # (a walk over every block: once)
-    blocks = sorted((b for b in inputs if b.role in roles and b.id not in exclude),
+    blocks = sorted((b for b in tg.input_blocks if b.role in roles and b.id not in exclude),
                     key=lambda b: (first.get(b.id, len(order)), b.id))
     sizes = [aligned(b.bytes) for b in blocks]
     at = [clock[first.get(b.id, len(order))] for b in blocks]
@@ -386,8 +384,7 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
     if must <= 0:
         return frozenset(b.id for b in blocks)
     rate = must / total if total > 0 else float("inf")
-    small = (max(sizes, default=0) // SMALL_BLOCK_SHARE
-             if any(b.role == "cache" for b in inputs) else -1)
+    small = max(sizes, default=0) // SMALL_BLOCK_SHARE
     for _ in range(8):
         streamed, kept = 0, []
         for b, size, t in zip(blocks, sizes, at):

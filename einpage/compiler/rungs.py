@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from einpage.compiler.drain import drained_order, tail_seconds
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
-from einpage.compiler.resident import (PassNeeds, front_seconds, front_waits, min_stream_bytes,
-                                       pass_needs)
+from einpage.compiler.resident import (PassNeeds, front_seconds, front_waits, least_disk_bytes,
+                                       min_stream_bytes, pass_needs)
 from einpage.ir.graph import Graph
 from einpage.ir.taskgraph import TaskGraph
 from einpage.predict.cost import task_seconds
@@ -39,6 +39,8 @@ class Rung(NamedTuple):
     #: and that order with its rows drained (`drain.drained_order`), planned or not
     tail_s: float = 0.0
     drained: bool = False            # its rows drained behind compute (`driver._drain_behind`)
+    #: `resident.least_disk_bytes`: what it must read from disk at the host budget
+    min_disk_bytes: int = 0
 
 
 class Cut(NamedTuple):
@@ -91,7 +93,8 @@ class Partitions:
                         min_stream_bytes(tg, order, options.device_bytes), sum(seconds),
                         front_seconds(tg, order, seconds, options.device_bytes,
                                       profile.h2d_bandwidth), weight_block, by_weight, tail,
-                        drained)
+                        drained, least_disk_bytes(tg, order, options.device_bytes,
+                                                  options.host_bytes))
             self._made = {key: Cut(tg, order, needs, seconds, rung)}
         return self._made[key]
 

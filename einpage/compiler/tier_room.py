@@ -97,10 +97,10 @@ def weights_first_tiered(trials: search.Trials, best: search.Trial, tiered: Tier
 
 def _options_of(trials: search.Trials, best: search.Trial) -> LowerOptions:
     """The lowering options `best` was lowered with, its resident set aside."""
-    return replace(trials.base, lookahead_seconds=best.window, on_host=best.on_host,
-                   evict_ahead=best.evict_ahead, claim_share=best.claim_share,
-                   task_seconds=tuple(task_seconds(trials.profile, trials.tg, best.on_host)),
-                   progress=None)
+    return best.knobs.lower_options(replace(
+        trials.base, lookahead_seconds=best.window, on_host=best.on_host,
+        task_seconds=tuple(task_seconds(trials.profile, trials.tg, best.on_host)),
+        progress=None))
 
 
 def _tiered(trials: search.Trials, opts: LowerOptions, best: search.Trial, resident: frozenset,
