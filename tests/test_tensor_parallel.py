@@ -242,8 +242,8 @@ def test_a_plan_whose_ranks_take_the_exchanges_in_other_orders_is_refused(prefil
     from einpage.compiler import tensor_parallel
     from einpage.compiler.driver import compile_graph
     s = shard_graph(prefill, 2)
-    plans = [compile_graph(g, CompileOptions(SMALL.weight_bytes(), block_bytes=2048)).memgraph
-             for g in s.graphs]
+    options = tensor_parallel.ranks_options(CompileOptions(SMALL.weight_bytes(), block_bytes=2048))
+    plans = [compile_graph(g, options).memgraph for g in s.graphs]
     joined = tensor_parallel.join_exchanges(s, plans)
     validate_ranks(joined)
     made = tensor_parallel.exchange_order

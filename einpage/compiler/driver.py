@@ -62,6 +62,8 @@ class CompileOptions:
                                         # --host-compute auto, its default, sets it)
     guarded_reload_share: float = GUARDED_RELOAD_SHARE  # reload an expert only when chosen
                                         # where it runs in at most this share of passes (0: never)
+    pack_low: bool = True               # the blocks that stay packed from below, tried both ways
+                                        # (`LowerOptions.pack_low`); False: all by stamp
 
 
 @dataclass(frozen=True)
@@ -421,7 +423,8 @@ def _lower_options(options: CompileOptions, policy: Policy, fits: bool,
     return LowerOptions(options.device_bytes, policy, inputs_at_device=fits and policy.evicts,
                         outputs_to_host=not fits and policy.evicts,
                         lookahead_bytes=options.lookahead_bytes, task_seconds=seconds,
-                        guarded_reload_share=options.guarded_reload_share)
+                        guarded_reload_share=options.guarded_reload_share,
+                        pack_low=options.pack_low)
 
 
 def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
@@ -539,7 +542,7 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
         return planned  # within the target of the problem's bound, or near its partition's
     start = _won_share(planned, best, options.device_bytes)
     shares: dict[frozenset, float] = {}
-    for knobs in (search.DEFAULT_KNOBS, search.STAMPED):
+    for knobs in (search.DEFAULT_KNOBS, search.STAMPED)[:1 + trials.base.pack_low]:
         probes = _Probes(trials, needs, options, best.window, written_back=True, knobs=knobs)
         search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES,
                            start=start)

@@ -167,7 +167,7 @@ def stamped_trials(trials: Trials, bound_s: float) -> None:
     a block placed so may wait on a free the allocator's rule would have passed over, or leave
     a hole where a stamp would have filled one."""
     fastest = trials.best().simulation.makespan_s
-    if fastest <= bound_s * (1 + AUTO_TOLERANCE):
+    if fastest <= bound_s * (1 + AUTO_TOLERANCE) or not trials.base.pack_low:
         return
     near = [t for t in trials.items if t.knobs.pack_low
             and t.simulation.makespan_s <= fastest * (1 + AUTO_TOLERANCE)]

@@ -416,6 +416,7 @@ def compile_tensor_parallel(graph: Graph, world: int, options,
         raise PlanError("per-node cuts name the whole graph's nodes; tensor-parallel ranks take "
                         "none")
     split = shard_graph(graph, world)
+    options = ranks_options(options)
     compiled = [compile_fn(g, options) for g in split.graphs]
     programs = join_exchanges(split, [c.memgraph for c in compiled])
     programs = [with_shards(mg, split, r, parallel="tensor") for r, mg in enumerate(programs)]
@@ -425,6 +426,16 @@ def compile_tensor_parallel(graph: Graph, world: int, options,
     return ParallelPlan(split, tuple(RankPlan(r, mg, c) for r, (mg, c)
                                      in enumerate(zip(programs, compiled))),
                         options.host_compute)
+
+
+def ranks_options(options):
+    """`options` for the ranks of a tensor-parallel group: every block placed by stamp
+    (`CompileOptions.pack_low` off). A rank's received blocks are inputs of its own pass, read
+    wherever its order reads them, while their messages wait on the exchanges before them; a
+    block packed from below reuses bytes a recent node freed, and such a reuse can tie the
+    writer of an earlier exchange's block to a reader of a later one: a cycle with the messages
+    (a quantized llama split over two ranks had one)."""
+    return replace(options, pack_low=False)
 
 
 def with_shards(mg: MemGraph, split: TensorSplit, r: int, **meta) -> MemGraph:
