@@ -70,16 +70,19 @@ def test_paced_resident_keeps_blocks_too_large_to_prefetch():
         weights[:4])  # none may stream by pace: the budget alone sends the last ones
 
 
-def test_paced_resident_keeps_blocks_whose_copy_is_mostly_latency():
+@pytest.mark.parametrize("kv", [True, False])
+def test_paced_resident_keeps_blocks_whose_copy_is_mostly_latency(kv):
     """A layer's norm-like weight (a row, far below 1/SMALL_BLOCK_SHARE of the matrices) stays
     resident in every paced set that keeps its bytes' worth of anything: each copy of it would
-    cost the link its latency for a few bytes; the matrices and KV blocks stream instead."""
+    cost the link its latency for a few bytes; the matrices and KV blocks stream instead. In a
+    decode step (a KV store read) and in a prefill alike."""
     g = GraphBuilder()
     x = g.input("x", (64, 512))
     for layer in range(8):
         x = g.einsum("ab,b->ab", x, g.input(f"norm{layer}", (512,), role="weight"))
         x = g.einsum("ab,bc->ac", x, g.input(f"w{layer}", (512, 512), role="weight"))
-        x = g.einsum("ab,cb->ac", x, g.input(f"kv{layer}", (512, 512), role="cache"))
+        if kv:
+            x = g.einsum("ab,cb->ac", x, g.input(f"kv{layer}", (512, 512), role="cache"))
     g.output("y", x)
     tg = partition(g.build(), PartitionOptions(1 << 23))
     order = memory_aware_order(tg)

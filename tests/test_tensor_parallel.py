@@ -235,6 +235,30 @@ def test_validate_ranks_accepts_the_all_reduces_and_refuses_broken_orders(two):
         validate_ranks([eager, b])
 
 
+def test_ranks_whose_orders_make_a_cycle_are_compiled_again_by_stamp(prefill, monkeypatch):
+    """Where the ranks' programs cannot be joined (their exchanges made in orders no one order
+    of messages serves: `PlanError`), `compile_ranks` compiles them again with every block
+    placed by stamp and joins those; with stamps already, the error stands."""
+    from einpage.compiler import tensor_parallel
+    from einpage.compiler.driver import compile_graph
+    s = shard_graph(prefill, 2)
+    seen, real = [], tensor_parallel.join_exchanges
+
+    def join(split, plans):
+        seen.append(len(seen))
+        if len(seen) == 1:
+            raise PlanError("the messages of the all-reduces make a cycle with the program")
+        return real(split, plans)
+    monkeypatch.setattr(tensor_parallel, "join_exchanges", join)
+    packed = []
+    compiled, programs = tensor_parallel.compile_ranks(
+        s, _options(2), lambda g, o: packed.append(o.pack_low) or compile_graph(g, o))
+    assert packed == [True, True, False, False] and len(programs) == 2
+    seen.clear()
+    with pytest.raises(PlanError, match="cycle"):
+        tensor_parallel.compile_ranks(s, replace(_options(2), pack_low=False), compile_graph)
+
+
 def test_a_plan_whose_ranks_take_the_exchanges_in_other_orders_is_refused(prefill,
                                                                           monkeypatch):
     """Rank 1 keeps the rule alone, but takes two exchanges in the other order than rank 0:
@@ -242,8 +266,8 @@ def test_a_plan_whose_ranks_take_the_exchanges_in_other_orders_is_refused(prefil
     from einpage.compiler import tensor_parallel
     from einpage.compiler.driver import compile_graph
     s = shard_graph(prefill, 2)
-    options = tensor_parallel.ranks_options(CompileOptions(SMALL.weight_bytes(), block_bytes=2048))
-    plans = [compile_graph(g, options).memgraph for g in s.graphs]
+    options = CompileOptions(SMALL.weight_bytes(), block_bytes=2048, pack_low=False)
+    plans = [compile_graph(g, options).memgraph for g in s.graphs]  # (swapped: no cycle by stamp)
     joined = tensor_parallel.join_exchanges(s, plans)
     validate_ranks(joined)
     made = tensor_parallel.exchange_order

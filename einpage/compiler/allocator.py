@@ -148,9 +148,14 @@ class Allocator:
         the packing that leaves the largest run free above it, for when `allocate`'s choice by
         stamp would split the room a set of blocks needs together."""
         size = aligned(max(size, 1))
+        if size > self._free or (self._max_run is not None and size > self._max_run):
+            return None
+        largest = 0
         for run_lo, run_hi in zip(self._run_lo, self._run_hi):
             if run_hi - run_lo >= size:
                 return self.take(run_lo, size)
+            largest = max(largest, run_hi - run_lo)
+        self._max_run = largest  # taking bytes only shrinks runs; a free updates this
         return None
 
     def take(self, at: int, size: int) -> Allocation:

@@ -542,7 +542,8 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
         return planned  # within the target of the problem's bound, or near its partition's
     start = _won_share(planned, best, options.device_bytes)
     shares: dict[frozenset, float] = {}
-    for knobs in (search.DEFAULT_KNOBS, search.STAMPED)[:1 + trials.base.pack_low]:
+    for knobs in (search.DEFAULT_KNOBS, search.STAMPED) if trials.base.pack_low else (
+            search.STAMPED,):
         probes = _Probes(trials, needs, options, best.window, written_back=True, knobs=knobs)
         search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES,
                            start=start)

@@ -30,7 +30,7 @@ from typing import Callable
 
 from einpage.compiler.pipeline import (ParallelPlan, RankPlan, Split, join, model_cut, split,
                                        stage_costs)
-from einpage.compiler.tensor_parallel import (TensorSplit, join_exchanges, ranks_options,
+from einpage.compiler.tensor_parallel import (TensorSplit, compile_ranks,
                                               shard_graph, with_shards)
 from einpage.errors import PlanError
 from einpage.ir.graph import Graph
@@ -91,10 +91,10 @@ def compile_hybrid(graph: Graph, world: int, group: int, options,
             raise PlanError(f"node %{b.node} crosses from stage {b.src} to stage {b.dst} split "
                             "over the tensor-parallel group: only a value every member holds "
                             "whole can cross (cut the stages elsewhere, or --parallel pipeline)")
-    compiled = [[compile_fn(g, ranks_options(options)) for g in ts.graphs] for ts in groups]
-    programs: list[list[MemGraph]] = []
+    compiled, programs = [], []
     for p, ts in enumerate(groups):  # the all-reduces among the members of each group
-        joined = join_exchanges(ts, [c.memgraph for c in compiled[p]])
+        members, joined = compile_ranks(ts, options, compile_fn)
+        compiled.append(members)
         programs.append([_peers(mg, lambda q, p=p: p * group + q) for mg in joined])
     for t in range(group):  # the boundaries among the t-th members of the groups
         column = join(s, [programs[p][t] for p in range(stages)])

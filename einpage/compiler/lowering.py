@@ -25,12 +25,12 @@ Each block's state during the walk is one `BlockState` record. The policy choose
 (`Policy.groups`: layerwise streaming pins a whole stage's weights from its first task to its
 last); the allocator places the bytes.
 
-Where a block goes (`_allocate`): a produced block that outlives the task placing it is packed
-first fit from the bottom of the room (`LowerOptions.pack_low`); a weight's reload and a block
-one task touches go where bytes were freed longest ago (the allocator's rule: it waits on no
-recent free). Placed all by that rule, the blocks that stay cut the free room into holes:
-llama3.1-8b prefill at 8 GB had 299 MB free in runs of at most 103 MB for a 134 MB softmax
-output, and evicted 21 MB of activations for it, 26 times a pass (0.29 GB more over the link).
+Where a block goes (`_allocate`): a produced block a later task touches is packed first fit
+from the bottom of the room (`LowerOptions.pack_low`); a weight's reload and a block no later
+task touches (an output written back) go where bytes were freed longest ago (the allocator's
+rule: it waits on no recent free). Placed all by that rule, the blocks that stay cut the room
+into holes: llama3.1-8b prefill at 8 GB had 299 MB free in runs of at most 103 MB for a 134 MB
+softmax output, and evicted 21 MB of activations for it, 26 times a pass (0.29 GB of link).
 
 Resident blocks (weights and KV-store blocks that stay on the device for every pass) are placed at fixed offsets at
 the bottom of the arena as `input at device` and never freed or evicted.

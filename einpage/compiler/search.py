@@ -29,16 +29,16 @@ AUTO_TOLERANCE = 0.005  # makespans within 0.5% of the best count as equal; the 
 # resident sets (`resident.paced_resident`) leaving these shares of the budget to the pass beside
 # its activation peak are searched as well, from ROOM_START (and every weight, where they fit).
 # (At 0.96 a first plan a few percent off its bound was kept unsearched: llama3-8b B=16 at
-# 17 GB 0.969 where the search finds 1.000, qwen3-32b B=4 at 8.2 GB 0.979 likewise; the
-# grid's compile time the same.)
+# 17 GB 0.969 where the search finds 1.000, qwen3-32b B=4 at 8.2 GB 0.979 likewise; two rows
+# searched now compile 2.1-2.2x longer: mixtral-8x7b at 47 GB, llama-30b B=4 at 16 GB.)
 RESIDENT_SEARCH_BELOW = 1 - AUTO_TOLERANCE
 ROOM_SHARES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45)
 ROOM_START = 0.05
+#: The most trials within AUTO_TOLERANCE of the best lowered again by stamp (`stamped_trials`)
+STAMPED_TRIALS = 3
 #: The finer grid the winning partition's room is refined on (`driver._refine_room`): where a
 #: few streamed blocks in flight decide the pass, the best room lies between the coarse points
 #: (llama3.1-8b prefill at 8 GB: 0.01; llama-7b decode B=1 at 14 GB: 0.0025)
-#: The most trials within AUTO_TOLERANCE of the best lowered again by stamp (`stamped_trials`)
-STAMPED_TRIALS = 3
 FINE_ROOM_SHARES = (0.0, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
                     0.1, 0.15, 0.2, 0.25, 0.3, 0.375, 0.45)
 
@@ -97,6 +97,8 @@ class Trials:
         lowered again (paced sets of several room shares are often the same set: all empty
         where no weight fits beside the pass): that trial is returned, and `items` keeps it
         once. `knobs`: lowered with those `LowerOptions`."""
+        knobs = Knobs(knobs.evict_ahead or self.base.evict_ahead,  # what it is lowered with
+                      knobs.claim_share, knobs.pack_low and self.base.pack_low)
         key = (resident, window, exact, knobs)
         if key in self._tried:
             if self._tried[key] is None:
@@ -169,11 +171,11 @@ def stamped_trials(trials: Trials, bound_s: float) -> None:
     fastest = trials.best().simulation.makespan_s
     if fastest <= bound_s * (1 + AUTO_TOLERANCE) or not trials.base.pack_low:
         return
-    near = [t for t in trials.items if t.knobs.pack_low
-            and t.simulation.makespan_s <= fastest * (1 + AUTO_TOLERANCE)]
-    for t in near[:STAMPED_TRIALS]:
+    near = {(t.resident, t.window, t.knobs): t.simulation.makespan_s for t in trials.items
+            if t.knobs.pack_low and t.simulation.makespan_s <= fastest * (1 + AUTO_TOLERANCE)}
+    for resident, window, knobs in sorted(near, key=near.get)[:STAMPED_TRIALS]:
         try:
-            trials.run(t.resident, t.window, exact=True, knobs=replace(t.knobs, pack_low=False))
+            trials.run(resident, window, exact=True, knobs=replace(knobs, pack_low=False))
         except BudgetError:
             pass
 

@@ -416,9 +416,7 @@ def compile_tensor_parallel(graph: Graph, world: int, options,
         raise PlanError("per-node cuts name the whole graph's nodes; tensor-parallel ranks take "
                         "none")
     split = shard_graph(graph, world)
-    options = ranks_options(options)
-    compiled = [compile_fn(g, options) for g in split.graphs]
-    programs = join_exchanges(split, [c.memgraph for c in compiled])
+    compiled, programs = compile_ranks(split, options, compile_fn)
     programs = [with_shards(mg, split, r, parallel="tensor") for r, mg in enumerate(programs)]
     if options.validate:
         from einpage.ir.peers import validate_ranks
@@ -428,14 +426,23 @@ def compile_tensor_parallel(graph: Graph, world: int, options,
                         options.host_compute)
 
 
-def ranks_options(options):
-    """`options` for the ranks of a tensor-parallel group: every block placed by stamp
-    (`CompileOptions.pack_low` off). A rank's received blocks are inputs of its own pass, read
-    wherever its order reads them, while their messages wait on the exchanges before them; a
-    block packed from below reuses bytes a recent node freed, and such a reuse can tie the
-    writer of an earlier exchange's block to a reader of a later one: a cycle with the messages
-    (a quantized llama split over two ranks had one)."""
-    return replace(options, pack_low=False)
+def compile_ranks(split: TensorSplit, options, compile_fn: Callable) -> tuple[list, list]:
+    """The ranks of `split` compiled with `options`, and their programs joined by the
+    all-reduces' messages (`join_exchanges`). The ranks are compiled apart, and each may choose
+    another partition order; the join needs their exchanges in one order, and where one rank
+    makes a later exchange's block only after it has read an earlier one's sum while another
+    makes them the other way, the messages make a cycle (`PlanError`). Then the ranks are
+    compiled again with every block placed by stamp (`CompileOptions.pack_low` off), which
+    moves their searches (a quantized llama over two ranks: its ranks agree packed at a
+    weights' half and by stamp at a sixth). Where they disagree both ways, the error stands."""
+    compiled = [compile_fn(g, options) for g in split.graphs]
+    try:
+        return compiled, join_exchanges(split, [c.memgraph for c in compiled])
+    except PlanError:
+        if not options.pack_low:
+            raise
+    compiled = [compile_fn(g, replace(options, pack_low=False)) for g in split.graphs]
+    return compiled, join_exchanges(split, [c.memgraph for c in compiled])
 
 
 def with_shards(mg: MemGraph, split: TensorSplit, r: int, **meta) -> MemGraph:
