@@ -119,8 +119,10 @@ def place(trials: search.Trials, needs: PassNeeds, won_share: float | None,
         if not placed.items:
             return None  # no room share's set fits beside the pass
         trials.adopt(placed.items)
+        best = placed.best()
+        placed.items = [search.without_plan(t) for t in placed.items]  # `trials` holds the plans
         placements[on_host] = placed
-        return placed.best()
+        return best
 
     seen: set[frozenset] = set()
     for kind in placement.KINDS:
