@@ -433,8 +433,8 @@ def compile_ranks(split: TensorSplit, options, compile_fn: Callable) -> tuple[li
     makes a later exchange's block only after it has read an earlier one's sum while another
     makes them the other way, the messages make a cycle (`PlanError`). Then the ranks are
     compiled again with every block placed by stamp (`CompileOptions.pack_low` off), which
-    moves their searches (a quantized llama over two ranks: its ranks agree packed at a
-    weights' half and by stamp at a sixth). Where they disagree both ways, the error stands."""
+    moves their searches (of two quantized llamas over two ranks, one's ranks agree only
+    packed, the other's only by stamp). Where they disagree both ways, the error stands."""
     compiled = [compile_fn(g, options) for g in split.graphs]
     try:
         return compiled, join_exchanges(split, [c.memgraph for c in compiled])
