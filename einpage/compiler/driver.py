@@ -476,13 +476,14 @@ class _Probes:
 
     def __init__(self, trials: search.Trials, needs: PassNeeds, options: CompileOptions,
                  window: float | None, written_back: bool = False,
-                 knobs: search.Knobs = search.DEFAULT_KNOBS):
+                 knobs: search.Knobs = search.DEFAULT_KNOBS,
+                 sets: dict[float, frozenset] | None = None):
         self.trials, self.needs, self.window, self.knobs = trials, needs, window, knobs
         self.peak = needs.written_back_peak if written_back else needs.activation_peak
         self.budget = options.device_bytes
         self.compute = sum(trials.base.task_seconds)
         self.guarded = guarded_shares(trials.tg, options.guarded_reload_share)
-        self.sets: dict[float, frozenset] = {}      # room share -> its paced resident set
+        self.sets = {} if sets is None else sets    # room share -> its paced resident set
         self.shares: dict[frozenset, float] = {}    # a tried set -> the room share it came from
 
     def set(self, at: float) -> frozenset:
@@ -542,9 +543,10 @@ def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
         return planned  # within the target of the problem's bound, or near its partition's
     start = _won_share(planned, best, options.device_bytes)
     shares: dict[frozenset, float] = {}
+    sets: dict[float, frozenset] = {}  # (both climbs pace the same sets)
     for knobs in (search.DEFAULT_KNOBS, search.STAMPED) if trials.base.pack_low else (
             search.STAMPED,):
-        probes = _Probes(trials, needs, options, best.window, written_back=True, knobs=knobs)
+        probes = _Probes(trials, needs, options, best.window, True, knobs, sets)
         search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES,
                            start=start)
         shares = {**probes.shares, **shares}

@@ -206,7 +206,8 @@ def least_disk_bytes(tg: TaskGraph, order: list[int], device_bytes: int,
 
 
 def front_seconds(tg: TaskGraph, order: list[int], seconds: Sequence[float],
-                  device_bytes: int, bandwidth: float) -> float:
+                  device_bytes: int, bandwidth: float,
+                  waits: Sequence[float] | None = None) -> float:
     """The least time any plan of this taskgraph and order takes per pass, from when its tasks'
     persistent bytes can have crossed the link: the first blocks a pass reads (a table gathered
     at its start, larger than the budget) overlap no compute.
@@ -226,8 +227,10 @@ def front_seconds(tg: TaskGraph, order: list[int], seconds: Sequence[float],
 
     Guarded blocks (an expert copied only when chosen) and blocks some task writes (the KV
     rows a pass appends) are left out of W: the bound only falls by it. Where X covers every
-    such block it is the compute time, no more."""
-    waits = front_waits(tg, order, device_bytes, bandwidth)
+    such block it is the compute time, no more. (`waits`: `front_waits` of these arguments,
+    where the caller has them.)"""
+    if waits is None:
+        waits = front_waits(tg, order, device_bytes, bandwidth)
     bound = after = 0.0
     for k in range(len(order) - 1, -1, -1):
         after += seconds[order[k]]

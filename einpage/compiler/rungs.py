@@ -84,15 +84,16 @@ class Partitions:
                 return None
             orders = [rows] if drained else [order] if rows is None else [order, rows]
             order = orders[0]
+            waits = [front_waits(tg, o, options.device_bytes, profile.h2d_bandwidth)
+                     for o in orders]
             tail = min(tail_seconds(tg, o, seconds, options.device_bytes, profile.d2h_bandwidth,
-                                    front_waits(tg, o, options.device_bytes,
-                                                profile.h2d_bandwidth))
-                       for o in orders)
+                                    w) for o, w in zip(orders, waits))
             needs = pass_needs(tg, order)
             rung = Rung(block, needs.max_working_set,
                         min_stream_bytes(tg, order, options.device_bytes), sum(seconds),
                         front_seconds(tg, order, seconds, options.device_bytes,
-                                      profile.h2d_bandwidth), weight_block, by_weight, tail,
+                                      profile.h2d_bandwidth, waits[0]), weight_block, by_weight,
+                        tail,
                         drained, least_disk_bytes(tg, order, options.device_bytes,
                                                   options.host_bytes))
             self._made = {key: Cut(tg, order, needs, seconds, rung)}
