@@ -346,6 +346,56 @@ def test_the_winning_room_is_refined_on_a_finer_grid(monkeypatch):
     assert refined < 0.99 * coarse and refined < 0.1865
 
 
+def test_the_nearest_partitions_are_refined_too(monkeypatch):
+    """llama3-8b prefill at 4 GB: its three partitions run within 0.4% of each other on the
+    coarse grid (266.0, 265.5, 265.0 ms); refined, the whole partition gives 264.5 ms, the
+    halved one 256.1 (`driver._refine_rooms`)."""
+    from einpage.compiler import driver
+    from einpage.models import resolve
+    from einpage.models.llama import prefill_graph
+    cfg, _ = resolve("llama3-8b", random_weights=True)
+    graph = prefill_graph(cfg).bind(B=1, S=2048)
+    options = CompileOptions(device_bytes=4 * 10**9, validate=False)
+    rivals = compile_graph(graph, options).simulation.makespan_s
+    monkeypatch.setattr(driver, "RIVALS", 0)
+    alone = compile_graph(graph, options).simulation.makespan_s
+    assert rivals < 0.975 * alone and rivals < 0.2575
+
+
+def test_rivals_are_refined_nearest_first_and_the_fastest_kept(monkeypatch):
+    """`driver._refine_rooms` refines the leader, then at most RIVALS partitions that lost by at
+    most RIVAL_NEAR, nearest first, each told the best pass so far; a rival wins only by
+    AUTO_TOLERANCE, and then its own coarse trial and winner come back with it."""
+    from types import SimpleNamespace as NS
+    from einpage.compiler import driver, search
+
+    def planned(name, ms):
+        best = NS(simulation=NS(makespan_s=ms))
+        return NS(name=name, won=name, trials=NS(best=lambda: best))
+
+    refined = {"lead": 1.00, "near": 0.99, "nearer": 0.90, "next": 0.80, "far": 0.50}
+    told = []
+
+    def refine(p, options, bound_s, best_s=float("inf")):
+        told.append((p.name, best_s))
+        return planned(p.name + "*", refined[p.name])
+
+    monkeypatch.setattr(driver, "_refine_room", refine)
+    monkeypatch.setattr(search, "without_plan", lambda trial: trial)
+    lead = planned("lead", 1.0)
+    rivals = [planned("far", 1.0 + 2 * driver.RIVAL_NEAR), planned("near", 1.02),
+              planned("nearer", 1.01), planned("next", 1.025)]
+    monkeypatch.setattr(driver, "RIVALS", 2)
+    won, coarse, what = driver._refine_rooms(lead, rivals, None, 0.1)
+    assert [name for name, _ in told] == ["lead", "nearer", "near"]
+    assert [s for _, s in told] == [float("inf"), 1.00, 0.90]
+    assert (won.name, coarse.simulation.makespan_s, what) == ("nearer*", 1.01, "nearer")
+    told.clear()
+    refined.update(nearer=0.999, near=0.998)  # within AUTO_TOLERANCE: the leader stays
+    won, coarse, what = driver._refine_rooms(lead, rivals, None, 0.1)
+    assert (won.name, coarse.simulation.makespan_s, what) == ("lead*", 1.0, "lead")
+
+
 def test_each_ladder_rung_is_refined_before_the_ladder_weighs_it():
     """llama-7b's decode step at B=8 over 768 rows in 16 GB: its 65.7 MB rung with 0.5% of the
     budget as room (a point of the finer grid only) runs 16.82 ms, faster than the 32.8 MB rung
@@ -385,6 +435,6 @@ def test_the_weights_are_capped_by_what_binds_the_pass(monkeypatch):
 
     parts = NS(graph=graph)
     for h2d, compute, stall in ((0.9, 0.5, 0.0), (0.3, 0.9, 0.05), (0.3, 0.9, 0.01)):
-        driver._stream_blocks(parts, planned(h2d, compute, stall), [])
+        driver._stream_blocks(parts, planned(h2d, compute, stall), [], [])
     assert asked == [driver.WEIGHT_BLOCK_SHARE, driver.STALLED_BLOCK_SHARE]
     assert 0.01 < driver.STALL_GATE < 0.05  # the cases straddle the gate
