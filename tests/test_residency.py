@@ -365,7 +365,8 @@ def test_the_nearest_partitions_are_refined_too(monkeypatch):
 def test_rivals_are_refined_nearest_first_and_the_fastest_kept(monkeypatch):
     """`driver._refine_rooms` refines the leader, then at most RIVALS partitions that lost by at
     most RIVAL_NEAR, nearest first, each told the best pass so far; a rival wins only by
-    AUTO_TOLERANCE, and then its own coarse trial and winner come back with it."""
+    AUTO_TOLERANCE, and then its own coarse trial and winner come back with it; `rivals` is
+    left holding the partitions that lost, as refined."""
     from types import SimpleNamespace as NS
     from einpage.compiler import driver, search
 
@@ -382,17 +383,20 @@ def test_rivals_are_refined_nearest_first_and_the_fastest_kept(monkeypatch):
 
     monkeypatch.setattr(driver, "_refine_room", refine)
     monkeypatch.setattr(search, "without_plan", lambda trial: trial)
-    lead = planned("lead", 1.0)
-    rivals = [planned("far", 1.0 + 2 * driver.RIVAL_NEAR), planned("near", 1.02),
-              planned("nearer", 1.01), planned("next", 1.025)]
+    def rivals():
+        return [planned("far", 1.0 + 2 * driver.RIVAL_NEAR), planned("near", 1.02),
+                planned("nearer", 1.01), planned("next", 1.025)]
+
     monkeypatch.setattr(driver, "RIVALS", 2)
-    won, coarse, what = driver._refine_rooms(lead, rivals, None, 0.1)
+    lost = rivals()
+    won, coarse, what = driver._refine_rooms(planned("lead", 1.0), lost, None, 0.1)
     assert [name for name, _ in told] == ["lead", "nearer", "near"]
     assert [s for _, s in told] == [float("inf"), 1.00, 0.90]
     assert (won.name, coarse.simulation.makespan_s, what) == ("nearer*", 1.01, "nearer")
+    assert [p.name for p in lost] == ["far", "near*", "lead*", "next"]  # the losers, refined
     told.clear()
     refined.update(nearer=0.999, near=0.998)  # within AUTO_TOLERANCE: the leader stays
-    won, coarse, what = driver._refine_rooms(lead, rivals, None, 0.1)
+    won, coarse, what = driver._refine_rooms(planned("lead", 1.0), rivals(), None, 0.1)
     assert (won.name, coarse.simulation.makespan_s, what) == ("lead*", 1.0, "lead")
 
 

@@ -265,6 +265,42 @@ def test_a_host_budget_too_small_names_the_one_that_works(tiny):
     place_tiers(free.memgraph, free.simulation, smallest, H100)  # and it does work
 
 
+def test_staging_sizes_stop_past_the_best(tiny, monkeypatch):
+    """`place_tiers` tries the staging sizes smallest first and stops at the first slower than
+    the best so far (every larger one takes more bytes from the pinned set)."""
+    from einpage.compiler import tiers
+    free = tiny["free"]
+    needs = host_needs(free.memgraph)
+    largest = max(free.memgraph.tensors[t].bytes for t in needs.streamed)
+    host = needs.fixed_bytes + STAGING_BLOCKS[-1] * -(-largest // HOST_ALIGNMENT) \
+        * HOST_ALIGNMENT + needs.streamed_bytes // 4
+    makespans = iter((3.0, 2.0, 2.5, 1.0, 0.5))
+    tried = []
+
+    def simulate_(mg, profile):
+        tried.append(mg.host_arena_bytes)
+        return dataclasses.replace(free.simulation, makespan_s=next(makespans))
+
+    monkeypatch.setattr(tiers, "simulate", simulate_)
+    chosen = place_tiers(free.memgraph, free.simulation, host, H100)
+    assert len(tried) == 3 and chosen.choice.staging_bytes == tried[1]
+    assert chosen.simulation.makespan_s == 2.0
+
+
+def test_the_disk_weighs_the_partitions_apart_from_the_device():
+    """llama-7b prefill at 4 GB with an 8 GB host: the halved partition wins on the device, but
+    its 90 MB weight blocks need 172 MB of staging and read 3.21 GB from disk (1083 ms); tiered
+    and climbed, the same partition with its weights capped at 14 MB blocks reads 2.89 GB
+    (998 ms), and wins (`driver._climb_tiers`)."""
+    cfg, _ = resolve("llama-7b", random_weights=True)
+    graph = llama.prefill_graph(cfg).bind(B=1, S=2048)
+    compiled = compile_graph(graph, CompileOptions(4 * 10**9, host_bytes=8 * 10**9,
+                                                   validate=False))
+    meta = compiled.memgraph.meta
+    assert meta["staging_bytes"] < 50 << 20 and meta["disk_weight_bytes"] < 2.95e9
+    assert compiled.simulation.makespan_s < 1.01
+
+
 def test_disk_bandwidth_prices_the_reads(tiny):
     mg = tiny["tiered"].memgraph
     slow = simulate(mg, with_overrides(H100, disk_bandwidth=1e6))

@@ -13,8 +13,11 @@ the bytes crossing the host link); given it, the pinned set minimises the bytes 
 blocks reloaded more than once first, then the rest spread evenly along the pass (by bytes), so
 the disk queue has the same share of every stretch of the pass to read and can run ahead of it.
 The staging arena's size trades against the pinned bytes (every staging byte is a weight byte
-read from disk): a few sizes are lowered and simulated, and the plan of least predicted makespan
-is kept (ties: fewer disk bytes).
+read from disk): a few sizes are lowered and simulated, smallest first, until one is slower than
+the best (the makespan falls while a larger arena lets the disk run further ahead and rises once
+the bytes it takes from the pinned set dominate: on the planner grid's disk rows it rises from
+the first or second size on), and the plan of least predicted makespan is kept (ties: fewer
+disk bytes).
 
 Staging buffers are placed like device memory: exact offsets in a host arena of
 `host_arena_bytes`, aligned to `HOST_ALIGNMENT`, with reuse edges (a read into bytes that an
@@ -255,6 +258,8 @@ def place_tiers(mg: MemGraph, simulation: Simulation, host_bytes: int | None,
         if best is None or (sim.makespan_s, sim.disk_bytes) < (best.simulation.makespan_s,
                                                                best.simulation.disk_bytes):
             best = Tiered(tiered, sim, choice)
+        elif sim.makespan_s > best.simulation.makespan_s:
+            break  # past the best size: every larger one reads more bytes from disk
     assert best is not None
     return best
 
