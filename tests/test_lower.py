@@ -532,12 +532,12 @@ def test_the_compiler_tries_evicting_ahead_and_keeps_the_faster_plan(monkeypatch
     block is read two stages apart or more, the compiler lowers it again with `evict_ahead`
     and a smaller claim for deferred writes, and keeps the fastest (the table above at 200 kB):
     never a slower plan than without those trials."""
-    from einpage.compiler import CompileOptions, compile_graph, driver
+    from einpage.compiler import CompileOptions, compile_graph, rooms
     graph = _table_both_ends()
 
     def makespan(budget, tried=True):
         if not tried:
-            monkeypatch.setattr(driver, "_prefetch_trials", lambda *args: None)
+            monkeypatch.setattr(rooms, "prefetch_trials", lambda *args: None)
         try:
             return compile_graph(graph, CompileOptions(budget, block_bytes=40_000,
                                                        validate=False)).simulation.makespan_s

@@ -127,9 +127,9 @@ def test_a_finer_partition_tries_only_what_won_the_coarser_one(monkeypatch):
     """A streaming pass with small activations is also partitioned finer (`driver.FINER`); the
     finer partition lowers the policy's set and the coarser partition's winner, not the whole
     search again (each probe is a lowering). (Its room refined where it misses the target is
-    `_refine_room`'s, left out here.)"""
-    from einpage.compiler import driver, search
-    monkeypatch.setattr(driver, "_refine_room", lambda planned, *a: planned)
+    `rooms.refine_room`'s, left out here.)"""
+    from einpage.compiler import rooms, search
+    monkeypatch.setattr(rooms, "refine_room", lambda planned, *a: planned)
     g = GraphBuilder()
     x = g.input("x", (8, 2048))
     for layer in range(8):
@@ -334,14 +334,14 @@ def test_the_winning_room_is_refined_on_a_finer_grid(monkeypatch):
     """The coarse room grid's points are 2-5% of the budget apart; where the plan runs below
     RESIDENT_SEARCH_BELOW of its partition's bound, the winner's room is climbed on a finer grid:
     llama3.1-8b prefill at 8 GB finds a room between the coarse points (188.97 -> 185.87 ms)."""
-    from einpage.compiler import driver
+    from einpage.compiler import rooms
     from einpage.models import resolve
     from einpage.models.llama import prefill_graph
     cfg, _ = resolve("llama3.1-8b", random_weights=True)
     graph = prefill_graph(cfg).bind(B=1, S=2048)
     options = CompileOptions(device_bytes=8 * 10**9, validate=False)
     refined = compile_graph(graph, options).simulation.makespan_s
-    monkeypatch.setattr(driver, "_refine_room", lambda planned, *a: planned)
+    monkeypatch.setattr(rooms, "refine_room", lambda planned, *a: planned)
     coarse = compile_graph(graph, options).simulation.makespan_s
     assert refined < 0.99 * coarse and refined < 0.1865
 
@@ -349,26 +349,26 @@ def test_the_winning_room_is_refined_on_a_finer_grid(monkeypatch):
 def test_the_nearest_partitions_are_refined_too(monkeypatch):
     """llama3-8b prefill at 4 GB: its three partitions run within 0.4% of each other on the
     coarse grid (266.0, 265.5, 265.0 ms); refined, the whole partition gives 264.5 ms, the
-    halved one 256.1 (`driver._refine_rooms`)."""
-    from einpage.compiler import driver
+    halved one 256.1 (`rooms.refine_rooms`)."""
+    from einpage.compiler import rooms
     from einpage.models import resolve
     from einpage.models.llama import prefill_graph
     cfg, _ = resolve("llama3-8b", random_weights=True)
     graph = prefill_graph(cfg).bind(B=1, S=2048)
     options = CompileOptions(device_bytes=4 * 10**9, validate=False)
     rivals = compile_graph(graph, options).simulation.makespan_s
-    monkeypatch.setattr(driver, "RIVALS", 0)
+    monkeypatch.setattr(rooms, "RIVALS", 0)
     alone = compile_graph(graph, options).simulation.makespan_s
     assert rivals < 0.975 * alone and rivals < 0.2575
 
 
 def test_rivals_are_refined_nearest_first_and_the_fastest_kept(monkeypatch):
-    """`driver._refine_rooms` refines the leader, then at most RIVALS partitions that lost by at
+    """`rooms.refine_rooms` refines the leader, then at most RIVALS partitions that lost by at
     most RIVAL_NEAR, nearest first, each told the best pass so far; a rival wins only by
     AUTO_TOLERANCE, and then its own coarse trial and winner come back with it; `rivals` is
     left holding the partitions that lost, as refined."""
     from types import SimpleNamespace as NS
-    from einpage.compiler import driver, search
+    from einpage.compiler import rooms, search
 
     def planned(name, ms):
         best = NS(simulation=NS(makespan_s=ms))
@@ -381,22 +381,22 @@ def test_rivals_are_refined_nearest_first_and_the_fastest_kept(monkeypatch):
         told.append((p.name, best_s))
         return planned(p.name + "*", refined[p.name])
 
-    monkeypatch.setattr(driver, "_refine_room", refine)
+    monkeypatch.setattr(rooms, "refine_room", refine)
     monkeypatch.setattr(search, "without_plan", lambda trial: trial)
     def rivals():
-        return [planned("far", 1.0 + 2 * driver.RIVAL_NEAR), planned("near", 1.02),
+        return [planned("far", 1.0 + 2 * rooms.RIVAL_NEAR), planned("near", 1.02),
                 planned("nearer", 1.01), planned("next", 1.025)]
 
-    monkeypatch.setattr(driver, "RIVALS", 2)
+    monkeypatch.setattr(rooms, "RIVALS", 2)
     lost = rivals()
-    won, coarse, what = driver._refine_rooms(planned("lead", 1.0), lost, None, 0.1)
+    won, coarse, what = rooms.refine_rooms(planned("lead", 1.0), lost, None, 0.1)
     assert [name for name, _ in told] == ["lead", "nearer", "near"]
     assert [s for _, s in told] == [float("inf"), 1.00, 0.90]
     assert (won.name, coarse.simulation.makespan_s, what) == ("nearer*", 1.01, "nearer")
     assert [p.name for p in lost] == ["far", "near*", "lead*", "next"]  # the losers, refined
     told.clear()
     refined.update(nearer=0.999, near=0.998)  # within AUTO_TOLERANCE: the leader stays
-    won, coarse, what = driver._refine_rooms(planned("lead", 1.0), rivals(), None, 0.1)
+    won, coarse, what = rooms.refine_rooms(planned("lead", 1.0), rivals(), None, 0.1)
     assert (won.name, coarse.simulation.makespan_s, what) == ("lead*", 1.0, "lead")
 
 

@@ -210,10 +210,10 @@ def test_time_lookahead_bounds_prefetch(monkeypatch):
     faster a pass. (The windows alone: the finer room refinement climbs from each plan, and the
     narrow plan, slower at the coarse search's room, finds a room the wide plan's search never
     needed to look for: 550.97 -> 520.66 us against the wide plan's 530.78 us.)"""
-    from einpage.compiler import driver
+    from einpage.compiler import rooms
     from einpage.models import llama
     from einpage.models.config import preset
-    monkeypatch.setattr(driver, "_refine_room", lambda planned, *a: planned)
+    monkeypatch.setattr(rooms, "refine_room", lambda planned, *a: planned)
     graph = llama.prefill_graph(preset("tiny")).bind(B=1, S=8)
     weights = compile_graph(graph, CompileOptions(1 << 30)).report.compiled.weight_bytes
     wide = compile_graph(graph, CompileOptions(weights // 3))

@@ -93,7 +93,7 @@ def test_the_room_is_climbed_again_by_the_tiered_pass(monkeypatch):
     writes a quarter of its weights) at half its weights, with a host for half of what streams:
     faster than the device search's set tiered, valid, and giving the unconstrained plan's
     logits in random orders."""
-    from einpage.compiler import driver
+    from einpage.compiler import rooms
     from einpage.models import config
     from einpage.models.checkpoint import RandomWeights
     cfg = dataclasses.replace(config.preset("small"), kv_heads=8)
@@ -105,7 +105,7 @@ def test_the_room_is_climbed_again_by_the_tiered_pass(monkeypatch):
     options = dataclasses.replace(base, host_bytes=needs.fixed_bytes + 2 * largest
                                   + needs.streamed_bytes // 2)
     climbed = compile_graph(graph, options)
-    monkeypatch.setattr(driver, "climb_tiered", lambda trials, best, tiered, *rest: (tiered, best))
+    monkeypatch.setattr(rooms, "climb_tiered", lambda trials, best, tiered, *rest: (tiered, best))
     device_only = compile_graph(graph, options)
     assert climbed.simulation.makespan_s < 0.85 * device_only.simulation.makespan_s
     assert 0 < climbed.simulation.disk_bytes < device_only.simulation.disk_bytes
@@ -291,7 +291,7 @@ def test_the_disk_weighs_the_partitions_apart_from_the_device():
     """llama-7b prefill at 4 GB with an 8 GB host: the halved partition wins on the device, but
     its 90 MB weight blocks need 172 MB of staging and read 3.21 GB from disk (1083 ms); tiered
     and climbed, the same partition with its weights capped at 14 MB blocks reads 2.89 GB
-    (998 ms), and wins (`driver._climb_tiers`)."""
+    (998 ms), and wins (`rooms.climb_tiers`)."""
     cfg, _ = resolve("llama-7b", random_weights=True)
     graph = llama.prefill_graph(cfg).bind(B=1, S=2048)
     compiled = compile_graph(graph, CompileOptions(4 * 10**9, host_bytes=8 * 10**9,

@@ -6,6 +6,8 @@
     lowering     `lower`: simulated execution with three horizons -> MemGraph (victims chosen by
                  `policies`, offsets by `allocator`)
     search       the look-ahead windows and resident sets tried, and the fastest kept
+    rooms        the room search on one partition: resident sets leaving the pass a share of
+                 the budget, refined, and weighed again by the tiered pass
     host_search  which blocks to keep in host memory, so the tasks reading them run there
     tiers        which streamed blocks the host budget pins and which are read from disk
     tier_room    the resident set weighed again by the tiered pass, where the disk binds

@@ -4,38 +4,35 @@
           --lower, simulate (search: look-ahead windows, resident shares)--> MemGraph
           --tiers (host budget: pinned or read from disk)--> MemGraph --validate--> PlanReport
 
-Each pass is a function of the pass before; the search (`einpage.compiler.search`) lowers the
-taskgraph once per candidate and keeps the fastest plan."""
+Each pass is a function of the pass before; the search (`einpage.compiler.search`, on one
+partition `einpage.compiler.rooms`) lowers the taskgraph once per candidate and keeps the
+fastest plan; the partitions tried are compared by their best plans."""
 from __future__ import annotations
 
-import math
 import numbers
 import time
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, Mapping
 
 from einpage import collector
-from einpage.compiler import search
+from einpage.compiler import rooms, search
 from einpage.compiler.host_search import place
 from einpage.compiler.allocator import aligned
 from einpage.compiler.cuts import largest_reused_weight
 from einpage.compiler.drain import tail_seconds
 from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
-from einpage.compiler.policies import Policy, Residency, get_policy
+from einpage.compiler.policies import Policy, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
 from einpage.compiler.rungs import Partitions, Rung, known_bound
-from einpage.compiler.resident import (PassNeeds, everything_fits, guarded_shares,
-                                       memory_lower_bound, paced_at,
-                                       persistent_blocks, streamed_bytes)
-from einpage.compiler.tier_room import climb_tiered, weights_first_tiered
-from einpage.compiler.tiers import Tiered, place_tiers
+from einpage.compiler.resident import PassNeeds, everything_fits, memory_lower_bound
+from einpage.compiler.tier_room import weights_first_tiered
+from einpage.compiler.tiers import place_tiers
 from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
 from einpage.ir.memgraph import ALIGNMENT, MemGraph
 from einpage.ir.taskgraph import TaskGraph
-from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.predict.devices import DeviceProfile
 from einpage.predict.simulator import Simulation
 from einpage.units import format_size
@@ -128,7 +125,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     block = options.block_bytes or max(4096, int(options.device_bytes * options.block_fraction))
     parts = Partitions(graph, options)
     planned = _plan(parts, block)
-    rivals: list[_Planned] = []  # the partitions planned that lost
+    rivals: list[rooms.Planned] = []  # the partitions planned that lost
     rungs = list(planned.tried)  # the partitions of the ladder: the problem's bound is the least
     if (options.block_bytes is None and not planned.fits
             and planned.needs.activation_peak * LADDER_GATE < options.device_bytes):
@@ -141,8 +138,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
                 continue
             finer = _plan(parts, block, planned.won)
             rungs.extend(finer.tried)
-            finer = _refine_room(finer, options, known_bound(rungs, parts.profile),
-                                 planned.trials.best().simulation.makespan_s)
+            finer = rooms.refine_room(finer, options, known_bound(rungs, parts.profile),
+                                      planned.trials.best().simulation.makespan_s)
             best = planned.trials.best().simulation.makespan_s
             if finer.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
                 planned = finer
@@ -150,9 +147,9 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         planned = _halve_blocks(parts, planned, rungs, rivals)
     if not planned.fits:
         planned = _stream_blocks(parts, planned, rungs, rivals)
-        planned, coarse, won = _refine_rooms(planned, rivals, options,
-                                             known_bound(rungs, parts.profile))
-        _prefetch_trials(planned, known_bound(rungs, parts.profile), coarse)
+        planned, coarse, won = rooms.refine_rooms(planned, rivals, options,
+                                                  known_bound(rungs, parts.profile))
+        rooms.prefetch_trials(planned, known_bound(rungs, parts.profile), coarse)
         if planned.trials.best().resident == coarse.resident:  # a trial of it won after all
             planned = planned._replace(won=won)
         planned = _drain_behind(parts, planned, rungs, rivals)
@@ -171,7 +168,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         tiered.simulation.makespan_s > best.simulation.makespan_s * (1 + search.AUTO_TOLERANCE))
     if disk_binds and planned.paced and not best.on_host:  # (a placement's sets leave out the
         # blocks its host tasks read: `host_search`)
-        planned, best, tiered = _climb_tiers(planned, best, tiered, rivals, options)
+        planned, best, tiered = rooms.climb_tiers(planned, best, tiered, rivals, options)
         tg, trials = planned.tg, planned.trials
     if tiered.choice.disk_bytes and planned.needs.kv_bytes:
         tiered, best = weights_first_tiered(trials, best, tiered, options.device_bytes,
@@ -195,35 +192,9 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
                     tiered.simulation)
 
 
-#: The room of a plan below this share of the problem's bound is refined (`_refine_room`): the
-#: planner's target efficiency; above it a finer room gains a percent or two at several
-#: lowerings
-REFINE_BELOW = 0.95
-#: The room deferred writes claim in `_prefetch_trials` (`lowering.CLAIM_SHARE` elsewhere)
-PREFETCH_CLAIM = 1.0
 
-
-class _Won(NamedTuple):
-    """What won a partition's search: a paced resident set leaving the pass `share` of the
-    budget as room beside its activation peak (the coarse grid's measure; a share the fine
-    grid won at is kept in it, as 0 where that room is less than the outputs take), or
-    (None) the policy's own set or every weight."""
-    share: float | None
-
-
-class _Planned(NamedTuple):
-    tg: TaskGraph
-    needs: PassNeeds
-    fits: bool            # everything stays on the device: nothing streams
-    trials: search.Trials
-    rung: Rung
-    won: _Won             # which resident set won its search
-    tried: tuple[Rung, ...] = ()  # its rung, and its other order's where that was tried
-    paced: bool = True    # the policy's residency leaves room: paced sets are candidates
-
-
-def _halve_blocks(parts: Partitions, planned: "_Planned", rungs: list[Rung],
-                  rivals: list["_Planned"]) -> "_Planned":
+def _halve_blocks(parts: Partitions, planned: "rooms.Planned", rungs: list[Rung],
+                  rivals: list["rooms.Planned"]) -> "rooms.Planned":
     """A streaming pass whose activations are too large for the ladder (a prefill): its blocks
     halved (HALVINGS times at most, while each gains makespan), the faster plan kept. Streaming
     a block needs room for it in flight beside the resident weights, and the largest blocks set
@@ -264,8 +235,8 @@ def _halve_blocks(parts: Partitions, planned: "_Planned", rungs: list[Rung],
     return planned
 
 
-def _stream_blocks(parts: Partitions, planned: "_Planned", rungs: list[Rung],
-                   rivals: list["_Planned"]) -> "_Planned":
+def _stream_blocks(parts: Partitions, planned: "rooms.Planned", rungs: list[Rung],
+                   rivals: list["rooms.Planned"]) -> "rooms.Planned":
     """Where the link binds the best plan, the same partition with its reused weights (a
     prefill's projections) cut into blocks of at most 1/WEIGHT_BLOCK_SHARE of its working sets
     (`cuts.cap_streamed_weights`), tried with what won (`coarser`, `alone`: the winner's room,
@@ -316,10 +287,10 @@ def _read_apart(tg: TaskGraph, order: list[int]) -> bool:
     return False
 
 
-def _plan(parts: Partitions, block: int, coarser: _Won | None = None,
+def _plan(parts: Partitions, block: int, coarser: rooms.Won | None = None,
           weight_block: int | None = None, unless_like: TaskGraph | None = None,
           alone: bool = False, by_weight: bool = False, drained: bool = False
-          ) -> _Planned | None:
+          ) -> rooms.Planned | None:
     """The partition for `block`-byte working sets (weights in blocks of at most `weight_block`
     bytes; ordered by weight block where `by_weight`, its rows drained behind compute where
     `drained`) with its resident set searched (or, given what won on a `coarser` partition of
@@ -349,10 +320,10 @@ def _plan(parts: Partitions, block: int, coarser: _Won | None = None,
     residency = policy.resident(tg, order, options.device_bytes, fits)
     trials = search.Trials(tg, order, _lower_options(options, policy, fits, seconds), profile,
                            options.progress)
-    won = _search(trials, options, needs, residency, seconds,
+    won = rooms.search_resident(trials, options, needs, residency, seconds,
                   max(rung.compute_s, rung.min_stream_bytes / profile.h2d_bandwidth), coarser,
                   alone)
-    planned = _Planned(tg, needs, fits, trials, rung, won, (rung,), residency.room > 0)
+    planned = rooms.Planned(tg, needs, fits, trials, rung, won, (rung,), residency.room > 0)
     if by_weight or drained or fits or not _read_apart(tg, order):
         return planned
     cut = parts.cut(block, weight_block, by_weight=True)
@@ -373,8 +344,8 @@ def _plan(parts: Partitions, block: int, coarser: _Won | None = None,
     return planned
 
 
-def _drain_behind(parts: Partitions, planned: _Planned, rungs: list[Rung],
-                  rivals: list[_Planned]) -> _Planned:
+def _drain_behind(parts: Partitions, planned: rooms.Planned, rungs: list[Rung],
+                  rivals: list[rooms.Planned]) -> rooms.Planned:
     """Where the plan's order ends in a write-back that bounds its pass (`drain.tail_seconds`
     of it above its rung's other terms by AUTO_TOLERANCE), the same partition with its rows
     drained behind compute (`drain.drained_order`) searched, and the faster plan kept.
@@ -430,281 +401,6 @@ def _lower_options(options: CompileOptions, policy: Policy, fits: bool,
                         pack_low=options.pack_low)
 
 
-def _search(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
-            residency: Residency, seconds: tuple[float, ...], bound_s: float,
-            coarser: _Won | None = None, alone: bool = False) -> _Won:
-    """The first plan with the policy's resident weights; if it spills activations or runs
-    below RESIDENT_SEARCH_BELOW of the partition's bound (`bound_s`), every weight (where they
-    fit) and paced resident sets leaving the pass more or less room beside its activation peak
-    (`search.search_room`), weighed by makespan; then the other look-ahead windows with the best
-    resident set. Given what won on a `coarser` partition of the same pass, only the policy's set
-    and that winner are tried instead of the search (a finer partition moves the optimum little,
-    and each probe is a lowering); `alone`: only that winner (a prefill's halved or weight-cut
-    partition, where the policy's set never won on the grid; on a decode step's finer rungs it
-    does), or the policy's set where that winner's set does not fit. A probe whose set leaves
-    the pass too little room is no candidate. Returns what won."""
-    tg = trials.tg
-    windows = search.windows(options.auto_lookahead, options.lookahead_seconds, sum(seconds),
-                             len(tg.tasks))
-    probes = _Probes(trials, needs, options, windows[0])
-    paced, shares = probes.run, probes.shares
-
-    if (coarser is not None and alone and coarser.share is not None and residency.room > 0
-            and paced(coarser.share) is not None):  # what won on the coarser partition, alone
-        return _finish(trials, windows, shares)
-    first = trials.run(residency.blocks, windows[0])
-    if coarser is not None:
-        if residency.room > 0 and coarser.share is not None:
-            paced(coarser.share)
-    elif residency.room > 0 and (
-            first.spill_bytes > 0
-            or bound_s < search.RESIDENT_SEARCH_BELOW * first.simulation.makespan_s):
-        # The resident weights crowd the activations (they spill) or the prefetch (compute
-        # waits), or the streaming starts late (no layer is resident before the first streamed
-        # one) or bunches up: weigh other resident sets against the streaming, by makespan.
-        everything = persistent_blocks(tg)
-        if needs.persistent_bytes + needs.max_working_set <= options.device_bytes:
-            trials.try_run(everything, windows[0])
-        # Paced resident sets (the streaming spread over the compute, the first blocks and
-        # the large ones resident) leaving the pass a share of the budget beside its peak.
-        search.search_room(paced, probes.bound)
-    return _finish(trials, windows, shares)
-
-
-class _Probes:
-    """The room search's points on one partition's trials: the paced resident set of each room
-    share (`resident.paced_at`, beside the activation peak, or with `written_back` beside the
-    peak of a pass that writes its outputs back), its trial with `window`, the share each tried
-    set came from, and a bound on each share's pass."""
-
-    def __init__(self, trials: search.Trials, needs: PassNeeds, options: CompileOptions,
-                 window: float | None, written_back: bool = False,
-                 knobs: search.Knobs = search.DEFAULT_KNOBS,
-                 sets: dict[float, frozenset] | None = None):
-        self.trials, self.needs, self.window, self.knobs = trials, needs, window, knobs
-        self.peak = needs.written_back_peak if written_back else needs.activation_peak
-        self.budget = options.device_bytes
-        self.compute = sum(trials.base.task_seconds)
-        self.guarded = guarded_shares(trials.tg, options.guarded_reload_share)
-        self.sets = {} if sets is None else sets    # room share -> its paced resident set
-        self.shares: dict[frozenset, float] = {}    # a tried set -> the room share it came from
-
-    def set(self, at: float) -> frozenset:
-        if at not in self.sets:
-            trials = self.trials
-            self.sets[at] = paced_at(trials.tg, trials.order, self.peak, self.budget, at,
-                                     trials.base.task_seconds)
-        return self.sets[at]
-
-    def run(self, at: float) -> search.Trial | None:
-        """The trial of `at`'s paced set; None where that set leaves the pass too little room
-        (a set with fewer blocks is another share's)."""
-        try:
-            trial = self.trials.run(self.set(at), self.window, exact=True, knobs=self.knobs)
-        except BudgetError:
-            return None
-        self.shares.setdefault(trial.resident, at)
-        return trial
-
-    def bound(self, at: float) -> float:
-        """No plan of `at`'s set beats its compute or the link time of the persistent bytes
-        it leaves off the device (an expert copied only when chosen at its expected share)."""
-        return max(self.compute, streamed_bytes(self.trials.tg, self.set(at), self.guarded)
-                   / self.trials.profile.h2d_bandwidth)
-
-
-def _refine_room(planned: _Planned, options: CompileOptions, bound_s: float,
-                 best_s: float = math.inf) -> _Planned:
-    """The winning partition's room (and each decode ladder rung's, before the ladder weighs
-    it: llama-7b decode B=8 at 16 GB wins on its 65.7 MB rung at 0.005 of the budget, 16.82 ms,
-    where the 32.8 MB rung ran 17.40) refined on the finer grid (`search.FINE_ROOM_SHARES`),
-    its rooms beside the peak of a pass that writes its outputs back (`_Probes`'s
-    `written_back`: the coarse grid counts them to the pass's end, so a room smaller than the
-    KV rows a prefill writes was out of its reach: llama-13b at 12 GB 316.7 -> 309.1 ms,
-    llama3.2-3b B=4 at 3.3 GB 277.8 -> 266.5 ms), climbing from what won (from the room the
-    policy's set leaves, where that won), with the winner's look-ahead window: the coarse
-    grid's points are 2-5% of the budget apart, and where the pass turns on a few streamed
-    blocks in flight the best room lies between them
-    (llama3.1-8b prefill at 8 GB: 188.97 -> 185.87 ms; llama-7b decode B=1 at 14 GB: 0.0025,
-    16.12 -> 15.67 ms); climbed twice, with the blocks that stay packed from below and with
-    every block placed by stamp (`search.STAMPED`: that decode step 15.63 -> 15.41 ms). Only
-    where the plan runs below REFINE_BELOW of the problem's bound known so far (`bound_s`;
-    `best_s`: the best pass of another partition so far, on the ladder) and below
-    RESIDENT_SEARCH_BELOW of its partition's (each probe is a lowering; refined everywhere,
-    rows above the target gained up to 2% at up to 2.8x the compile time: mixtral-8x7b
-    prefill at 47 GB 0.952 -> 0.967, 2.95 -> 8.39 s). A probe whose set leaves the pass too
-    little room is no candidate; one whose bound cannot improve the climb is not lowered."""
-    trials, needs, rung = planned.trials, planned.needs, planned.rung
-    best = trials.best()
-    if not planned.paced:  # a policy that keeps nothing resident (lru) is compared as it is
-        return planned
-    own = max(rung.compute_s, rung.front_s, rung.tail_s,
-              rung.min_stream_bytes / trials.profile.h2d_bandwidth)
-    makespan = best.simulation.makespan_s
-    if (min(best_s, makespan) * REFINE_BELOW <= bound_s
-            or makespan * search.RESIDENT_SEARCH_BELOW <= own):
-        return planned  # within the target of the problem's bound, or near its partition's
-    start = _won_share(planned, best, options.device_bytes)
-    shares: dict[frozenset, float] = {}
-    sets: dict[float, frozenset] = {}  # (both climbs pace the same sets)
-    for knobs in (search.DEFAULT_KNOBS, search.STAMPED) if trials.base.pack_low else (
-            search.STAMPED,):
-        probes = _Probes(trials, needs, options, best.window, True, knobs, sets)
-        search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES,
-                           start=start)
-        shares = {**probes.shares, **shares}
-    winner = trials.best()
-    if winner is best or winner.resident not in shares:
-        return planned
-    return planned._replace(won=_Won(max(0.0, shares[winner.resident]
-                                         - needs.outputs_held / options.device_bytes)))
-
-
-#: Partitions that lost the coarse comparison by at most RIVAL_NEAR (at most RIVALS of them,
-#: the nearest first) have their rooms refined too, each from its own winner
-RIVAL_NEAR = 0.03
-RIVALS = 2
-
-
-def _refine_rooms(planned: _Planned, rivals: list[_Planned], options: CompileOptions,
-                  bound_s: float) -> tuple[_Planned, search.Trial, _Won]:
-    """The winning partition's room refined (`_refine_room`), and then, while the plan misses
-    REFINE_BELOW of the problem's bound (`bound_s`), the rooms of the partitions that lost to it
-    by at most RIVAL_NEAR before any room was refined (the nearest RIVALS first), each from its
-    own winner; the fastest kept (`rivals` left holding the others). Returns it, its best trial
-    before the refining (without its plan) and what won its coarse search. The partitions are
-    compared on their coarse grids, and the finer room moves them apart: llama3-8b prefill at 4
-    GB, its three partitions within 0.4% coarse (whole 266.0 ms, halved 265.5, capped 265.0),
-    refined 264.5, 256.1 and 258.0."""
-    def best_s(p: _Planned) -> float:
-        return p.trials.best().simulation.makespan_s
-
-    lead = best_s(planned)
-    near = sorted((k for k, p in enumerate(rivals) if best_s(p) <= lead * (1 + RIVAL_NEAR)),
-                  key=lambda k: best_s(rivals[k]))
-    coarse, won = search.without_plan(planned.trials.best()), planned.won
-    planned = _refine_room(planned, options, bound_s)
-    for k in near[:RIVALS]:
-        rival = rivals[k]
-        refined = _refine_room(rival, options, bound_s, best_s(planned))
-        if best_s(refined) < best_s(planned) * (1 - search.AUTO_TOLERANCE):
-            rivals[k] = planned
-            planned, coarse, won = refined, search.without_plan(rival.trials.best()), rival.won
-        else:
-            rivals[k] = refined
-    return planned, coarse, won
-
-
-#: Where the disk binds, the room is climbed by the tiered pass on the TIER_CLIMBS partitions
-#: whose best plans, tiered as they are, run fastest (`_climb_tiers`)
-TIER_CLIMBS = 2
-
-
-def _climb_tiers(planned: _Planned, best: search.Trial, tiered: Tiered,
-                 rivals: list[_Planned], options: CompileOptions
-                 ) -> tuple[_Planned, search.Trial, Tiered]:
-    """Where the host budget sends weights to disk and the disk binds the pass: every partition
-    planned (the winner, `best` tiered as `tiered`, and its `rivals`) tiered with its best plan,
-    the room climbed by the tiered pass (`tier_room.climb_tiered`) on the TIER_CLIMBS fastest,
-    and the fastest tiered plan kept with its partition. The disk weighs partitions apart from
-    the device: a disk read needs a staging buffer, two of the largest block at least, and
-    every staging byte is a weight byte read from disk, while the device pass hides behind the
-    disk whatever it costs. llama-7b prefill at 4 GB with an 8 GB host: its halved partition
-    wins on the device (204 ms), reads 3.21 GB from disk beside 172 MB of staging and runs 1083
-    ms; the same partition with its weights capped at 14 MB blocks reads 2.89 GB beside 21 MB
-    and runs 998 ms. (Climbed, a partition gains 1-24% on the grid's disk rows; tiered
-    unclimbed, the coarse partition was the slowest in every row and never won.)"""
-    tiers = [(tiered, planned, best)]
-    for rival in rivals:
-        plan = rival.trials.best()
-        if rival.paced and not plan.on_host and plan.memgraph is not None:
-            try:
-                tiers.append((place_tiers(plan.memgraph, plan.simulation, options.host_bytes,
-                                          rival.trials.profile), rival, plan))
-            except BudgetError:  # its host needs do not fit
-                pass
-    tiers.sort(key=lambda t: t[0].simulation.makespan_s)
-    chosen = (planned, best, tiered)
-    for tiered, rival, plan in tiers[:TIER_CLIMBS]:
-        probes = _Probes(rival.trials, rival.needs, options, plan.window, written_back=True)
-        tiered, plan = climb_tiered(
-            rival.trials, plan, tiered, _won_share(rival, plan, options.device_bytes),
-            probes.set, lambda at: streamed_bytes(rival.tg, probes.set(at), probes.guarded),
-            options.host_bytes)
-        if tiered.simulation.makespan_s < chosen[2].simulation.makespan_s * (
-                1 - search.AUTO_TOLERANCE):
-            chosen = (rival, plan, tiered)
-    return chosen
-
-
-def _won_share(planned: _Planned, best: search.Trial, budget: int) -> float:
-    """The point of the fine room grid (`search.FINE_ROOM_SHARES`, beside the written-back
-    peak) nearest the room `best`'s resident set leaves: the share it won at, or (the policy's
-    own set, or every weight) the budget its set and that peak leave."""
-    share = planned.won.share
-    if share is not None:
-        share += planned.needs.outputs_held / budget
-    else:
-        kept = sum(aligned(planned.tg.blocks[b].bytes) for b in best.resident)
-        share = max(0.0, (budget - planned.needs.written_back_peak - kept) / budget)
-    return min(search.FINE_ROOM_SHARES, key=lambda at: (abs(at - share), at))
-
-
-def _prefetch_trials(planned: _Planned, bound_s: float, coarse: search.Trial) -> None:
-    """Where the best plan misses REFINE_BELOW of the problem's bound (`bound_s`) and its
-    compute waits on reloads while the link has time to spare, its prefetch lacks room: its
-    resident set and window are lowered again with room made for it, as more trials. The
-    writes deferred claim PREFETCH_CLAIM of their bytes instead of `lowering.CLAIM_SHARE`
-    (llama-7b prefill at 1.7 GB: 249.3 -> 247.7 ms; where the link binds
-    the prefetch takes room those writes then need: llama3.1-8b at 8 GB 185.9 -> 192.0 ms with
-    every plan at 1.0); and where some persistent block is read by stages far apart (a tied
-    table: gathered first, read again by the logits), the allocation horizon may let such blocks
-    go for its prefetch (`LowerOptions.evict_ahead`; they stream again later), with either claim.
-    llama3.2-1b prefill at 310 MB held 180 MB of its table through the pass: 93.2 -> 76.5 ms
-    evicting ahead, 70.8 ms with the smaller claim too; where the link binds, the bytes streamed
-    again cost more than the room saves (llama3.2-3b B=4 at 3.3 GB: 0.5% slower). The coarse
-    search's winner (`coarse`) is tried so too where the fine room refined another set: the
-    refined one may gain less from it (llama3.2-1b at 310 MB: 78.5 ms against 70.8)."""
-    trials = planned.trials
-    best = trials.best()
-    if (best.knobs.evict_ahead or best.knobs.claim_share is not None
-            or best.simulation.makespan_s * REFINE_BELOW <= bound_s):
-        return
-    variants = [(False, PREFETCH_CLAIM)]
-    if _read_stages_apart(planned.tg):
-        variants += [(True, None), (True, PREFETCH_CLAIM)]
-    for plan in (best, coarse) if coarse.resident != best.resident else (best,):
-        sim = plan.simulation
-        if (sim.stall_h2d_s <= search.AUTO_TOLERANCE * sim.makespan_s
-                or sim.h2d_s >= (1 - search.AUTO_TOLERANCE) * sim.makespan_s):
-            continue
-        for ahead, claim in variants:
-            try:
-                trials.run(plan.resident, plan.window, exact=True,
-                           knobs=replace(plan.knobs, evict_ahead=ahead, claim_share=claim))
-            except BudgetError:
-                pass
-
-
-def _read_stages_apart(tg: TaskGraph) -> bool:
-    """Whether some persistent block is read by tasks two stages apart or more."""
-    stages: dict[int, tuple[int, int]] = {}
-    blocks = tg.blocks
-    for t in tg.tasks:
-        for b in t.reads:
-            if blocks[b].role in PERSISTENT_ROLES:
-                lo, hi = stages.get(b, (t.stage, t.stage))
-                stages[b] = (min(lo, t.stage), max(hi, t.stage))
-    return any(hi - lo >= 2 for lo, hi in stages.values())
-
-
-def _finish(trials: search.Trials, windows: list[float | None],
-            shares: dict[frozenset, float]) -> _Won:
-    """The other look-ahead windows with the best resident set; what won."""
-    resident = trials.best().resident
-    for window in windows[1:]:
-        trials.run(resident, window)
-    return _Won(shares.get(trials.best().resident))
 
 
 def _default_lookahead(trials: search.Trials, best: search.Trial,
@@ -723,7 +419,7 @@ def _default_lookahead(trials: search.Trials, best: search.Trial,
     return reference.makespan_s if reference is not None else None
 
 
-def _figures(planned: _Planned, best: search.Trial, rungs: list[Rung],
+def _figures(planned: rooms.Planned, best: search.Trial, rungs: list[Rung],
              default_makespan: float | None, options: CompileOptions,
              elapsed: float) -> CompileFigures:
     tg, needs, trials = planned.tg, planned.needs, planned.trials

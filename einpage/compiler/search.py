@@ -36,7 +36,7 @@ ROOM_SHARES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45)
 ROOM_START = 0.05
 #: The most trials within AUTO_TOLERANCE of the best lowered again by stamp (`stamped_trials`)
 STAMPED_TRIALS = 3
-#: The finer grid the winning partition's room is refined on (`driver._refine_room`): where a
+#: The finer grid the winning partition's room is refined on (`rooms.refine_room`): where a
 #: few streamed blocks in flight decide the pass, the best room lies between the coarse points
 #: (llama3.1-8b prefill at 8 GB: 0.01; llama-7b decode B=1 at 14 GB: 0.0025)
 FINE_ROOM_SHARES = (0.0, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,

@@ -1,7 +1,7 @@
 """The room search weighed by the tiered pass, where the host budget sends blocks to disk.
 
-The resident search (`driver._search`, `driver._refine_room`) weighs each resident set by the
-device pass alone: more resident bytes stream fewer, but leave the prefetch less room, and on
+The resident search (`rooms.search_resident`, `rooms.refine_room`) weighs each resident set by
+the device pass alone: more resident bytes stream fewer, but leave the prefetch less room, and on
 the device the best room is where those balance. When the host budget cannot hold every
 streamed block, the disk reads them (`tiers.place_tiers`), and the disk is an order of
 magnitude slower than the link: each resident byte more is a byte fewer read from disk, and the
