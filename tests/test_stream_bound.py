@@ -1,8 +1,8 @@
-"""The problem's stream bound (`resident.min_stream_bytes`) against every plan the compiler can
-make of small graphs: every resident set, several topological orders and budgets, each lowered;
-no plan copies fewer bytes host->device than the bound says any plan must. A table read at both
-ends of the pass (tied embeddings) and larger than the room must cross twice, which the bound
-counts."""
+"""The problem's stream bound (`resident.min_stream_bytes`, `resident.min_stream_copies`)
+against every plan the compiler can make of small graphs: every resident set, several
+topological orders and budgets, each lowered; no plan copies fewer bytes host->device, nor in
+fewer copies, than the bounds say any plan must. A table read at both ends of the pass (tied
+embeddings) and larger than the room must cross twice, which the bound counts."""
 from __future__ import annotations
 
 import itertools
@@ -16,7 +16,7 @@ from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.policies import get_policy
 from einpage.compiler.resident import (front_seconds, least_disk_bytes, min_stream_bytes,
-                                       produced_peak)
+                                       min_stream_copies, produced_peak)
 from einpage.compiler.tiers import place_tiers
 from einpage.predict import simulate
 from einpage.predict.cost import task_seconds
@@ -91,17 +91,20 @@ def test_no_plan_copies_less_than_the_bound(make, block):
     persistent = [b.id for b in tg.input_blocks if b.role in PERSISTENT_ROLES]
     assert 3 <= len(persistent) <= 8
     weights = sum(tg.blocks[b].bytes for b in persistent)
-    lowered = tighter = 0
+    lowered = tighter = counted = 0
     for order in _orders(tg, 6):
         peak = produced_peak(tg, order, outputs_stay=False, size=int)
         for budget in (weights // 4, weights // 2, weights):
             bound = min_stream_bytes(tg, order, budget)
+            copies = min_stream_copies(tg, order, budget)
             # the bound this replaced: every persistent byte once, beside the activations' peak
             tighter += bound > max(0, weights + peak - budget)
+            counted += copies >= 1
             for kept, mg in _every_plan(tg, order, budget, persistent):
                 lowered += 1
                 assert _copied(mg) >= bound, (order, budget, kept)
-    assert lowered > 100
+                assert mg.count("reload") >= copies, (order, budget, kept)
+    assert lowered > 100 and counted
     if make is _tied:
         assert tighter  # the table, larger than the budget, crosses twice: the bound says so
 
@@ -226,3 +229,26 @@ def test_the_front_term_binds_a_compile_and_not_a_saved_plan_priced_again():
     again = PlanReport.of_plan(compiled.memgraph, None, simulate(compiled.memgraph, faster),
                                None, faster)
     assert again.bound.front_s == 0 and again.efficiency <= 1
+
+
+def test_the_stream_term_pays_each_copy_its_latency():
+    """The problem's stream term is its bytes over the link plus its least copies at the link's
+    latency (`resident.min_stream_copies`); the plan's own bound counts a copy per tensor it
+    streams, so it is never below the problem's; a saved plan keeps the count in its meta."""
+    from einpage.compiler import CompileOptions, compile_graph
+    from einpage.compiler.report import PlanReport
+    from einpage.models import config, llama
+    profile = get_device("h100-pcie")
+    cfg = config.preset("small")
+    compiled = compile_graph(llama.prefill_graph(cfg).bind(B=1, S=64),
+                             CompileOptions(cfg.weight_bytes() // 3))
+    bound, report = compiled.report.bound, compiled.report
+    assert bound.stream_copies >= 1
+    assert bound.stream_s == pytest.approx(bound.stream_bytes / profile.h2d_bandwidth
+                                           + bound.stream_copies * profile.copy_latency)
+    assert report.plan_bound_s >= bound.seconds * (1 - 1e-9)
+    assert compiled.simulation.lower_bound_s >= bound.stream_s * (1 - 1e-9)
+    mg = compiled.memgraph
+    assert mg.meta["min_stream_copies"] == bound.stream_copies
+    again = PlanReport.of_plan(mg, None, compiled.simulation, None, profile)
+    assert again.bound.stream_s == pytest.approx(bound.stream_s)

@@ -132,6 +132,8 @@ def _time_lines(r: PlanReport) -> list[str]:
     if b is not None:
         disk = (f"; {_gb(b.disk_bytes)} of them that the host budget cannot hold, read from "
                 f"disk: {_secs(b.disk_s)}" if b.disk_bytes else "")
+        copies = (f" in at least {b.stream_copies:.0f} copies" if b.stream_copies >= 1
+                  else "")
         if b.front_s > b.steady_s:
             disk += (f"; the first bytes its tasks read, over the link before them, then the "
                      f"compute after them: {_secs(b.front_s)}")
@@ -141,7 +143,8 @@ def _time_lines(r: PlanReport) -> list[str]:
                      f"{_secs(b.tail_s)}")
         lines.append(f"  lower bound for any plan at this budget: {_secs(b.seconds)} (the most of "
                      f"compute {_secs(b.compute_s)}; {_gb(b.stream_bytes)} that no plan can keep "
-                     f"on the device, over the host->device link: {_secs(b.stream_s)}{disk}); "
+                     f"on the device, over the host->device link{copies}: {_secs(b.stream_s)}"
+                     f"{disk}); "
                      f"efficiency {r.efficiency:.3f} (bound / predicted time)")
     else:
         lines.append("  lower bound for any plan at this budget: unknown (the plan file does not "

@@ -162,7 +162,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         rungs = [planned.rung._replace(
             min_stream_bytes=best.simulation.h2d_min_bytes,
             compute_s=max(best.simulation.compute_s, best.simulation.host_s), front_s=0.0,
-            tail_s=0.0)]
+            tail_s=0.0, min_stream_copies=0.0)]
     tiered = place_tiers(best.memgraph, best.simulation, options.host_bytes, trials.profile)
     disk_binds = tiered.choice.disk_bytes and (
         tiered.simulation.makespan_s > best.simulation.makespan_s * (1 + search.AUTO_TOLERANCE))
@@ -181,6 +181,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             "tasks": figures.tasks, "resident_bytes": figures.resident_bytes,
             "min_stream_bytes": figures.min_stream_bytes,
             "min_disk_bytes": figures.min_disk_bytes,
+            "min_stream_copies": figures.min_stream_copies,
             "weight_bytes": figures.weight_bytes, "kv_bytes": figures.kv_bytes,
             "kv_resident_bytes": figures.kv_resident_bytes, **tiered.choice.to_json(),
             **options.workload}
@@ -451,7 +452,8 @@ def _figures(planned: rooms.Planned, best: search.Trial, rungs: list[Rung],
         lookahead=lookahead(best.window), lookahead_makespan_s=best.simulation.makespan_s,
         default_lookahead_makespan_s=default_makespan,
         trials=summaries, weight_formats=_weight_formats(tg),
-        min_disk_bytes=min(r.min_disk_bytes for r in rungs))
+        min_disk_bytes=min(r.min_disk_bytes for r in rungs),
+        min_stream_copies=min(r.min_stream_copies for r in rungs))
 
 
 def _weight_formats(tg: TaskGraph) -> tuple[tuple[str, int], ...]:

@@ -98,6 +98,9 @@ class CompileFigures:
     #: no plan is faster than its outputs' write-back after the tasks that finish them
     #: (`drain.tail_seconds`; the least over the partitions and orders tried)
     min_tail_s: float = 0.0
+    #: no plan copies host->device in fewer copies (`resident.min_stream_copies`; the least over
+    #: the partitions tried): each pays the link's latency besides its bytes
+    min_stream_copies: float = 0.0
 
     @property
     def min_budget_bytes(self) -> int:
@@ -109,7 +112,7 @@ class CompileFigures:
 class ProblemBound:
     """The least time any plan of this problem (graph, budgets, device) can take per pass: the
     least compute time; the bytes no plan can avoid copying host->device (`stream_bytes`) over
-    the link's bandwidth; and of those, the bytes that a host budget of `host_bytes` cannot hold
+    the link's bandwidth, and the copies no plan can avoid (`stream_copies`) at its latency; and of those, the bytes that a host budget of `host_bytes` cannot hold
     (they must be read from disk) over the disk's bandwidth; the persistent bytes its tasks
     read first, over the link before those tasks, and the compute from them to the end
     (`front_s`, `resident.front_seconds`); the outputs' write-back after the tasks that finish
@@ -123,6 +126,7 @@ class ProblemBound:
     disk_s: float = 0.0
     front_s: float = 0.0  # the first bytes over the link, then the compute after them
     tail_s: float = 0.0   # the compute to the outputs' last writers, then their write-back
+    stream_copies: float = 0.0  # the fewest host->device copies (in `stream_s` at the latency)
 
     @property
     def seconds(self) -> float:
@@ -140,15 +144,19 @@ class ProblemBound:
     @staticmethod
     def of(compute_s: float, stream_bytes: int, profile,
            host_bytes: int | None = None, least_disk: int = 0,
-           front_s: float = 0.0, tail_s: float = 0.0) -> "ProblemBound":
+           front_s: float = 0.0, tail_s: float = 0.0,
+           stream_copies: float = 0.0) -> "ProblemBound":
         """`least_disk`: the bytes no plan can hold on the device and the host together (their
         outputs counted, `resident.least_disk_bytes`), which the disk supplies whatever the
         link does."""
         disk = (max(0, stream_bytes - host_bytes, least_disk) if isinstance(host_bytes, int)
                 else 0)
         disk_bw = getattr(profile, "disk_bandwidth", None)
-        return ProblemBound(compute_s, stream_bytes, stream_bytes / profile.h2d_bandwidth,
-                            disk, disk / disk_bw if disk and disk_bw else 0.0, front_s, tail_s)
+        stream_s = (stream_bytes / profile.h2d_bandwidth
+                    + stream_copies * getattr(profile, "copy_latency", 0.0))
+        return ProblemBound(compute_s, stream_bytes, stream_s, disk,
+                            disk / disk_bw if disk and disk_bw else 0.0, front_s, tail_s,
+                            stream_copies)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +225,11 @@ class PlanReport:
         # on another (`einpage inspect --device`) keeps the terms it can price again
         front = compiled.min_front_s if compiled else 0.0
         tail = compiled.min_tail_s if compiled else 0.0
+        copies = (compiled.min_stream_copies if compiled
+                  else mg.meta.get("min_stream_copies", 0.0))
         bound = (ProblemBound.of(compute, stream, profile, mg.meta.get("host_bytes"),
-                                 disk if isinstance(disk, int) else 0, front, tail)
+                                 disk if isinstance(disk, int) else 0, front, tail,
+                                 copies if isinstance(copies, (int, float)) else 0.0)
                  if isinstance(stream, int) and profile is not None else None)
         return PlanReport(mg.device_bytes, len(mg.nodes), len(mg.tensors),
                           valid.peak_bytes if valid else mg.high_water(),
@@ -296,6 +307,7 @@ class PlanReport:
                    efficiency=round(self.efficiency, 4) if b else None,
                    lower_bound_compute_s=b.compute_s if b else None,
                    lower_bound_stream_s=b.stream_s if b else None,
+                   lower_bound_stream_copies=b.stream_copies if b else None,
                    lower_bound_disk_s=b.disk_s if b else None,
                    lower_bound_front_s=b.front_s if b else None,
                    lower_bound_tail_s=b.tail_s if b else None)

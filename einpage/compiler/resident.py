@@ -104,7 +104,8 @@ def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> Pa
                              default=0))
 
 
-def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int) -> int:
+def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int,
+                     positions: list | None = None) -> int:
     """The fewest bytes that any plan of this taskgraph and order must copy host->device per pass
     under `device_bytes`, whatever its policy and resident choice (raw bytes; a lower bound).
 
@@ -130,46 +131,85 @@ def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int) -> int:
     A block whose reloads may be guarded (`taskgraph.reload_guards`: an expert's weights, copied
     only where the router chose it) crosses at its share s <= 1 in expectation: its values and
     savings are s and 2s. The bound is the largest over two positions: where A peaks, and where
-    A plus the spanning bytes peak."""
+    A plus the spanning bytes peak (`stream_positions`, or `positions` where the caller has
+    them)."""
+    bound = 0.0
+    for live, persistent, across in positions or stream_positions(tg, order):
+        items = [(1.0, sum(nbytes for nbytes in live))]
+        items += [(share * (2 if b in across else 1), nbytes) for b, nbytes, share in persistent]
+        bound = max(bound, _unsaved(items, device_bytes, lambda v, nb: v * nb))
+    return max(0, round(bound))
+
+
+def min_stream_copies(tg: TaskGraph, order: list[int], device_bytes: int,
+                      positions: list | None = None) -> float:
+    """The fewest host->device copies that any plan of this taskgraph and order must make per
+    pass under `device_bytes` (in expectation where reloads are guarded; a lower bound). Each
+    copy carries one block and pays the link's latency besides its bytes, so no pass streams in
+    less than `min_stream_bytes / bandwidth + min_stream_copies * latency`: the least of a sum is
+    at least the sum of the leasts.
+
+    The count of `min_stream_bytes`, by block instead of by byte: at a position p, a block of
+    A(p) not on the device at p comes back once (1 copy), a persistent block not resident
+    streams once (1; a spanning one not on the device at p twice: 2; each times its share where
+    guarded), and the blocks on the device at p (`device_bytes` in all) save at most their own
+    copies. The fractional knapsack by copies per byte (the smallest blocks first) bounds what
+    they save: a plan's blocks held at p are one of its choices. (`positions`: as
+    `min_stream_bytes`.)"""
+    bound = 0.0
+    for live, persistent, across in positions or stream_positions(tg, order):
+        items = [(1.0, nbytes) for nbytes in live]
+        items += [(share * (2 if b in across else 1), nbytes) for b, nbytes, share in persistent]
+        bound = max(bound, _unsaved(items, device_bytes, lambda v, nb: v))
+    return bound
+
+
+def stream_positions(tg: TaskGraph, order: list[int]) -> list:
+    """For the two positions p of the stream bounds (where the produced bytes live peak, and
+    where they and the persistent bytes spanning p do): (the bytes of each produced block live
+    at p, every persistent block read as (block, bytes, share), the persistent blocks spanning
+    p)."""
     n = len(order)
+    if n == 0:
+        return []
     first, last = touches(tg, order)
     shares = {b: key[2] for b, key in reload_guards(tg).items()}
     persistent = [(b.id, b.bytes, shares.get(b.id, 1.0)) for b in tg.input_blocks
                   if b.role in PERSISTENT_ROLES and b.id in first]
+    produced = [b for b in first if tg.blocks[b].source is None]
     live = [0] * (n + 1)   # produced bytes live at p
     span = [0.0] * (n + 1)  # expected bytes of the persistent blocks spanning p
-    for b, p in first.items():
-        blk = tg.blocks[b]
-        if blk.source is None:
-            live[p] += blk.bytes
-            live[last[b] + 1] -= blk.bytes
+    for b in produced:
+        live[first[b]] += tg.blocks[b].bytes
+        live[last[b] + 1] -= tg.blocks[b].bytes
     spanning = [(b, nbytes, share) for b, nbytes, share in persistent
                 if not tg.writers[b] and last[b] - first[b] >= 2]  # (a write may need no copy)
     for b, nbytes, share in spanning:
-            span[first[b] + 1] += share * nbytes
-            span[last[b]] -= share * nbytes
+        span[first[b] + 1] += share * nbytes
+        span[last[b]] -= share * nbytes
     for p in range(1, n + 1):
         live[p] += live[p - 1]
         span[p] += span[p - 1]
-    if n == 0:
-        return 0
     positions = {max(range(n), key=lambda p: live[p]),
                  max(range(n), key=lambda p: live[p] + span[p])}
-    bound = 0.0
-    for p in sorted(positions):
-        items = [(1.0, live[p])]
-        across = {b for b, _, _ in spanning if first[b] < p < last[b]}
-        for b, nbytes, share in persistent:
-            items.append((share * (2 if b in across else 1), nbytes))
-        total = sum(v * nb for v, nb in items)
-        room, saved = device_bytes, 0.0
-        for v, nb in sorted(items, reverse=True):
-            take = min(nb, room)
-            saved, room = saved + v * take, room - take
-            if room <= 0:
-                break
-        bound = max(bound, total - saved)
-    return max(0, round(bound))
+    return [([tg.blocks[b].bytes for b in produced if first[b] <= p <= last[b]], persistent,
+             {b for b, _, _ in spanning if first[b] < p < last[b]}) for p in sorted(positions)]
+
+
+def _unsaved(items: list[tuple[float, int]], room: int,
+             cost: Callable[[float, int], float]) -> float:
+    """The least total cost of `items` ((copies, bytes) each, costing `cost(copies, bytes)`
+    off the device) less what `room` bytes on the device save at most: the fractional knapsack,
+    the most saved per byte first."""
+    items = [it for it in items if it[1] > 0]  # (a block of no bytes is held for nothing)
+    total = sum(cost(v, nb) for v, nb in items)
+    saved = 0.0
+    for v, nb in sorted(items, key=lambda it: -cost(*it) / it[1]):
+        if room <= 0:
+            break
+        take = min(nb, room)
+        saved, room = saved + cost(v, nb) * take / nb, room - take
+    return total - saved
 
 
 def least_disk_bytes(tg: TaskGraph, order: list[int], device_bytes: int,

@@ -13,7 +13,8 @@ from einpage.compiler.drain import drained_order, tail_seconds
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.resident import (PassNeeds, front_seconds, front_waits, least_disk_bytes,
-                                       min_stream_bytes, pass_needs)
+                                       min_stream_bytes, min_stream_copies, pass_needs,
+                                       stream_positions)
 from einpage.ir.graph import Graph
 from einpage.ir.taskgraph import TaskGraph
 from einpage.predict.cost import task_seconds
@@ -25,9 +26,9 @@ if TYPE_CHECKING:
 
 class Rung(NamedTuple):
     """One partition tried (the coarse one, the ladder's, a halving) in one order, for the
-    problem's bound: what any plan of it must copy host->device (`resident.min_stream_bytes`),
-    its compute time (every plan of a taskgraph runs the same tasks), and its order's front and
-    tail terms."""
+    problem's bound: what any plan of it must copy host->device (`resident.min_stream_bytes`,
+    in at least `resident.min_stream_copies` copies), its compute time (every plan of a
+    taskgraph runs the same tasks), and its order's front and tail terms."""
     block: int
     max_working_set: int
     min_stream_bytes: int
@@ -41,6 +42,13 @@ class Rung(NamedTuple):
     drained: bool = False            # its rows drained behind compute (`driver._drain_behind`)
     #: `resident.least_disk_bytes`: what it must read from disk at the host budget
     min_disk_bytes: int = 0
+    #: `resident.min_stream_copies`: how many host->device copies any plan of it makes
+    min_stream_copies: float = 0.0
+
+    def stream_s(self, profile: DeviceProfile) -> float:
+        """No plan of it streams faster: its bytes over the link, and each copy's latency."""
+        return (self.min_stream_bytes / profile.h2d_bandwidth
+                + self.min_stream_copies * profile.copy_latency)
 
 
 class Cut(NamedTuple):
@@ -89,13 +97,16 @@ class Partitions:
             tail = min(tail_seconds(tg, o, seconds, options.device_bytes, profile.d2h_bandwidth,
                                     w) for o, w in zip(orders, waits))
             needs = pass_needs(tg, order)
+            positions = stream_positions(tg, order)
             rung = Rung(block, needs.max_working_set,
-                        min_stream_bytes(tg, order, options.device_bytes), sum(seconds),
+                        min_stream_bytes(tg, order, options.device_bytes, positions),
+                        sum(seconds),
                         front_seconds(tg, order, seconds, options.device_bytes,
                                       profile.h2d_bandwidth, waits[0]), weight_block, by_weight,
                         tail,
                         drained, least_disk_bytes(tg, order, options.device_bytes,
-                                                  options.host_bytes))
+                                                  options.host_bytes),
+                        min_stream_copies(tg, order, options.device_bytes, positions))
             self._made = {key: Cut(tg, order, needs, seconds, rung)}
         return self._made[key]
 
@@ -109,7 +120,9 @@ class Partitions:
 
 
 def known_bound(rungs: list[Rung], profile: DeviceProfile) -> float:
-    """The problem's bound over the rungs so far (device terms: compute, stream, front, tail)."""
+    """The problem's bound over the rungs so far (device terms: compute, stream, front, tail),
+    each term the least over the rungs (the stream term's bytes and copies each so)."""
     return max(min(r.compute_s for r in rungs), min(r.front_s for r in rungs),
                min(r.tail_s for r in rungs),
-               min(r.min_stream_bytes for r in rungs) / profile.h2d_bandwidth)
+               min(r.min_stream_bytes for r in rungs) / profile.h2d_bandwidth
+               + min(r.min_stream_copies for r in rungs) * profile.copy_latency)

@@ -8,12 +8,12 @@ every dependency has finished and its engine is free; `input` and `free` nodes t
 finish when their dependencies do). Durations come from `einpage.predict.cost`; a guarded reload (`ReloadGuard`)
 takes its expected share of its bytes' time, as a guarded apply its share of its op's.
 
-The lower bound for the same graph is `max(compute, host compute, min h2d bytes / h2d bandwidth,
-d2h bytes / d2h bandwidth, min disk bytes / disk bandwidth)`, where the minimum host->device bytes count each
-tensor that starts on the host (or the disk) and is needed on the device once (a weight block
-that does not stay resident, the token ids; a block whose every reload is guarded at its
-expected share), and the minimum disk bytes each tensor at disk that
-is read, once.
+The lower bound for the same graph is `max(compute, host compute, min h2d bytes / h2d bandwidth
++ min h2d copies * copy latency, d2h bytes / d2h bandwidth, min disk bytes / disk bandwidth)`,
+where the minimum host->device bytes count each tensor that starts on the host (or the disk)
+and is needed on the device once (a weight block that does not stay resident, the token ids; a
+block whose every reload is guarded at its expected share), the minimum copies one per such
+tensor, and the minimum disk bytes each tensor at disk that is read, once.
 Efficiency is lower bound / makespan.
 
 A program of one rank of several also runs its sends, in order, on a sixth engine, the link to
@@ -125,12 +125,24 @@ def min_h2d_bytes(mg: MemGraph) -> int:
     """Bytes that must cross host->device once per pass: every tensor that starts on the host
     and is reloaded at least once, counted once; one whose every reload is guarded at its
     expected share (a pass copies it only where its guard is on)."""
+    return round(sum(_least_reloads(mg).values()))
+
+
+def min_h2d_copies(mg: MemGraph) -> int:
+    """Copies that must cross host->device once per pass, each paying the link's latency (a
+    guarded one too: `node_seconds` prices its expected bytes and the whole latency): one per
+    tensor of `min_h2d_bytes`."""
+    return len(_least_reloads(mg))
+
+
+def _least_reloads(mg: MemGraph) -> dict[int, float]:
+    """{tensor starting on the host and reloaded: the most bytes a reload of it moves}."""
     at_host = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at in ("host", "disk")}
     least: dict[int, float] = {}
     for n in mg.nodes:
         if n.kind == "reload" and n.tensor in at_host:
             least[n.tensor] = max(least.get(n.tensor, 0.0), moved_bytes(mg, n))
-    return round(sum(least.values()))
+    return least
 
 
 def min_disk_bytes(mg: MemGraph) -> int:
@@ -215,7 +227,8 @@ class _Run:
         makespan = max(self.end, default=origin) - origin
         h2d_min = min_h2d_bytes(mg)
         disk_min = min_disk_bytes(mg)
-        lower = max(busy["compute"], busy["host"], h2d_min / profile.h2d_bandwidth,
+        lower = max(busy["compute"], busy["host"], h2d_min / profile.h2d_bandwidth
+                    + min_h2d_copies(mg) * profile.copy_latency,
                     self.d2h_bytes / profile.d2h_bandwidth, disk_min / profile.disk_bandwidth)
         return Simulation(profile.name, tuple(self.start), tuple(self.end), tuple(self.engine),
                           makespan, busy["compute"], busy["h2d"], busy["d2h"], self.stall,
