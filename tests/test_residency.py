@@ -348,8 +348,9 @@ def test_the_winning_room_is_refined_on_a_finer_grid(monkeypatch):
 
 def test_the_nearest_partitions_are_refined_too(monkeypatch):
     """llama3-8b prefill at 4 GB: its three partitions run within 0.4% of each other on the
-    coarse grid (266.0, 265.5, 265.0 ms); refined, the whole partition gives 264.5 ms, the
-    halved one 256.1 (`rooms.refine_rooms`)."""
+    coarse grid (whole 266.0, halved 265.5, capped 265.0 ms); refined, the whole partition
+    gives 264.5 ms, the capped one 258.0 (`rooms.refine_rooms`; the halved one, 256.1 refined,
+    is not refined then: 258.0 ms is within REFINE_BELOW of the bound)."""
     from einpage.compiler import rooms
     from einpage.models import resolve
     from einpage.models.llama import prefill_graph
@@ -359,7 +360,7 @@ def test_the_nearest_partitions_are_refined_too(monkeypatch):
     rivals = compile_graph(graph, options).simulation.makespan_s
     monkeypatch.setattr(rooms, "RIVALS", 0)
     alone = compile_graph(graph, options).simulation.makespan_s
-    assert rivals < 0.975 * alone and rivals < 0.2575
+    assert rivals < 0.98 * alone and rivals < 0.2585
 
 
 def test_rivals_are_refined_nearest_first_and_the_fastest_kept(monkeypatch):

@@ -154,7 +154,8 @@ def _time_lines(r: PlanReport) -> list[str]:
                                          > r.bound.front_s else "front") + " term, which is more"
              if r.plan_bound_s > sim.lower_bound_s else "")
     lines.append(f"  this plan's own bound: {_secs(r.plan_bound_s)} (its compute, and each "
-                 f"byte it streams moved once: {_gb(sim.h2d_min_bytes)} host->device"
+                 f"block it streams moved once, a copy each: {_gb(sim.h2d_min_bytes)} "
+                 f"host->device"
                  + (f", {_gb(disk)} from disk" if disk else "") + front
                  + f"); plan efficiency {r.plan_efficiency:.3f}")
     return lines
