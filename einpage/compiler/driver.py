@@ -89,8 +89,8 @@ LADDER_GATE = 16
 HALVINGS = 1
 MIN_BLOCK = 1 << 20
 #: A streaming pass that the link binds also tries its weights cut into blocks of at most
-#: 1/WEIGHT_BLOCK_SHARE of its partition's working sets (`_stream_blocks`)
-WEIGHT_BLOCK_SHARE = 16
+#: 1/WEIGHT_BLOCK_SHARES of its partition's working sets, each (`_stream_blocks`)
+WEIGHT_BLOCK_SHARES = (8, 16)
 #: ... and one that compute binds, where its compute waits on the link for more than
 #: STALL_GATE of its pass (each large block copied whole just before its readers: qwen2.5-7b
 #: B=16 at 1.9 GB waits 2 ms on each 136 MB feed-forward matrix, 110 ms in all), to
@@ -239,33 +239,39 @@ def _halve_blocks(parts: Partitions, planned: "rooms.Planned", rungs: list[Rung]
 def _stream_blocks(parts: Partitions, planned: "rooms.Planned", rungs: list[Rung],
                    rivals: list["rooms.Planned"]) -> "rooms.Planned":
     """Where the link binds the best plan, the same partition with its reused weights (a
-    prefill's projections) cut into blocks of at most 1/WEIGHT_BLOCK_SHARE of its working sets
-    (`cuts.cap_streamed_weights`), tried with what won (`coarser`, `alone`: the winner's room,
-    one lowering; the full search finds a little more at several times the compile time); the
-    faster plan kept. Each streamed block holds room while it is copied and
-    read, beside the resident weights and the activations: the smaller the blocks, the more
-    weights stay resident and the fewer bytes stream. llama3.1-8b prefill at 8 GB reads its
-    117 MB feed-forward matrices whole at 500 MB working sets and streams 9.33 GB (0.193 s); cut
-    to 31 MB blocks it streams 9.28 GB (0.189 s; 0.185 s with the full search). Where compute
-    binds, smaller tasks only cost more (llama3.2-1b prefill at 310 MB with every partition
-    capped: 0.098 -> 0.145 s), unless the compute waits on the link (STALL_GATE): then the cap
-    is 1/STALLED_BLOCK_SHARE. The capped partition is a rung of the problem's bound beside the
+    prefill's projections) cut into blocks of at most 1/8 and 1/16 of its working sets
+    (`WEIGHT_BLOCK_SHARES`, `cuts.cap_streamed_weights`), each tried with what won (`coarser`,
+    `alone`: the winner's room, one lowering; the full search finds a little more at several
+    times the compile time); the fastest plan kept, the others as `rivals`. Each streamed
+    block holds room while it is copied and read, beside the resident weights and the
+    activations: the smaller the blocks, the more weights stay resident and the fewer bytes
+    stream, but each copy pays the link's latency. llama3.1-8b prefill at 8 GB reads its 117
+    MB feed-forward matrices whole at 500 MB working sets and streams 9.33 GB (0.193 s); cut to
+    31 MB blocks it streams 9.28 GB (0.189 s; 0.185 s with the full search). qwen2.5-7b at 3.8
+    GB: 244.4 ms at 1/8 (57 MB blocks), 247.2 ms at 1/16 with 837 copies; a pass whose disk
+    binds wants the small blocks (its staging buffers hold two of the largest: llama-7b at 4
+    GB with an 8 GB host, 998 ms at 1/16, 1008 ms at 1/8). Where compute binds, smaller tasks
+    only cost more (llama3.2-1b prefill at 310 MB with every partition capped: 0.098 -> 0.145
+    s), unless the compute waits on the link (STALL_GATE): then the cap is
+    1/STALLED_BLOCK_SHARE. Each capped partition is a rung of the problem's bound beside the
     uncapped one, so the bound never rises by it."""
     sim = planned.trials.best().simulation
-    block = planned.rung.block
-    share = (WEIGHT_BLOCK_SHARE if sim.h2d_s > sim.compute_s else
-             STALLED_BLOCK_SHARE if sim.stall_h2d_s > STALL_GATE * sim.makespan_s else None)
-    if share is None or largest_reused_weight(parts.graph) <= block // share:
-        return planned  # (a decode step reuses no weight enough: no partition to build)
-    capped = _plan(parts, block, planned.won, weight_block=block // share,
-                   unless_like=planned.tg, alone=True)
-    if capped is None:  # its weights were cut below the cap already: the same partition
-        return planned
-    rungs.extend(capped.tried)
-    best = sim.makespan_s
-    if capped.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
-        planned, capped = capped, planned
-    rivals.append(capped)
+    block, won, tried = planned.rung.block, planned.won, [planned.tg]
+    shares = (WEIGHT_BLOCK_SHARES if sim.h2d_s > sim.compute_s else
+              (STALLED_BLOCK_SHARE,) if sim.stall_h2d_s > STALL_GATE * sim.makespan_s else ())
+    for share in shares:
+        if largest_reused_weight(parts.graph) <= block // share:
+            continue  # (a decode step reuses no weight enough: no partition to build)
+        capped = _plan(parts, block, won, weight_block=block // share, unless_like=tried[-1],
+                       alone=True)
+        if capped is None:  # its weights were cut below the cap already: the same partition
+            continue
+        tried.append(capped.tg)
+        rungs.extend(capped.tried)
+        best = planned.trials.best().simulation.makespan_s
+        if capped.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
+            planned, capped = capped, planned
+        rivals.append(capped)
     return planned
 
 
