@@ -443,3 +443,23 @@ def test_the_weights_are_capped_by_what_binds_the_pass(monkeypatch):
         driver._stream_blocks(parts, planned(h2d, compute, stall), [], [])
     assert asked == [*driver.WEIGHT_BLOCK_SHARES, driver.STALLED_BLOCK_SHARE]
     assert 0.01 < driver.STALL_GATE < 0.05  # the cases straddle the gate
+
+
+def test_a_partition_that_cannot_beat_the_best_is_not_refined():
+    """`rooms.refine_room` lowers nothing where the partition's own bound (its compute, front,
+    tail and stream terms) cannot beat the best pass of another partition (`best_s`)."""
+    from einpage.compiler import driver, rooms
+    from einpage.compiler.rungs import Partitions
+    from einpage.models import config, llama
+    cfg = config.preset("small")
+    options = CompileOptions(cfg.weight_bytes() // 6, validate=False)
+    parts = Partitions(llama.prefill_graph(cfg).bind(B=1, S=64), options)
+    planned = driver._plan(parts, options.device_bytes // 8)
+    rung, lowered = planned.rung, len(planned.trials.items)
+    own = max(rung.compute_s, rung.front_s, rung.tail_s,
+              rung.min_stream_bytes / parts.profile.h2d_bandwidth)
+    assert planned.trials.best().simulation.makespan_s > 1.02 * own  # (else: near its own)
+    assert rooms.refine_room(planned, options, 0.0, own) is planned
+    assert len(planned.trials.items) == lowered
+    refined = rooms.refine_room(planned, options, 0.0)  # where it may: it climbs
+    assert len(refined.trials.items) > lowered
