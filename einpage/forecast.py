@@ -38,10 +38,12 @@ class BucketPlan:
     def bound_s(self) -> float:
         """The step's lower bound: its compute, or the bytes no plan can keep on the device
         (`CompileFigures.min_stream_bytes`: weights + KV + activations at their peak - budget)
-        over the host->device bandwidth, whichever is more."""
-        sim = self.compiled.simulation
-        return max(sim.compute_s, self.compiled.report.compiled.min_stream_bytes
-                   / self.h2d_bandwidth)
+        over the host->device bandwidth, each of the fewest copies at the link's latency (the
+        report's stream term, `ProblemBound.stream_s`), whichever is more."""
+        sim, report = self.compiled.simulation, self.compiled.report
+        stream = (report.bound.stream_s if report.bound is not None
+                  else report.compiled.min_stream_bytes / self.h2d_bandwidth)
+        return max(sim.compute_s, stream)
 
     @property
     def efficiency(self) -> float:

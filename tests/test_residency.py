@@ -401,6 +401,33 @@ def test_rivals_are_refined_nearest_first_and_the_fastest_kept(monkeypatch):
     assert (won.name, coarse.simulation.makespan_s, what) == ("lead*", 1.0, "lead")
 
 
+def test_a_rival_that_wins_comes_back_with_its_coarse_trial(monkeypatch):
+    """`rooms.refine_room` adds its trials to the partition's own: a rival that wins is returned
+    with the best trial it had before its refining (`prefetch_trials` tries that set too) and
+    the winner of its coarse search."""
+    from types import SimpleNamespace as NS
+    from einpage.compiler import rooms, search
+
+    class Trials:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def best(self):
+            return NS(simulation=NS(makespan_s=self.ms))
+
+    def refine(p, options, bound_s, best_s=float("inf")):
+        p.trials.ms = {"lead": 1.0, "near": 0.9}[p.name]  # more trials, on the same Trials
+        return NS(name=p.name, won=p.name + "*", trials=p.trials)
+
+    monkeypatch.setattr(rooms, "refine_room", refine)
+    monkeypatch.setattr(search, "without_plan", lambda trial: trial)
+    lead, near = (NS(name=n, won=n, trials=Trials(ms)) for n, ms in (("lead", 1.0),
+                                                                     ("near", 1.01)))
+    won, coarse, what = rooms.refine_rooms(lead, [near], None, 0.1)
+    assert (won.name, what) == ("near", "near")
+    assert coarse.simulation.makespan_s == 1.01  # not the refined 0.9
+
+
 def test_each_ladder_rung_is_refined_before_the_ladder_weighs_it():
     """llama-7b's decode step at B=8 over 768 rows in 16 GB: its 65.7 MB rung with 0.5% of the
     budget as room (a point of the finer grid only) runs 16.82 ms, faster than the 32.8 MB rung
@@ -417,8 +444,9 @@ def test_each_ladder_rung_is_refined_before_the_ladder_weighs_it():
 def test_the_weights_are_capped_by_what_binds_the_pass(monkeypatch):
     """`driver._stream_blocks` caps the weights at 1/8 and at 1/16 of the working sets
     (WEIGHT_BLOCK_SHARES) where the link binds, at 1/STALLED_BLOCK_SHARE where compute binds but
-    waits on the link for more than STALL_GATE of the pass (qwen2.5-7b B=16 at 1.9 GB: 1/16 cost more launches than
-    its waits), and tries no cap where compute binds without waiting."""
+    waits on the link for more than STALL_GATE of the pass (qwen2.5-7b B=16 at 1.9 GB: 1/16
+    cost more launches than its waits), and tries no cap where compute binds without
+    waiting."""
     from types import SimpleNamespace as NS
     from einpage.compiler import driver
     from einpage.compiler.cuts import largest_reused_weight

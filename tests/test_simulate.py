@@ -142,6 +142,22 @@ def test_transfers_are_priced_by_bytes_and_latency():
     assert sim.makespan_s == pytest.approx(6.002)
 
 
+def test_the_plans_own_bound_pays_each_streamed_tensor_a_copy():
+    """The plan's own bound counts one copy per tensor it reloads from the host (reloaded twice
+    or not), each at the link's latency beside its bytes (`simulator.min_h2d_copies`)."""
+    from einpage.predict.simulator import min_h2d_copies
+    prof = dataclasses.replace(UNIT, copy_latency=1e-3)
+    p = Plan([GB, GB, GB])
+    hosts = [p.add(InputNode, t, "host") for t in range(2)]
+    first = [p.add(ReloadNode, t, 0, (h,)) for t, h in zip(range(2), hosts)]
+    p.add(ReloadNode, 0, 0, tuple(first))  # the first tensor reloaded again: no copy more
+    mg = p.build()
+    sim = simulate(mg, prof)
+    assert min_h2d_copies(mg) == 2 and sim.h2d_min_bytes == 2 * GB
+    assert sim.lower_bound_s == pytest.approx(2.0 + 2e-3)
+    assert sim.h2d_s == pytest.approx(3.003) and sim.h2d_s >= sim.lower_bound_s
+
+
 def test_roofline_of_a_matmul():
     h100 = get_device("h100-pcie")
     spec = EinsumOp(EinsumSpec.parse("sm,nm->sn"), scalar.product(2), "sum", DType.f16)

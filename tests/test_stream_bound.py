@@ -105,6 +105,11 @@ def test_no_plan_copies_less_than_the_bound(make, block):
                 assert _copied(mg) >= bound, (order, budget, kept)
                 assert mg.count("reload") >= copies, (order, budget, kept)
     assert lowered > 100 and counted
+    # nothing held: every persistent block crosses, the one read at both ends twice; all held:
+    # nothing crosses
+    order = memory_aware_order(tg)
+    assert min_stream_copies(tg, order, 0) >= len(persistent) + 1
+    assert min_stream_copies(tg, order, 10**12) == 0
     if make is _tied:
         assert tighter  # the table, larger than the budget, crosses twice: the bound says so
 
@@ -234,7 +239,8 @@ def test_the_front_term_binds_a_compile_and_not_a_saved_plan_priced_again():
 def test_the_stream_term_pays_each_copy_its_latency():
     """The problem's stream term is its bytes over the link plus its least copies at the link's
     latency (`resident.min_stream_copies`); the plan's own bound counts a copy per tensor it
-    streams, so it is never below the problem's; a saved plan keeps the count in its meta."""
+    streams (`simulator.min_h2d_copies`); a saved plan keeps the count in its meta."""
+    from einpage.predict.simulator import min_h2d_copies
     from einpage.compiler import CompileOptions, compile_graph
     from einpage.compiler.report import PlanReport
     from einpage.models import config, llama
@@ -242,13 +248,15 @@ def test_the_stream_term_pays_each_copy_its_latency():
     cfg = config.preset("small")
     compiled = compile_graph(llama.prefill_graph(cfg).bind(B=1, S=64),
                              CompileOptions(cfg.weight_bytes() // 3))
-    bound, report = compiled.report.bound, compiled.report
+    bound = compiled.report.bound
     assert bound.stream_copies >= 1
     assert bound.stream_s == pytest.approx(bound.stream_bytes / profile.h2d_bandwidth
                                            + bound.stream_copies * profile.copy_latency)
-    assert report.plan_bound_s >= bound.seconds * (1 - 1e-9)
-    assert compiled.simulation.lower_bound_s >= bound.stream_s * (1 - 1e-9)
-    mg = compiled.memgraph
+    sim, mg = compiled.simulation, compiled.memgraph
+    assert bound.seconds <= sim.makespan_s * (1 + 1e-9) and bound.stream_s <= sim.h2d_s
+    assert min_h2d_copies(mg) >= bound.stream_copies
+    assert sim.lower_bound_s >= (sim.h2d_min_bytes / profile.h2d_bandwidth
+                                 + min_h2d_copies(mg) * profile.copy_latency) * (1 - 1e-9)
     assert mg.meta["min_stream_copies"] == bound.stream_copies
     again = PlanReport.of_plan(mg, None, compiled.simulation, None, profile)
     assert again.bound.stream_s == pytest.approx(bound.stream_s)

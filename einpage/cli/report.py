@@ -5,6 +5,8 @@ First what bounds the pass, in plain words; then the time, the memory and the tr
 figure with its unit and what it means. Every figure is one of `PlanReport.to_json`'s."""
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING
 
 from einpage.units import format_size
@@ -132,7 +134,7 @@ def _time_lines(r: PlanReport) -> list[str]:
     if b is not None:
         disk = (f"; {_gb(b.disk_bytes)} of them that the host budget cannot hold, read from "
                 f"disk: {_secs(b.disk_s)}" if b.disk_bytes else "")
-        copies = (f" in at least {b.stream_copies:.0f} copies" if b.stream_copies >= 1
+        copies = (f" in at least {math.floor(b.stream_copies)} copies" if b.stream_copies >= 1
                   else "")
         if b.front_s > b.steady_s:
             disk += (f"; the first bytes its tasks read, over the link before them, then the "

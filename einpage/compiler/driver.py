@@ -126,6 +126,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     parts = Partitions(graph, options)
     planned = _plan(parts, block)
     rivals: list[rooms.Planned] = []  # the partitions planned that lost
+    stepped: list[rooms.Planned] = []  # ... on the decode ladder (their rooms refined there)
     rungs = list(planned.tried)  # the partitions of the ladder: the problem's bound is the least
     if (options.block_bytes is None and not planned.fits
             and planned.needs.activation_peak * LADDER_GATE < options.device_bytes):
@@ -142,13 +143,18 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
                                       planned.trials.best().simulation.makespan_s)
             best = planned.trials.best().simulation.makespan_s
             if finer.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
-                planned = finer
+                planned, finer = finer, planned
+            stepped.append(finer)
     elif options.block_bytes is None and not planned.fits:
         planned = _halve_blocks(parts, planned, rungs, rivals)
     if not planned.fits:
         planned = _stream_blocks(parts, planned, rungs, rivals)
         planned, coarse, won = rooms.refine_rooms(planned, rivals, options,
                                                   known_bound(rungs, parts.profile))
+        rivals.extend(stepped)
+        del stepped
+        if options.host_bytes is None:  # no disk to weigh them by (`rooms.climb_tiers`): let
+            rivals.clear()              # their plans go
         rooms.prefetch_trials(planned, known_bound(rungs, parts.profile), coarse)
         if planned.trials.best().resident == coarse.resident:  # a trial of it won after all
             planned = planned._replace(won=won)
@@ -191,7 +197,6 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     return Compiled(mg, tg, tuple(trials.order),
                     PlanReport.of_plan(mg, valid, tiered.simulation, figures, trials.profile),
                     tiered.simulation)
-
 
 
 def _halve_blocks(parts: Partitions, planned: "rooms.Planned", rungs: list[Rung],
@@ -328,8 +333,8 @@ def _plan(parts: Partitions, block: int, coarser: rooms.Won | None = None,
     trials = search.Trials(tg, order, _lower_options(options, policy, fits, seconds), profile,
                            options.progress)
     won = rooms.search_resident(trials, options, needs, residency, seconds,
-                  max(rung.compute_s, rung.min_stream_bytes / profile.h2d_bandwidth), coarser,
-                  alone)
+                                max(rung.compute_s, rung.min_stream_bytes / profile.h2d_bandwidth),
+                                coarser, alone)
     planned = rooms.Planned(tg, needs, fits, trials, rung, won, (rung,), residency.room > 0)
     if by_weight or drained or fits or not _read_apart(tg, order):
         return planned
@@ -376,7 +381,8 @@ def _drain_behind(parts: Partitions, planned: rooms.Planned, rungs: list[Rung],
     best = trials.best().simulation.makespan_s
     if other.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
         planned, other = other, planned
-    rivals.append(other)
+    if parts.options.host_bytes is not None:  # (what `rooms.climb_tiers` may weigh)
+        rivals.append(other)
     return planned
 
 
@@ -406,8 +412,6 @@ def _lower_options(options: CompileOptions, policy: Policy, fits: bool,
                         lookahead_bytes=options.lookahead_bytes, task_seconds=seconds,
                         guarded_reload_share=options.guarded_reload_share,
                         pack_low=options.pack_low)
-
-
 
 
 def _default_lookahead(trials: search.Trials, best: search.Trial,

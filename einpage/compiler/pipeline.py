@@ -531,12 +531,14 @@ def programs_report(programs, profile, micro_batches: int, stages, host_compute:
     for r, mg in enumerate(programs):
         alone, meta = sim.alone[r], mg.meta
         least = int(meta.get("min_stream_bytes", 0))
+        copies = float(meta.get("min_stream_copies", 0.0))
         bound = bounds[r] if bounds is not None else None
         sent = sum(mg.tensors[n.tensor].bytes for n in mg.nodes if isinstance(n, SendNode))
         figures.append(RankFigures(
             r, tuple(stages[r]), int(meta.get("weight_bytes", 0)),
             int(meta.get("resident_bytes", 0)), alone.h2d_bytes, least, sent, alone.makespan_s,
-            bound.steady_s if bound else max(alone.compute_s, least / profile.h2d_bandwidth),
+            bound.steady_s if bound else max(alone.compute_s, least / profile.h2d_bandwidth
+                                             + copies * profile.copy_latency),
             bound.compute_s if bound else alone.compute_s))
     chain = 0.0 if host_compute else chain_seconds(programs, profile)
     return RanksReport(profile.name, programs[0].device_bytes, profile.peer_rate,

@@ -112,8 +112,9 @@ class CompileFigures:
 class ProblemBound:
     """The least time any plan of this problem (graph, budgets, device) can take per pass: the
     least compute time; the bytes no plan can avoid copying host->device (`stream_bytes`) over
-    the link's bandwidth, and the copies no plan can avoid (`stream_copies`) at its latency; and of those, the bytes that a host budget of `host_bytes` cannot hold
-    (they must be read from disk) over the disk's bandwidth; the persistent bytes its tasks
+    the link's bandwidth, and the copies no plan can avoid (`stream_copies`) at its latency;
+    and of those bytes, the ones that a host budget of `host_bytes` cannot hold (they must be
+    read from disk) over the disk's bandwidth; the persistent bytes its tasks
     read first, over the link before those tasks, and the compute from them to the end
     (`front_s`, `resident.front_seconds`); the outputs' write-back after the tasks that finish
     them (`tail_s`, `drain.tail_seconds`); whichever is most. Each plan also
@@ -255,9 +256,10 @@ class PlanReport:
 
     @property
     def plan_bound_s(self) -> float:
-        """The plan's own bound (`simulation.lower_bound_s`: its compute, each byte it streams
+        """The plan's own bound (`simulation.lower_bound_s`: its compute, each block it streams
         moved once), or the problem's front or tail term where that is more: they hold for
-        this plan too, and the plan's bound is never below the problem's."""
+        this plan too. (It can be below the problem's bound, whose stream term counts a block
+        read on both sides of a position twice, and spilled activations.)"""
         b = self.bound
         return max(self.simulation.lower_bound_s, b.front_s if b else 0.0, b.tail_s if b else 0.0)
 

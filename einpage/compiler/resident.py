@@ -161,7 +161,7 @@ def min_stream_copies(tg: TaskGraph, order: list[int], device_bytes: int,
         items = [(1.0, nbytes) for nbytes in live]
         items += [(share * (2 if b in across else 1), nbytes) for b, nbytes, share in persistent]
         bound = max(bound, _unsaved(items, device_bytes, lambda v, nb: v))
-    return bound
+    return max(0.0, round(bound, 9))  # (no rounding noise above a plan's whole count)
 
 
 def stream_positions(tg: TaskGraph, order: list[int]) -> list:

@@ -61,8 +61,8 @@ class Planned(NamedTuple):
 
 
 def search_resident(trials: search.Trials, options: CompileOptions, needs: PassNeeds,
-            residency: Residency, seconds: tuple[float, ...], bound_s: float,
-            coarser: Won | None = None, alone: bool = False) -> Won:
+                    residency: Residency, seconds: tuple[float, ...], bound_s: float,
+                    coarser: Won | None = None, alone: bool = False) -> Won:
     """The first plan with the policy's resident weights; if it spills activations or runs
     below RESIDENT_SEARCH_BELOW of the partition's bound (`bound_s`), every weight (where they
     fit) and paced resident sets leaving the pass more or less room beside its activation peak
@@ -159,11 +159,13 @@ def refine_room(planned: Planned, options: CompileOptions, bound_s: float,
     16.12 -> 15.67 ms); climbed twice, with the blocks that stay packed from below and with
     every block placed by stamp (`search.STAMPED`: that decode step 15.63 -> 15.41 ms). Only
     where the plan runs below REFINE_BELOW of the problem's bound known so far (`bound_s`;
-    `best_s`: the best pass of another partition so far, on the ladder) and below
-    RESIDENT_SEARCH_BELOW of its partition's (each probe is a lowering; refined everywhere,
-    rows above the target gained up to 2% at up to 2.8x the compile time: mixtral-8x7b
-    prefill at 47 GB 0.952 -> 0.967, 2.95 -> 8.39 s). A probe whose set leaves the pass too
-    little room is no candidate; one whose bound cannot improve the climb is not lowered."""
+    `best_s`: the best pass of another partition so far, on the ladder or among the rivals of
+    `refine_rooms`), where its partition's own bound could beat `best_s` by AUTO_TOLERANCE, and
+    below RESIDENT_SEARCH_BELOW of its partition's bound (each probe is a lowering; refined
+    everywhere, rows above the target gained up to 2% at up to 2.8x the compile time:
+    mixtral-8x7b prefill at 47 GB 0.952 -> 0.967, 2.95 -> 8.39 s). A probe whose set leaves
+    the pass too little room is no candidate; one whose bound cannot improve the climb is not
+    lowered."""
     trials, needs, rung = planned.trials, planned.needs, planned.rung
     best = trials.best()
     if not planned.paced:  # a policy that keeps nothing resident (lru) is compared as it is
@@ -201,15 +203,15 @@ RIVALS = 2
 
 
 def refine_rooms(planned: Planned, rivals: list[Planned], options: CompileOptions,
-                  bound_s: float) -> tuple[Planned, search.Trial, Won]:
+                 bound_s: float) -> tuple[Planned, search.Trial, Won]:
     """The winning partition's room refined (`refine_room`), and then, while the plan misses
     REFINE_BELOW of the problem's bound (`bound_s`), the rooms of the partitions that lost to it
     by at most RIVAL_NEAR before any room was refined (the nearest RIVALS first), each from its
     own winner; the fastest kept (`rivals` left holding the others). Returns it, its best trial
-    before the refining (without its plan) and what won its coarse search. The partitions are
-    compared on their coarse grids, and the finer room moves them apart: llama3-8b prefill at 4
-    GB, its three partitions within 0.4% coarse (whole 266.0 ms, halved 265.5, capped 265.0),
-    refined 264.5, 256.1 and 258.0."""
+    before the refining (without its plan: `refine_room` adds its trials to the partition's own)
+    and what won its coarse search. The partitions are compared on their coarse grids, and the
+    finer room moves them apart: llama3-8b prefill at 4 GB, its three partitions within 0.4%
+    coarse (whole 266.0 ms, halved 265.5, capped 265.0), refined 264.5, 256.1 and 258.0."""
     def best_s(p: Planned) -> float:
         return p.trials.best().simulation.makespan_s
 
@@ -220,37 +222,41 @@ def refine_rooms(planned: Planned, rivals: list[Planned], options: CompileOption
     planned = refine_room(planned, options, bound_s)
     for k in near[:RIVALS]:
         rival = rivals[k]
+        before = search.without_plan(rival.trials.best())
         refined = refine_room(rival, options, bound_s, best_s(planned))
         if best_s(refined) < best_s(planned) * (1 - search.AUTO_TOLERANCE):
             rivals[k] = planned
-            planned, coarse, won = refined, search.without_plan(rival.trials.best()), rival.won
+            planned, coarse, won = refined, before, rival.won
         else:
             rivals[k] = refined
     return planned, coarse, won
 
 
-#: Where the disk binds, the room is climbed by the tiered pass on the TIER_CLIMBS partitions
-#: whose best plans, tiered as they are, run fastest (`climb_tiers`)
-TIER_CLIMBS = 3
+#: Where the disk binds, the room is climbed by the tiered pass on the winning partition and on
+#: the TIER_RIVALS other partitions whose best plans, tiered as they are, run fastest
+#: (`climb_tiers`)
+TIER_RIVALS = 2
 
 
 def climb_tiers(planned: Planned, best: search.Trial, tiered: Tiered,
                 rivals: list[Planned], options: CompileOptions
                 ) -> tuple[Planned, search.Trial, Tiered]:
     """Where the host budget sends weights to disk and the disk binds the pass: every partition
-    planned (the winner, `best` tiered as `tiered`, and its `rivals`) tiered with its best plan,
-    the room climbed by the tiered pass (`tier_room.climb_tiered`) on the TIER_CLIMBS fastest,
-    and the fastest tiered plan kept with its partition. The disk weighs partitions apart from
-    the device: a disk read needs a staging buffer, two of the largest block at least, and
-    every staging byte is a weight byte read from disk, while the device pass hides behind the
-    disk whatever it costs. llama-7b prefill at 4 GB with an 8 GB host: its halved partition
-    wins on the device (204 ms), reads 3.21 GB from disk beside 172 MB of staging and runs 1083
-    ms; the same partition with its weights capped at 14 MB blocks reads 2.89 GB beside 21 MB
-    and runs 998 ms. Climbed, a partition gains 1-24% on the grid's disk rows, and the order
-    unclimbed says little (there the weights capped at 1/8 run 1216 ms, at 1/16 1226; climbed
-    1008 and 998), so three are climbed; the coarse partition, the slowest unclimbed in every
+    planned (the winner, `best` tiered as `tiered`, and its `rivals`: the other partitions and
+    the decode ladder's other rungs) tiered with its best plan, the room climbed by the tiered
+    pass (`tier_room.climb_tiered`) on the winner and the TIER_RIVALS fastest others, and the
+    fastest tiered plan kept with its partition. The disk weighs partitions apart from the
+    device: a disk read needs a staging buffer, two of the largest block at least, and every
+    staging byte is a weight byte read from disk, while the device pass hides behind the disk
+    whatever it costs. llama-7b prefill at 4 GB with an 8 GB host: its halved partition wins on
+    the device (204 ms), reads 3.21 GB from disk beside 172 MB of staging and runs 1083 ms; the
+    same partition with its weights capped at 14 MB blocks reads 2.89 GB beside 21 MB and runs
+    998 ms. A decode step's 66 MB rung, llama-7b B=8 at 8 GB with a 14 GB host: 752 -> 562 ms
+    against the 1 GB rung the device chose. Climbed, a partition gains 1-24% on the grid's disk
+    rows, and the order unclimbed says little (llama-7b at 4 GB / 8 GB: capped at 1/8 1216 ms,
+    at 1/16 1226; climbed 1008 and 998); the coarse partition, the slowest unclimbed in every
     disk row, never won."""
-    tiers = [(tiered, planned, best)]
+    tiers = []
     for rival in rivals:
         plan = rival.trials.best()
         if rival.paced and not plan.on_host and plan.memgraph is not None:
@@ -261,11 +267,13 @@ def climb_tiers(planned: Planned, best: search.Trial, tiered: Tiered,
                 pass
     tiers.sort(key=lambda t: t[0].simulation.makespan_s)
     chosen = (planned, best, tiered)
-    for tiered, rival, plan in tiers[:TIER_CLIMBS]:
+    for tiered, rival, plan in [(tiered, planned, best), *tiers[:TIER_RIVALS]]:
         probes = _Probes(rival.trials, rival.needs, options, plan.window, written_back=True)
         tiered, plan = climb_tiered(
             rival.trials, plan, tiered, _won_share(rival, plan, options.device_bytes),
-            probes.set, lambda at: streamed_bytes(rival.tg, probes.set(at), probes.guarded),
+            probes.set,
+            lambda at, rival=rival, probes=probes: streamed_bytes(rival.tg, probes.set(at),
+                                                                  probes.guarded),
             options.host_bytes)
         if tiered.simulation.makespan_s < chosen[2].simulation.makespan_s * (
                 1 - search.AUTO_TOLERANCE):
@@ -345,4 +353,4 @@ def _finish(trials: search.Trials, windows: list[float | None],
 
 __all__ = ["Planned", "Won", "climb_tiers", "prefetch_trials", "refine_room", "refine_rooms",
            "search_resident", "PREFETCH_CLAIM", "REFINE_BELOW", "RIVALS", "RIVAL_NEAR",
-           "TIER_CLIMBS"]
+           "TIER_RIVALS"]

@@ -45,11 +45,6 @@ class Rung(NamedTuple):
     #: `resident.min_stream_copies`: how many host->device copies any plan of it makes
     min_stream_copies: float = 0.0
 
-    def stream_s(self, profile: DeviceProfile) -> float:
-        """No plan of it streams faster: its bytes over the link, and each copy's latency."""
-        return (self.min_stream_bytes / profile.h2d_bandwidth
-                + self.min_stream_copies * profile.copy_latency)
-
 
 class Cut(NamedTuple):
     """A partition of the pass, ordered, with what every plan of it shares."""
