@@ -130,6 +130,8 @@ CASES = (
     Case("mixtral-8x7b --gpu-mem 12GB --cpu-mem 48GB"),
     Case(f"llama3.1-8b {DECODE} 16 --past 4095 --capacity 4096 --gpu-mem 8GB --cpu-mem 24GB"),
     Case(f"qwen2.5-72b {DECODE} 4 --past 2047 --gpu-mem 18GB --cpu-mem 96GB"),
+    # a decode step whose KV store (9.7 GB) and streamed weights the host cannot both hold
+    Case(f"llama-7b {DECODE} 8 --past 2048 --gpu-mem 8GB --cpu-mem 14GB"),
 )
 
 

@@ -176,7 +176,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         # blocks its host tasks read: `host_search`)
         planned, best, tiered = rooms.climb_tiers(planned, best, tiered, rivals, options)
         tg, trials = planned.tg, planned.trials
-    if tiered.choice.disk_bytes and planned.needs.kv_bytes:
+    elif tiered.choice.disk_bytes and planned.needs.kv_bytes:
         tiered, best = weights_first_tiered(trials, best, tiered, options.device_bytes,
                                             options.host_bytes)
     mg = tiered.memgraph

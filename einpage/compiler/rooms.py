@@ -22,7 +22,7 @@ from einpage.compiler.policies import Residency
 from einpage.compiler.resident import (PassNeeds, guarded_shares, paced_at, persistent_blocks,
                                        streamed_bytes)
 from einpage.compiler.rungs import Rung
-from einpage.compiler.tier_room import climb_tiered
+from einpage.compiler.tier_room import climb_tiered, weights_first_tiered
 from einpage.compiler.tiers import Tiered, place_tiers
 from einpage.errors import BudgetError
 from einpage.ir.taskgraph import TaskGraph
@@ -244,8 +244,9 @@ def climb_tiers(planned: Planned, best: search.Trial, tiered: Tiered,
     """Where the host budget sends weights to disk and the disk binds the pass: every partition
     planned (the winner, `best` tiered as `tiered`, and its `rivals`: the other partitions and
     the decode ladder's other rungs) tiered with its best plan, the room climbed by the tiered
-    pass (`tier_room.climb_tiered`) on the winner and the TIER_RIVALS fastest others, and the
-    fastest tiered plan kept with its partition. The disk weighs partitions apart from the
+    pass (`tier_room.climb_tiered`; where the pass reads a KV store, then with weights kept
+    before KV blocks, `tier_room.weights_first_tiered`) on the winner and the TIER_RIVALS
+    fastest others, and the fastest tiered plan kept with its partition. The disk weighs partitions apart from the
     device: a disk read needs a staging buffer, two of the largest block at least, and every
     staging byte is a weight byte read from disk, while the device pass hides behind the disk
     whatever it costs. llama-7b prefill at 4 GB with an 8 GB host: its halved partition wins on
@@ -275,6 +276,9 @@ def climb_tiers(planned: Planned, best: search.Trial, tiered: Tiered,
             lambda at, rival=rival, probes=probes: streamed_bytes(rival.tg, probes.set(at),
                                                                   probes.guarded),
             options.host_bytes)
+        if tiered.choice.disk_bytes and rival.needs.kv_bytes:
+            tiered, plan = weights_first_tiered(rival.trials, plan, tiered,
+                                                options.device_bytes, options.host_bytes)
         if tiered.simulation.makespan_s < chosen[2].simulation.makespan_s * (
                 1 - search.AUTO_TOLERANCE):
             chosen = (rival, plan, tiered)
