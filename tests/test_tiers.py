@@ -314,6 +314,19 @@ def test_a_decode_steps_ladder_rungs_are_weighed_by_the_disk_too():
     assert compiled.memgraph.meta["disk_weight_bytes"] < 2.0e9
 
 
+def test_a_placement_that_won_on_the_device_is_weighed_by_the_disk_too():
+    """The same decode step with host compute on: a placement of its applies on the host wins
+    on the device, and tiered it runs 652 ms; the device-only plans climbed by the tiered pass
+    run 562 ms, and the compiler keeps that (`driver._climb_device`)."""
+    from einpage.models.generation import decode_step_graph
+    cfg, _ = resolve("llama-7b", random_weights=True)
+    compiled = compile_graph(decode_step_graph(cfg, 8, 2304),
+                             CompileOptions(8 * 10**9, host_bytes=14 * 10**9, validate=False,
+                                            host_compute=True))
+    assert compiled.simulation.makespan_s < 0.6
+    assert not any(n.kind == "apply" and n.on_host for n in compiled.memgraph.nodes)
+
+
 def test_each_partition_climbed_by_the_disk_keeps_weights_before_the_kv_store(monkeypatch):
     """llama-7b decode B=16 over 2048 rows at 16 GB with a 20 GB host: the partitions climbed
     by the tiered pass are each also lowered with weights kept before KV blocks

@@ -95,6 +95,17 @@ def weights_first_tiered(trials: search.Trials, best: search.Trial, tiered: Tier
     return other, plan
 
 
+def with_plan(trials: search.Trials, trial: search.Trial) -> search.Trial:
+    """`trial` with its plan: lowered and simulated again, as it was, where its plan was
+    dropped (a faster trial had won)."""
+    if trial.memgraph is not None:
+        return trial
+    opts = _options_of(trials, trial)
+    mg = lower(trials.tg, trials.order, replace(opts, resident=trial.resident))
+    sim = simulate(mg, trials.profile, node_seconds(mg, trials.profile, opts.task_seconds))
+    return replace(trial, memgraph=mg, simulation=sim)
+
+
 def _options_of(trials: search.Trials, best: search.Trial) -> LowerOptions:
     """The lowering options `best` was lowered with, its resident set aside."""
     return best.knobs.lower_options(replace(
@@ -120,4 +131,4 @@ def _light(plan: search.Trial, tiered: Tiered) -> search.Trial:
     return search.without_plan(replace(plan, simulation=tiered.simulation))
 
 
-__all__ = ["climb_tiered", "weights_first_tiered"]
+__all__ = ["climb_tiered", "weights_first_tiered", "with_plan"]
