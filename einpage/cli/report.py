@@ -6,7 +6,6 @@ figure with its unit and what it means. Every figure is one of `PlanReport.to_js
 from __future__ import annotations
 
 import math
-
 from typing import TYPE_CHECKING
 
 from einpage.units import format_size

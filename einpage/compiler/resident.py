@@ -135,7 +135,7 @@ def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int,
     them)."""
     bound = 0.0
     for live, persistent, across in positions or stream_positions(tg, order):
-        items = [(1.0, sum(nbytes for nbytes in live))]
+        items = [(1.0, sum(live))]
         items += [(share * (2 if b in across else 1), nbytes) for b, nbytes, share in persistent]
         bound = max(bound, _unsaved(items, device_bytes, lambda v, nb: v * nb))
     return max(0, round(bound))

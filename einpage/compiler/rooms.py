@@ -246,17 +246,17 @@ def climb_tiers(planned: Planned, best: search.Trial, tiered: Tiered,
     the decode ladder's other rungs) tiered with its best plan, the room climbed by the tiered
     pass (`tier_room.climb_tiered`; where the pass reads a KV store, then with weights kept
     before KV blocks, `tier_room.weights_first_tiered`) on the winner and the TIER_RIVALS
-    fastest others, and the fastest tiered plan kept with its partition. The disk weighs partitions apart from the
-    device: a disk read needs a staging buffer, two of the largest block at least, and every
-    staging byte is a weight byte read from disk, while the device pass hides behind the disk
-    whatever it costs. llama-7b prefill at 4 GB with an 8 GB host: its halved partition wins on
-    the device (204 ms), reads 3.21 GB from disk beside 172 MB of staging and runs 1083 ms; the
-    same partition with its weights capped at 14 MB blocks reads 2.89 GB beside 21 MB and runs
-    998 ms. A decode step's 66 MB rung, llama-7b B=8 at 8 GB with a 14 GB host: 752 -> 562 ms
-    against the 1 GB rung the device chose. Climbed, a partition gains 1-24% on the grid's disk
-    rows, and the order unclimbed says little (llama-7b at 4 GB / 8 GB: capped at 1/8 1216 ms,
-    at 1/16 1226; climbed 1008 and 998); the coarse partition, the slowest unclimbed in every
-    disk row, never won."""
+    fastest others, and the fastest tiered plan kept with its partition. The disk weighs
+    partitions apart from the device: a disk read needs a staging buffer, two of the largest
+    block at least, and every staging byte is a weight byte read from disk, while the device
+    pass hides behind the disk whatever it costs. llama-7b prefill at 4 GB with an 8 GB host:
+    its halved partition wins on the device (204 ms), reads 3.21 GB from disk beside 172 MB of
+    staging and runs 1083 ms; the same partition with its weights capped at 14 MB blocks reads
+    2.89 GB beside 21 MB and runs 998 ms. A decode step's 66 MB rung, llama-7b B=8 at 8 GB with
+    a 14 GB host: 752 -> 562 ms against the 1 GB rung the device chose. Climbed, a partition
+    gains 1-24% on the grid's disk rows, and the order unclimbed says little (llama-7b at 4 GB /
+    8 GB: capped at 1/8 1216 ms, at 1/16 1226; climbed 1008 and 998); the coarse partition, the
+    slowest unclimbed in every disk row, never won."""
     tiers = []
     for rival in rivals:
         plan = rival.trials.best()

@@ -225,10 +225,11 @@ class _Run:
     def finish(self) -> Simulation:
         mg, profile, busy, origin = self.mg, self.profile, self.busy, self.origin
         makespan = max(self.end, default=origin) - origin
-        h2d_min = min_h2d_bytes(mg)
+        least = _least_reloads(mg)  # (`min_h2d_bytes`, `min_h2d_copies`: one walk)
+        h2d_min = round(sum(least.values()))
         disk_min = min_disk_bytes(mg)
         lower = max(busy["compute"], busy["host"], h2d_min / profile.h2d_bandwidth
-                    + min_h2d_copies(mg) * profile.copy_latency,
+                    + len(least) * profile.copy_latency,
                     self.d2h_bytes / profile.d2h_bandwidth, disk_min / profile.disk_bandwidth)
         return Simulation(profile.name, tuple(self.start), tuple(self.end), tuple(self.engine),
                           makespan, busy["compute"], busy["h2d"], busy["d2h"], self.stall,
