@@ -449,6 +449,11 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
     return frozenset(chosen)
 
 
+def kept_bytes(tg: TaskGraph, blocks) -> int:
+    """The device bytes `blocks` take, each aligned."""
+    return sum(aligned(tg.blocks[b].bytes) for b in blocks)
+
+
 def weights_first(tg: TaskGraph, order: list[int], budget: int, seconds: Sequence[float],
                   largest: int) -> frozenset[int]:
     """A paced resident set of `budget` bytes that keeps weights before KV-store blocks: for a
@@ -457,7 +462,7 @@ def weights_first(tg: TaskGraph, order: list[int], budget: int, seconds: Sequenc
     while a resident weight saves the same link bytes and its place in host memory too, which
     would otherwise be read from disk."""
     weights = paced_resident(tg, order, budget, seconds, largest, frozenset({"weight"}))
-    used = sum(aligned(tg.blocks[b].bytes) for b in weights)
+    used = kept_bytes(tg, weights)
     return weights | paced_resident(tg, order, budget - used, seconds, largest,
                                     frozenset({"cache"}))
 
@@ -473,6 +478,14 @@ def paced_at(tg: TaskGraph, order: list[int], peak: int, budget: int, at: float,
     4 GB)."""
     return paced_resident(tg, order, int(budget - peak - at * budget),
                           seconds, max(1, int(at * budget / 2)), exclude=exclude)
+
+
+def weights_first_at(tg: TaskGraph, order: list[int], peak: int, budget: int, at: float,
+                     seconds: Sequence[float]) -> frozenset:
+    """The resident set of `paced_at`'s bytes with weights kept before KV-store blocks
+    (`weights_first`): for the room climb of a pass whose host budget sends weights to disk."""
+    return weights_first(tg, order, int(budget - peak - at * budget), seconds,
+                         max(1, int(at * budget / 2)))
 
 
 def guarded_shares(tg: TaskGraph, share: float) -> dict[int, float]:

@@ -17,12 +17,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from einpage.compiler import search
-from einpage.compiler.allocator import aligned
 from einpage.compiler.policies import Residency
-from einpage.compiler.resident import (PassNeeds, guarded_shares, paced_at, persistent_blocks,
-                                       streamed_bytes)
+from einpage.compiler.resident import (PassNeeds, guarded_shares, kept_bytes, paced_at,
+                                       persistent_blocks, streamed_bytes, weights_first_at)
 from einpage.compiler.rungs import Rung
-from einpage.compiler.tier_room import climb_tiered, weights_first_tiered
+from einpage.compiler.tier_room import climb_tiered
 from einpage.compiler.tiers import Tiered, place_tiers
 from einpage.errors import BudgetError
 from einpage.ir.taskgraph import TaskGraph
@@ -110,8 +109,9 @@ class _Probes:
     def __init__(self, trials: search.Trials, needs: PassNeeds, options: CompileOptions,
                  window: float | None, written_back: bool = False,
                  knobs: search.Knobs = search.DEFAULT_KNOBS,
-                 sets: dict[float, frozenset] | None = None):
+                 sets: dict[float, frozenset] | None = None, weights_first: bool = False):
         self.trials, self.needs, self.window, self.knobs = trials, needs, window, knobs
+        self.pace = weights_first_at if weights_first else paced_at
         self.peak = needs.written_back_peak if written_back else needs.activation_peak
         self.budget = options.device_bytes
         self.compute = sum(trials.base.task_seconds)
@@ -122,8 +122,8 @@ class _Probes:
     def set(self, at: float) -> frozenset:
         if at not in self.sets:
             trials = self.trials
-            self.sets[at] = paced_at(trials.tg, trials.order, self.peak, self.budget, at,
-                                     trials.base.task_seconds)
+            self.sets[at] = self.pace(trials.tg, trials.order, self.peak, self.budget, at,
+                                      trials.base.task_seconds)
         return self.sets[at]
 
     def run(self, at: float) -> search.Trial | None:
@@ -244,9 +244,8 @@ def climb_tiers(planned: Planned, best: search.Trial, tiered: Tiered,
     """Where the host budget sends weights to disk and the disk binds the pass: every partition
     planned (the winner, `best` tiered as `tiered`, and its `rivals`: the other partitions and
     the decode ladder's other rungs) tiered with its best plan, the room climbed by the tiered
-    pass (`tier_room.climb_tiered`; where the pass reads a KV store, then with weights kept
-    before KV blocks, `tier_room.weights_first_tiered`) on the winner and the TIER_RIVALS
-    fastest others, and the fastest tiered plan kept with its partition. The disk weighs
+    pass (`climb_tier`) on the winner and the TIER_RIVALS fastest others, and the fastest
+    tiered plan kept with its partition. The disk weighs
     partitions apart from the device: a disk read needs a staging buffer, two of the largest
     block at least, and every staging byte is a weight byte read from disk, while the device
     pass hides behind the disk whatever it costs. llama-7b prefill at 4 GB with an 8 GB host:
@@ -269,20 +268,34 @@ def climb_tiers(planned: Planned, best: search.Trial, tiered: Tiered,
     tiers.sort(key=lambda t: t[0].simulation.makespan_s)
     chosen = (planned, best, tiered)
     for tiered, rival, plan in [(tiered, planned, best), *tiers[:TIER_RIVALS]]:
-        probes = _Probes(rival.trials, rival.needs, options, plan.window, written_back=True)
-        tiered, plan = climb_tiered(
-            rival.trials, plan, tiered, _won_share(rival, plan, options.device_bytes),
-            probes.set,
-            lambda at, rival=rival, probes=probes: streamed_bytes(rival.tg, probes.set(at),
-                                                                  probes.guarded),
-            options.host_bytes)
-        if tiered.choice.disk_bytes and rival.needs.kv_bytes:
-            tiered, plan = weights_first_tiered(rival.trials, plan, tiered,
-                                                options.device_bytes, options.host_bytes)
+        tiered, plan = climb_tier(rival, plan, tiered, options)
         if tiered.simulation.makespan_s < chosen[2].simulation.makespan_s * (
                 1 - search.AUTO_TOLERANCE):
             chosen = (rival, plan, tiered)
     return chosen
+
+
+def climb_tier(planned: Planned, plan: search.Trial, tiered: Tiered, options: CompileOptions,
+               kept: int | None = None) -> tuple[Tiered, search.Trial]:
+    """One partition's room climbed by the tiered pass (`tier_room.climb_tiered`) from `plan`,
+    tiered as `tiered`: where the pass reads a KV store and the host budget sends weights to
+    disk, over resident sets that keep weights before KV blocks (`resident.weights_first_at`).
+    The runtime keeps the whole KV store in host memory, so a resident KV block saves link
+    bytes only, while a resident weight saves the same link bytes and a disk read: llama-7b
+    decode B=8 at 8 GB with a 14 GB host, its 66 MB rung, 562 ms climbing paced sets and then
+    keeping weights first, 462 ms climbing weights-first sets (each a room share: the best room
+    for weights-first sets is not the paced sets' best). The climb starts from the share `plan`
+    won at, or from the room that `kept` resident bytes leave (what won on a coarser partition
+    of the same pass). Returns the fastest (tiering, trial) pair."""
+    kv_first = bool(tiered.choice.disk_bytes and planned.needs.kv_bytes)
+    probes = _Probes(planned.trials, planned.needs, options, plan.window, written_back=True,
+                     weights_first=kv_first)
+    start = (_won_share(planned, plan, options.device_bytes) if kept is None
+             else _room_share(planned.needs, kept, options.device_bytes))
+    return climb_tiered(
+        planned.trials, plan, tiered, start,
+        probes.set, lambda at: streamed_bytes(planned.tg, probes.set(at), probes.guarded),
+        options.host_bytes)
 
 
 def _won_share(planned: Planned, best: search.Trial, budget: int) -> float:
@@ -290,11 +303,16 @@ def _won_share(planned: Planned, best: search.Trial, budget: int) -> float:
     peak) nearest the room `best`'s resident set leaves: the share it won at, or (the policy's
     own set, or every weight) the budget its set and that peak leave."""
     share = planned.won.share
-    if share is not None:
-        share += planned.needs.outputs_held / budget
-    else:
-        kept = sum(aligned(planned.tg.blocks[b].bytes) for b in best.resident)
-        share = max(0.0, (budget - planned.needs.written_back_peak - kept) / budget)
+    if share is None:
+        return _room_share(planned.needs, kept_bytes(planned.tg, best.resident), budget)
+    share += planned.needs.outputs_held / budget
+    return min(search.FINE_ROOM_SHARES, key=lambda at: (abs(at - share), at))
+
+
+def _room_share(needs: PassNeeds, kept: int, budget: int) -> float:
+    """The point of the fine room grid nearest the room `kept` resident bytes leave beside the
+    written-back peak of `needs`' pass."""
+    share = max(0.0, (budget - needs.written_back_peak - kept) / budget)
     return min(search.FINE_ROOM_SHARES, key=lambda at: (abs(at - share), at))
 
 
@@ -355,6 +373,6 @@ def _finish(trials: search.Trials, windows: list[float | None],
     return Won(shares.get(trials.best().resident))
 
 
-__all__ = ["Planned", "Won", "climb_tiers", "prefetch_trials", "refine_room", "refine_rooms",
-           "search_resident", "PREFETCH_CLAIM", "REFINE_BELOW", "RIVALS", "RIVAL_NEAR",
-           "TIER_RIVALS"]
+__all__ = ["Planned", "Won", "climb_tier", "climb_tiers", "prefetch_trials", "refine_room",
+           "refine_rooms", "search_resident", "PREFETCH_CLAIM", "REFINE_BELOW", "RIVALS",
+           "RIVAL_NEAR", "TIER_RIVALS"]

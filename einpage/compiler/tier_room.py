@@ -21,10 +21,9 @@ from dataclasses import replace
 from typing import Callable
 
 from einpage.compiler import search
-from einpage.compiler.allocator import aligned
 from einpage.compiler.lowering import LowerOptions, lower
 from einpage.compiler.report import Traffic
-from einpage.compiler.resident import weights_first
+from einpage.compiler.resident import kept_bytes, weights_first
 from einpage.compiler.tiers import Tiered, place_tiers
 from einpage.errors import BudgetError
 from einpage.ir.memgraph import MemGraph
@@ -79,7 +78,7 @@ def weights_first_tiered(trials: search.Trials, best: search.Trial, tiered: Tier
     and tiered, and the faster plan kept with its trial (the device-side search weighs the link
     alone, where a resident KV block and a resident weight save the same bytes)."""
     tg = trials.tg
-    room = sum(aligned(tg.blocks[b].bytes) for b in best.resident)
+    room = kept_bytes(tg, best.resident)
     resident = weights_first(tg, trials.order, room, trials.base.task_seconds,
                              max(1, (device_bytes - room) // 2))
     if resident == best.resident:
