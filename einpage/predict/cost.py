@@ -164,9 +164,15 @@ def task_seconds(profile: DeviceProfile, tg, on_host: frozenset[int] = frozenset
     priced on the profile's host; `on_device`: every task's seconds on the device, known
     already: only the host's are priced)."""
     blocks = tg.blocks
+    known: dict = {}  # the tasks of one op over blocks of one shape cost the same: priced once
 
     def price(t, where=profile.host, how=host_apply_seconds) -> float:
-        return how(where, t.op, [blocks[b] for b in t.reads], blocks[t.write], t.accumulate)
+        reads, write = [blocks[b] for b in t.reads], blocks[t.write]
+        key = (how, t.op, t.accumulate, write.shape, write.dtype, write.bytes,
+               *((r.shape, r.dtype, r.bytes, r.storage) for r in reads))
+        if key not in known:
+            known[key] = how(where, t.op, reads, write, t.accumulate)
+        return known[key]
 
     if on_device is not None:
         if len(on_device) != len(tg.tasks):
