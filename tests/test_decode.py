@@ -294,3 +294,42 @@ def test_compile_decode_option_errors(capsys, argv, message):
     assert main(["compile", "tiny", "--gpu-mem", "1MB", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+def test_a_step_with_its_weights_cut_finer_than_the_rest_gives_the_dense_logits(hf_fixture,
+                                                                                order):
+    """A decode step partitioned with some weights cut finer than the working sets cut the
+    rest (`PartitionOptions.split_weights`: what `driver._split_streamed` tries for the weights
+    a plan streams), along the axes they contract: lowered under a quarter of the weights'
+    bytes and run in several orders of its tasks, the dense reference's logits."""
+    from einpage.compiler.lowering import LowerOptions, lower
+    from einpage.compiler.order import memory_aware_order
+    from einpage.compiler.partitioner import PartitionOptions, partition
+    from einpage.compiler.policies import get_policy
+    from einpage.ir.graph import Input
+    from einpage.ir.validator import validate
+    from einpage.runtime import executor
+    cfg, weights, _, _ = _fixture(hf_fixture)
+    step = generation.decode_step_graph(cfg, 2, 8)
+    layer = [n for n in step.nodes if isinstance(n.op, Input) and n.op.role.value == "weight"
+             and n.op.name.startswith("layers.") and len(n.shape) > 1]
+    split = frozenset(n.id for n in layer[::2])
+    small = min(int(np.prod(n.shape)) * n.dtype.itemsize for n in layer) // 4
+    budget = cfg.weight_bytes() // 4
+    plain = partition(step, PartitionOptions(budget // 8))
+    tg = partition(step, PartitionOptions(budget // 8, split_weights=split, split_bytes=small))
+    cut = [b for b in tg.blocks if b.role == "weight" and b.node in split]
+    assert cut and max(b.bytes for b in cut) <= small and len(tg.tasks) > len(plain.tasks)
+    mg = lower(tg, memory_aware_order(tg), LowerOptions(budget, get_policy("reuse-distance")))
+    validate(mg)
+    assert mg.count("reload") > 0  # it streams
+    rng = np.random.default_rng(1)
+    store = KVStore(cfg, 2, 8)
+    for array in store.arrays.values():
+        array[:] = rng.standard_normal(array.shape).astype(array.dtype)
+    store.pos = np.array([3, 6])
+    inputs = {"tokens": np.array([[5], [7]]), "pos": store.pos.copy(), **store.view(8)}
+    want = dense_runner(weights)(step, inputs)["logits"]
+    got = executor.run(mg, inputs, weights, order=order)["logits"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=F32_ATOL)

@@ -9,6 +9,7 @@ partition `einpage.compiler.rooms`) lowers the taskgraph once per candidate and 
 fastest plan; the partitions tried are compared by their best plans."""
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from dataclasses import dataclass, field, replace
@@ -155,6 +156,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         planned = _stream_blocks(parts, planned, rungs, rivals)
         planned, coarse, won = rooms.refine_rooms(planned, rivals, options,
                                                   known_bound(rungs, parts.profile))
+        if ladder is not None:
+            planned, coarse, won = _split_streamed(parts, (planned, coarse, won), rungs, rivals)
         rivals.extend(stepped)
         del stepped
         if options.host_bytes is None:  # no disk to weigh them by (`rooms.climb_tiers`): let
@@ -360,6 +363,63 @@ def _stream_blocks(parts: Partitions, planned: "rooms.Planned", rungs: list[Rung
     return planned
 
 
+#: A decode step streaming SPLIT_GATE more than its partition's least bytes (the room its
+#: blocks in flight hold) also tries the weights its best plan streams cut to blocks of at
+#: most SPLIT_SHARES times the size where room and copies cost the same (`_split_streamed`)
+SPLIT_GATE = 0.02
+SPLIT_SHARES = (2, 1)
+
+
+def _split_streamed(parts: Partitions,
+                    chosen: tuple[rooms.Planned, search.Trial, rooms.Won], rungs: list[Rung],
+                    rivals: list[rooms.Planned]) -> tuple[rooms.Planned, search.Trial, rooms.Won]:
+    """Where a decode step's best plan (`chosen`: the partition, as `rooms.refine_rooms` gives
+    it) streams more than SPLIT_GATE over its partition's least bytes: the weights that plan
+    streams cut finer than the rest (`PartitionOptions.split_weights`, along the axes they
+    contract), on the coarse partition and on the winner's, each tried with what won (`alone`)
+    and its room refined (`rooms.refine_room`); the fastest kept (with its best trial before
+    refining and what won its coarse search), the others as `rivals`. Each streamed block
+    holds room in flight beside the resident set, and every byte of that room streams: the
+    ladder's finer rungs shrink it, but cut every task (the attention over the KV store too),
+    and each launch costs. With blocks of s bytes, two in flight, S bytes to stream at
+    bandwidth B and a latency L per copy, the room costs 2s/B and the copies S L / s: both the
+    same at s = sqrt(S L B / 2), 13 MB for 0.7 GB on h100-pcie; the cuts halve, so the caps
+    are SPLIT_SHARES times that. llama-7b decode B=8 over 768 rows at 16 GB: its 66 MB rung
+    streams 24 whole 33.5 MB projections, 0.805 GB against 0.699 no plan can avoid, 16.31 ms;
+    the coarse partition with those halved 0.754 GB, 15.44 ms; B=1 over 2304 at 14 GB: its
+    33 MB rung 15.41 ms (15.07 ms of compute), the coarse partition with its streamed weights
+    halved 14.87 ms (12.39). Each split partition is a rung of the problem's bound."""
+    planned = chosen[0]
+    best = planned.trials.best()
+    sim, tg = best.simulation, planned.tg
+    if sim.h2d_bytes <= planned.rung.min_stream_bytes * (1 + SPLIT_GATE):
+        return chosen
+    streamed = [b for b in tg.input_blocks if b.role == "weight" and b.id not in best.resident]
+    if not streamed:
+        return chosen
+    nodes = frozenset(b.node for b in streamed)
+    profile, options = parts.profile, parts.options
+    even = math.sqrt(planned.rung.min_stream_bytes * profile.copy_latency
+                     * profile.h2d_bandwidth / 2)
+    for block in dict.fromkeys((rungs[0].block, planned.rung.block)):
+        for share in SPLIT_SHARES:
+            try:
+                split = _plan(parts, block, planned.won, alone=True,
+                              split=(nodes, int(even * share)))
+            except BudgetError:  # no set fits beside its pass
+                continue
+            rungs.extend(split.tried)
+            ahead = chosen[0].trials.best().simulation.makespan_s
+            before = search.without_plan(split.trials.best())
+            split = rooms.refine_room(split, options, known_bound(rungs, profile), ahead)
+            if split.trials.best().simulation.makespan_s < ahead * (1 - search.AUTO_TOLERANCE):
+                rivals.append(chosen[0])
+                chosen = (split, before, split.won)
+            else:
+                rivals.append(split)
+    return chosen
+
+
 def _read_apart(tg: TaskGraph, order: list[int]) -> bool:
     """Whether the readers of some weight block within one stage are not one run of `order`
     (a tied table read by the first stage and the last is not: the order by weight block
@@ -381,8 +441,8 @@ def _read_apart(tg: TaskGraph, order: list[int]) -> bool:
 
 def _plan(parts: Partitions, block: int, coarser: rooms.Won | None = None,
           weight_block: int | None = None, unless_like: TaskGraph | None = None,
-          alone: bool = False, by_weight: bool = False, drained: bool = False
-          ) -> rooms.Planned | None:
+          alone: bool = False, by_weight: bool = False, drained: bool = False,
+          split: tuple[frozenset[int], int] | None = None) -> rooms.Planned | None:
     """The partition for `block`-byte working sets (weights in blocks of at most `weight_block`
     bytes; ordered by weight block where `by_weight`, its rows drained behind compute where
     `drained`) with its resident set searched (or, given what won on a `coarser` partition of
@@ -401,7 +461,7 @@ def _plan(parts: Partitions, block: int, coarser: rooms.Won | None = None,
     by weight block, against 257 ms before."""
     options, profile = parts.options, parts.profile
     policy = get_policy(options.policy)
-    cut = parts.cut(block, weight_block, by_weight, drained)
+    cut = parts.cut(block, weight_block, by_weight, drained, split)
     if cut is None:  # no drained order
         return None
     tg, order, needs, seconds, rung = cut
@@ -418,7 +478,7 @@ def _plan(parts: Partitions, block: int, coarser: rooms.Won | None = None,
     planned = rooms.Planned(tg, needs, fits, trials, rung, won, (rung,), residency.room > 0)
     if by_weight or drained or fits or not _read_apart(tg, order):
         return planned
-    cut = parts.cut(block, weight_block, by_weight=True)
+    cut = parts.cut(block, weight_block, by_weight=True, split=split)
     if cut.order == order:
         return planned
     grouped = cut.rung
@@ -428,7 +488,7 @@ def _plan(parts: Partitions, block: int, coarser: rooms.Won | None = None,
            grouped.min_stream_bytes / profile.h2d_bandwidth) >= best * (1 - search.AUTO_TOLERANCE):
         return planned  # no plan in that order could win
     try:
-        other = _plan(parts, block, won, weight_block, alone=True, by_weight=True)
+        other = _plan(parts, block, won, weight_block, alone=True, by_weight=True, split=split)
     except BudgetError:  # no set fits beside that order's pass: the row order's plan stands
         return planned
     if other.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
@@ -452,7 +512,7 @@ def _drain_behind(parts: Partitions, planned: rooms.Planned, rungs: list[Rung],
     parts.hold(rung, planned.tg, trials.order, planned.needs, trials.base.task_seconds)
     try:
         other = _plan(parts, rung.block, None, rung.weight_block, by_weight=rung.by_weight,
-                      drained=True)
+                      drained=True, split=rung.split)
     except BudgetError:  # no set fits beside that order's pass
         return planned
     if other is None:  # the rows meet, or nothing drains

@@ -63,6 +63,11 @@ class PartitionOptions:
     # Weights that ops reuse many times (a prefill's projections) cut into blocks of at most
     # this many bytes for streaming (`cuts.cap_streamed_weights`); None: the cut choice alone.
     weight_block_bytes: int | None = None
+    # Weights (graph node ids) whose readers cut them into blocks of at most `split_bytes`
+    # along the axes they contract, whatever their reuse (`Partitioner._split`): the weights a
+    # plan streams, cut finer than the rest.
+    split_weights: frozenset[int] = frozenset()
+    split_bytes: int | None = None
 
 
 def even_bounds(size: int, parts: int) -> tuple[int, ...]:
@@ -332,6 +337,30 @@ class _Partitioner:
         return {c: max(1, min(self.class_parts.get(k, 1), size or 1))
                 for c, (size, k) in letters.items()}
 
+    def _split(self, node: Node, letters, parts: dict[str, int]) -> dict[str, int]:
+        """`parts` with the contracted axes of each weight of `opt.split_weights` that `node`
+        reads cut further (halvings, the largest block axis first, whole groups kept) until its
+        blocks are at most `opt.split_bytes`: its blocks accumulate into the same output blocks,
+        and only the node's other operands (a decode step's few rows) are laid out again."""
+        cap = self.opt.split_bytes
+        if not cap or not self.opt.split_weights:
+            return parts
+        spec = node.op.spec
+        contracted = set(spec.contracted)
+        for i, term in zip(node.inputs, spec.inputs):
+            if i not in self.opt.split_weights:
+                continue
+            item = self.g.nodes[i].dtype.itemsize
+            while item * math.prod(letters[c][0] / parts[c] for c in term) > cap:
+                free = [c for c in term if c in contracted and letters[c][1] not in self.whole
+                        and parts[c] * 2 <= letters[c][0] // self.quantum.get(
+                            letters[c][1], (1, 0))[0]]
+                if not free:
+                    break
+                c = max(free, key=lambda c: (letters[c][0] / parts[c], c))
+                parts = {**parts, c: parts[c] * 2}
+        return parts
+
     def _axis_parts(self, node: Node, axis: int) -> int:
         return max(1, min(self.class_parts.get(self.classes.of(node.id, axis), 1),
                           node.shape[axis] or 1))
@@ -342,7 +371,7 @@ class _Partitioner:
         spec: EinsumSpec = op.spec
         sizes = spec.sizes([self.g.nodes[i].shape for i in node.inputs])
         letters = self._einsum_letters(node)[0]
-        parts = self._class_parts(node, letters)
+        parts = self._split(node, letters, self._class_parts(node, letters))
         bounds = {c: self._bounds(letters[c][1], sizes[c], parts[c]) for c in sizes}
         out = self._produce(node, tuple(bounds[c] for c in spec.output))
         grids = [self.layout(i, tuple(bounds[c] for c in term))

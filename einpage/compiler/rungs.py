@@ -44,6 +44,9 @@ class Rung(NamedTuple):
     min_disk_bytes: int = 0
     #: `resident.min_stream_copies`: how many host->device copies any plan of it makes
     min_stream_copies: float = 0.0
+    #: the weights (graph node ids) it cuts finer, and to at most how many bytes
+    #: (`driver._split_streamed`)
+    split: tuple[frozenset[int], int] | None = None
 
 
 class Cut(NamedTuple):
@@ -63,23 +66,27 @@ class Partitions:
     def __init__(self, graph: Graph, options: CompileOptions):
         self.graph, self.options = graph, options
         self.profile = options.device or get_device(DEFAULT_DEVICE)
-        self._made: dict[tuple[int, int | None, bool, bool], Cut] = {}
+        self._made: dict[tuple, Cut] = {}
 
     def cut(self, block: int, weight_block: int | None = None, by_weight: bool = False,
-            drained: bool = False) -> Cut | None:
+            drained: bool = False, split: tuple[frozenset[int], int] | None = None
+            ) -> Cut | None:
         """The partition for `block`-byte working sets (weights in blocks of at most
         `weight_block` bytes), ordered by weight block where `by_weight` (the same partition as
         without it: made once), its rows drained behind compute where `drained` (None where
         they cannot be: `drain.drained_order`). Its rung's tail term is the least of both
         orders: a bound is not raised by an order the search did not plan."""
-        key = (block, weight_block, by_weight, drained)
+        key = (block, weight_block, by_weight, drained, split)
         if key not in self._made:
             options, profile = self.options, self.profile
-            same = next((c for k, c in self._made.items() if k[:2] == key[:2]), None)
+            same = next((c for k, c in self._made.items()
+                         if k[:2] == key[:2] and k[4] == split), None)
             tg = same.tg if same is not None else partition(self.graph, PartitionOptions(
                 block, options.cuts, options.sources,
                 drop_constant_blocks=options.drop_constant_blocks,
-                weight_block_bytes=weight_block))
+                weight_block_bytes=weight_block,
+                split_weights=split[0] if split else frozenset(),
+                split_bytes=split[1] if split else None))
             seconds = same.seconds if same is not None else tuple(task_seconds(profile, tg))
             order = memory_aware_order(tg, by_weight)
             rows = drained_order(tg, order, seconds, profile.d2h_bandwidth)
@@ -101,7 +108,7 @@ class Partitions:
                         tail,
                         drained, least_disk_bytes(tg, order, options.device_bytes,
                                                   options.host_bytes),
-                        min_stream_copies(tg, order, options.device_bytes, positions))
+                        min_stream_copies(tg, order, options.device_bytes, positions), split)
             self._made = {key: Cut(tg, order, needs, seconds, rung)}
         return self._made[key]
 
@@ -110,7 +117,7 @@ class Partitions:
         """Keep `rung`'s partition (what a plan of it carries: its taskgraph, order, needs and
         task seconds) as the one made, so that `cut` asks no partition again for it in another
         order (`driver._drain_behind`, after a capped partition was tried and lost)."""
-        key = (rung.block, rung.weight_block, rung.by_weight, rung.drained)
+        key = (rung.block, rung.weight_block, rung.by_weight, rung.drained, rung.split)
         self._made = {key: Cut(tg, order, needs, seconds, rung)}
 
 
