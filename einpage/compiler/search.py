@@ -118,7 +118,8 @@ class Trials:
                 self._tried[key] = None
             raise
         sim = simulate(mg, self.profile,
-                       node_seconds(mg, self.profile, self.base.task_seconds or None))
+                       node_seconds(mg, self.profile, self.base.task_seconds or None),
+                       verify=False)
         self.items.append(Trial(window, kept, mg, sim, Traffic.of(mg).offload_bytes,
                                 mg.live_peak(), self.base.on_host, knobs))
         self._drop_losers()
@@ -137,7 +138,7 @@ class Trials:
             mg, _ = lower_shrinking(self.tg, self.order, opts)
         except BudgetError:
             return None
-        return simulate(mg, self.profile)
+        return simulate(mg, self.profile, verify=False)
 
     def try_run(self, resident: frozenset, window: float | None) -> None:
         """A trial that may not fit at all (then it is not a candidate)."""

@@ -101,7 +101,8 @@ def with_plan(trials: search.Trials, trial: search.Trial) -> search.Trial:
         return trial
     opts = _options_of(trials, trial)
     mg = lower(trials.tg, trials.order, replace(opts, resident=trial.resident))
-    sim = simulate(mg, trials.profile, node_seconds(mg, trials.profile, opts.task_seconds))
+    sim = simulate(mg, trials.profile, node_seconds(mg, trials.profile, opts.task_seconds),
+                   verify=False)
     return replace(trial, memgraph=mg, simulation=sim)
 
 
@@ -119,7 +120,7 @@ def _tiered(trials: search.Trials, opts: LowerOptions, best: search.Trial, resid
     tiered within `host_bytes` (`BudgetError` where its host needs do not fit), with its
     trial."""
     profile = trials.profile
-    sim = simulate(mg, profile, node_seconds(mg, profile, opts.task_seconds))
+    sim = simulate(mg, profile, node_seconds(mg, profile, opts.task_seconds), verify=False)
     return place_tiers(mg, sim, host_bytes, profile), replace(
         best, resident=resident, memgraph=mg, simulation=sim,
         spill_bytes=Traffic.of(mg).offload_bytes, live_peak=mg.live_peak())

@@ -252,7 +252,7 @@ def place_tiers(mg: MemGraph, simulation: Simulation, host_bytes: int | None,
         pinned = choose_pinned(needs, sizes.__getitem__, capacity)
         disk = frozenset(needs.streamed) - pinned
         tiered = with_disk_tier(mg, disk, staging)
-        sim = simulate(tiered, profile)
+        sim = simulate(tiered, profile, verify=False)
         choice = TierChoice(host_bytes, needs.fixed_bytes, sum(sizes[t] for t in pinned),
                             sum(sizes[t] for t in disk), staging, len(disk))
         if best is None or (sim.makespan_s, sim.disk_bytes) < (best.simulation.makespan_s,
