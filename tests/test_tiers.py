@@ -277,7 +277,7 @@ def test_staging_sizes_stop_past_the_best(tiny, monkeypatch):
     makespans = iter((3.0, 2.0, 2.5, 1.0, 0.5))
     tried = []
 
-    def simulate_(mg, profile):
+    def simulate_(mg, profile, **_):
         tried.append(mg.host_arena_bytes)
         return dataclasses.replace(free.simulation, makespan_s=next(makespans))
 
