@@ -24,7 +24,7 @@ from einpage.compiler.cuts import largest_reused_weight
 from einpage.compiler.drain import tail_seconds
 from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
 from einpage.compiler.policies import Policy, get_policy
-from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
+from einpage.compiler.report import CompileFigures, PlanReport, ProblemBound, TrialSummary
 from einpage.compiler.rungs import Partitions, Rung, known_bound
 from einpage.compiler.resident import (PassNeeds, everything_fits, kept_bytes,
                                        memory_lower_bound)
@@ -226,9 +226,10 @@ def _finer_tiered(parts: Partitions, chosen: tuple[rooms.Planned, search.Trial, 
                   ladder: _Ladder, rungs: list[Rung]
                   ) -> tuple[rooms.Planned, search.Trial, Tiered]:
     """Where the disk binds a decode step and its finest rung planned wins the tiered climb
-    (`chosen`, from `_climb_device`): the ladder continued on the tiered pass, each finer rung
-    planned (with what won on the rung before), tiered and its room climbed
-    (`rooms.climb_tier`), while each gains by AUTO_TOLERANCE. On the device the ladder stops
+    (`chosen`, from `_climb_device`) and misses REFINE_BELOW of the problem's bound: the
+    ladder continued on the tiered pass, each finer rung planned (with what won on the rung
+    before), tiered and its room climbed (`rooms.climb_tier`), while each gains by
+    AUTO_TOLERANCE. On the device the ladder stops
     where launches cost more than the smaller blocks in flight save; where the disk binds,
     every byte the device keeps for blocks in flight and the host keeps for staging is a byte
     read from disk, and the launches hide behind the disk: llama-7b decode B=8 at 8 GB with a
@@ -237,6 +238,12 @@ def _finer_tiered(parts: Partitions, chosen: tuple[rooms.Planned, search.Trial, 
     (`rungs`)."""
     options, profile = parts.options, parts.profile
     top, step, finest = ladder
+    bound = ProblemBound.of(
+        min(r.compute_s for r in rungs), min(r.min_stream_bytes for r in rungs), profile,
+        options.host_bytes, min(r.min_disk_bytes for r in rungs), min(r.front_s for r in rungs),
+        min(r.tail_s for r in rungs), min(r.min_stream_copies for r in rungs)).seconds
+    if chosen[2].simulation.makespan_s * rooms.REFINE_BELOW <= bound:
+        return chosen
     while chosen[0].rung.block == finest:
         block = ladder.block(step)
         if block < MIN_BLOCK:
@@ -374,7 +381,8 @@ def _split_streamed(parts: Partitions,
                     chosen: tuple[rooms.Planned, search.Trial, rooms.Won], rungs: list[Rung],
                     rivals: list[rooms.Planned]) -> tuple[rooms.Planned, search.Trial, rooms.Won]:
     """Where a decode step's best plan (`chosen`: the partition, as `rooms.refine_rooms` gives
-    it) streams more than SPLIT_GATE over its partition's least bytes: the weights that plan
+    it) misses REFINE_BELOW of the problem's bound and streams more than SPLIT_GATE over its
+    partition's least bytes: the weights that plan
     streams cut finer than the rest (`PartitionOptions.split_weights`, along the axes they
     contract), on the coarse partition and on the winner's, each tried with what won (`alone`)
     and its room refined (`rooms.refine_room`); the fastest kept (with its best trial before
@@ -392,13 +400,14 @@ def _split_streamed(parts: Partitions,
     planned = chosen[0]
     best = planned.trials.best()
     sim, tg = best.simulation, planned.tg
-    if sim.h2d_bytes <= planned.rung.min_stream_bytes * (1 + SPLIT_GATE):
+    profile, options = parts.profile, parts.options
+    if (sim.h2d_bytes <= planned.rung.min_stream_bytes * (1 + SPLIT_GATE)
+            or sim.makespan_s * rooms.REFINE_BELOW <= known_bound(rungs, profile)):
         return chosen
     streamed = [b for b in tg.input_blocks if b.role == "weight" and b.id not in best.resident]
     if not streamed:
         return chosen
     nodes = frozenset(b.node for b in streamed)
-    profile, options = parts.profile, parts.options
     even = math.sqrt(planned.rung.min_stream_bytes * profile.copy_latency
                      * profile.h2d_bandwidth / 2)
     for block in dict.fromkeys((rungs[0].block, planned.rung.block)):
