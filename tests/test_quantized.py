@@ -186,6 +186,44 @@ def test_a_decode_step_over_a_kv_store_with_packed_weights():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_packed_weights_split_finer_keep_whole_groups_and_their_values(fmt):
+    """A decode step's packed weights cut finer than the rest (`PartitionOptions.split_weights`,
+    what `driver._split_streamed` does to the weights a plan streams): their blocks are sized
+    by their packed bytes (a cap of a quarter of a projection's packed bytes cuts it in four,
+    not in four times its logical-to-packed ratio), cut at whole groups, and the plan computes
+    the dequantized model's logits in any order."""
+    from einpage.compiler.lowering import LowerOptions, lower
+    from einpage.compiler.order import memory_aware_order
+    from einpage.compiler.partitioner import PartitionOptions, partition
+    from einpage.compiler.policies import get_policy
+    from einpage.ir.graph import Input
+    cfg = schema.quantized(SMALL, fmt)
+    weights = RandomWeights(SMALL, 0)
+    graph = llama.decode_graph(cfg).bind(B=2, C=16)
+    packed = [n for n in graph.nodes if isinstance(n.op, Input) and n.op.storage is not None
+              and n.op.name.startswith("layers.")]
+    wq = next(n for n in packed if n.op.name == "layers.0.wq")
+    cap = wq.op.storage.nbytes(tuple(wq.shape)) // 4
+    tg = partition(graph, PartitionOptions(1 << 30, split_weights=frozenset({wq.id}),
+                                           split_bytes=cap))
+    blocks = [b for b in tg.blocks if b.node == wq.id]
+    assert len(blocks) == 4 and all(b.bytes <= cap for b in blocks)
+    assert all(b.storage is not None for b in blocks)
+    rng = np.random.default_rng(0)
+    inputs = {"tokens": np.array([[3], [9]]), "pos": np.array([5, 11])}
+    for t in graph.inputs:
+        if t.op.role.value == "cache":
+            inputs[t.op.name] = rng.standard_normal(tuple(t.shape)).astype(np.float32)
+    want = evaluate(graph, inputs, weights)
+    mg = lower(tg, memory_aware_order(tg),
+               LowerOptions(cfg.weight_bytes() // 3, get_policy("reuse-distance")))
+    assert validate(mg).proven
+    for order in (0, 3):
+        got = run(mg, inputs, weights, order=order)
+        np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+
+
 def test_the_plan_moves_and_counts_packed_bytes():
     f32 = compile_graph(llama.prefill_graph(SMALL).bind(B=1, S=12),
                         CompileOptions(SMALL.weight_bytes() // 4))

@@ -363,8 +363,8 @@ def test_a_decode_step_cuts_the_weights_it_streams_finer_than_the_rest():
                              CompileOptions(device_bytes=16 * 10**9, validate=False))
     weights = [t.bytes for t in compiled.memgraph.tensors
                if t.role == "weight" and t.name.startswith("layers.")]
-    whole = 4096 * 4096 * 2
-    assert whole in weights and any(b < whole for b in weights)
+    whole = 4096 * 4096 * 2  # a projection
+    assert whole in weights and any(whole // 4 <= b < whole for b in weights)
     assert compiled.simulation.makespan_s < 0.0156
     assert compiled.simulation.h2d_bytes < 0.76e9
 

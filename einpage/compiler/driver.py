@@ -81,7 +81,8 @@ class Compiled:
 #: resident, so fewer bytes stream, while more, smaller tasks cost launches (the simulator weighs
 #: both). Quarters alone missed the best rung: llama-7b decode B=1 C=2304 at 14 GB runs 20.67 ms
 #: with its 250 MB tasks, 17.95 ms at 62 MB, 16.02 ms at 31 MB, 22 ms at 15 MB. (llama-7b B=16
-#: C=768 at 16 GB: 1.084x -> 1.020x the bytes no plan can avoid.)
+#: C=768 at 16 GB: 1.084x -> 1.020x the bytes no plan can avoid.) Where the disk binds, the
+#: ladder goes on finer on the tiered pass (`_finer_tiered`).
 FINER = 2
 FIRST_RUNG = 2          # the first finer rung: FINER ** FIRST_RUNG below the largest task
 FINER_STEPS = 3
@@ -192,6 +193,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         tiered, best = weights_first_tiered(trials, best, tiered, options.device_bytes,
                                             options.host_bytes)
     mg = tiered.memgraph
+    if not options.validate:  # (the search simulated its plans unverified: `search.Trials`)
+        mg.verify()
     valid = validate(mg) if options.validate else None
     figures = _figures(planned, best, rungs, _default_lookahead(trials, best, options), options,
                        time.perf_counter() - t0)
@@ -237,7 +240,7 @@ def _finer_tiered(parts: Partitions, chosen: tuple[rooms.Planned, search.Trial, 
     417 ms at 16 MB, 425 ms at 8 MB. Each rung planned is a rung of the problem's bound
     (`rungs`)."""
     options, profile = parts.options, parts.profile
-    top, step, finest = ladder
+    _, step, finest = ladder
     bound = ProblemBound.of(
         min(r.compute_s for r in rungs), min(r.min_stream_bytes for r in rungs), profile,
         options.host_bytes, min(r.min_disk_bytes for r in rungs), min(r.front_s for r in rungs),
@@ -248,10 +251,12 @@ def _finer_tiered(parts: Partitions, chosen: tuple[rooms.Planned, search.Trial, 
         block = ladder.block(step)
         if block < MIN_BLOCK:
             break
-        finer = _plan(parts, block, chosen[0].won)
+        try:
+            finer = _plan(parts, block, chosen[0].won)
+        except BudgetError:  # too many tasks, or no set fits beside its pass
+            break
         finest, step = finer.rung.block, step + 1
-        if all(r.block != finer.rung.block for r in rungs):
-            rungs.extend(finer.tried)
+        rungs.extend(r for r in finer.tried if r not in rungs)
         plan = finer.trials.best()
         if plan.on_host or not finer.paced:
             break
@@ -275,7 +280,8 @@ def _climb_device(planned: rooms.Planned, best: search.Trial, tiered: Tiered,
     places no task on the host: a placement's sets leave out the blocks its host tasks read,
     `host_search`); None where no device-only plan is there to climb or its host needs do not
     fit. A placement that won on the device may lose once the disk binds: llama-7b decode B=8
-    at 8 GB with a 14 GB host, 652 ms with its applies placed, 562 ms device-only, tiered."""
+    at 8 GB with a 14 GB host, 652 ms with its applies placed, 462 ms device-only, tiered (417
+    ms with the ladder continued, `_finer_tiered`)."""
     device = [t for t in planned.trials.items if not t.on_host]
     if not device:
         return None
@@ -414,16 +420,19 @@ def _split_streamed(parts: Partitions,
         for share in SPLIT_SHARES:
             try:
                 split = _plan(parts, block, planned.won, alone=True,
-                              split=(nodes, int(even * share)))
+                              unless_like=planned.tg if block == planned.rung.block else None,
+                              split=(nodes, max(MIN_BLOCK, int(even * share))))
             except BudgetError:  # no set fits beside its pass
+                continue
+            if split is None:  # its streamed weights were cut that fine already
                 continue
             rungs.extend(split.tried)
             ahead = chosen[0].trials.best().simulation.makespan_s
-            before = search.without_plan(split.trials.best())
+            before, won = search.without_plan(split.trials.best()), split.won
             split = rooms.refine_room(split, options, known_bound(rungs, profile), ahead)
             if split.trials.best().simulation.makespan_s < ahead * (1 - search.AUTO_TOLERANCE):
                 rivals.append(chosen[0])
-                chosen = (split, before, split.won)
+                chosen = (split, before, won)
             else:
                 rivals.append(split)
     return chosen

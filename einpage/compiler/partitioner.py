@@ -44,6 +44,7 @@ from einpage.ir.ops import CopyOp, EinsumOp, FillOp, GatherOp, GuardedOp, Piece
 from einpage.ir.spec import EinsumSpec
 from einpage.ir.taskgraph import Block, OutputBlock, Task, TaskGraph, prune_dead
 from einpage.ir.tensors import LogicalTensor, Source
+from einpage.ir.storage import tensor_bytes
 from einpage.units import format_size
 
 Bounds = tuple[tuple[int, ...], ...]  # per dim: cut points 0 = c0 < c1 < ... < ck = size
@@ -343,14 +344,17 @@ class _Partitioner:
         blocks are at most `opt.split_bytes`: its blocks accumulate into the same output blocks,
         and only the node's other operands (a decode step's few rows) are laid out again."""
         cap = self.opt.split_bytes
-        if not cap or not self.opt.split_weights:
-            return parts
+        if not cap or not self.opt.split_weights or node.id in self.opt.cuts:
+            return parts  # (a node cut by hand keeps its cuts)
         spec = node.op.spec
         contracted = set(spec.contracted)
         for i, term in zip(node.inputs, spec.inputs):
             if i not in self.opt.split_weights:
                 continue
-            item = self.g.nodes[i].dtype.itemsize
+            weight = self.g.nodes[i]
+            storage = weight.op.storage if isinstance(weight.op, Input) else None
+            item = (tensor_bytes(tuple(weight.shape), weight.dtype, storage)
+                    / max(1, math.prod(weight.shape)))  # bytes an element (packed: its share)
             while item * math.prod(letters[c][0] / parts[c] for c in term) > cap:
                 free = [c for c in term if c in contracted and letters[c][1] not in self.whole
                         and parts[c] * 2 <= letters[c][0] // self.quantum.get(

@@ -476,16 +476,21 @@ def paced_at(tg: TaskGraph, order: list[int], peak: int, budget: int, at: float,
     written back as a pass that streams does, for the fine one (which may then keep resident
     the room that the KV rows a prefill writes would otherwise take: 1.07 GB of llama-7b's
     4 GB)."""
-    return paced_resident(tg, order, int(budget - peak - at * budget),
-                          seconds, max(1, int(at * budget / 2)), exclude=exclude)
+    return paced_resident(tg, order, *_room_at(peak, budget, at, seconds), exclude=exclude)
 
 
 def weights_first_at(tg: TaskGraph, order: list[int], peak: int, budget: int, at: float,
                      seconds: Sequence[float]) -> frozenset:
     """The resident set of `paced_at`'s bytes with weights kept before KV-store blocks
     (`weights_first`): for the room climb of a pass whose host budget sends weights to disk."""
-    return weights_first(tg, order, int(budget - peak - at * budget), seconds,
-                         max(1, int(at * budget / 2)))
+    return weights_first(tg, order, *_room_at(peak, budget, at, seconds))
+
+
+def _room_at(peak: int, budget: int, at: float, seconds: Sequence[float]
+             ) -> tuple[int, Sequence[float], int]:
+    """(the resident bytes, `seconds`, the largest streamed block) of a paced set that leaves
+    `at` of the budget as room beside `peak` bytes."""
+    return int(budget - peak - at * budget), seconds, max(1, int(at * budget / 2))
 
 
 def guarded_shares(tg: TaskGraph, share: float) -> dict[int, float]:

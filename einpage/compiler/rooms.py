@@ -252,7 +252,7 @@ def climb_tiers(planned: Planned, best: search.Trial, tiered: Tiered,
     its halved partition wins on the device (204 ms), reads 3.21 GB from disk beside 172 MB of
     staging and runs 1083 ms; the same partition with its weights capped at 14 MB blocks reads
     2.89 GB beside 21 MB and runs 998 ms. A decode step's 66 MB rung, llama-7b B=8 at 8 GB with
-    a 14 GB host: 752 -> 562 ms against the 1 GB rung the device chose. Climbed, a partition
+    a 14 GB host: 462 ms against 752 on the 1 GB rung the device chose. Climbed, a partition
     gains 1-24% on the grid's disk rows, and the order unclimbed says little (llama-7b at 4 GB /
     8 GB: capped at 1/8 1216 ms, at 1/16 1226; climbed 1008 and 998); the coarse partition, the
     slowest unclimbed in every disk row, never won."""

@@ -1,7 +1,8 @@
 """The partitions of one compile and the rungs of the problem's bound they give.
 
-Each partition the compiler tries (the coarse one, the ladder's, a halving, one ordered by
-weight block or with its rows drained) is a *rung*: what any plan of it must copy
+Each partition the compiler tries (the coarse one, the ladder's, a halving, its weights capped
+or the weights a plan streams cut finer, one ordered by weight block or with its rows drained)
+is a *rung*: what any plan of it must copy
 host->device, its compute, and the terms of its order (the first bytes before their tasks, the
 outputs after theirs). The problem's bound is taken over the rungs (`known_bound`): no plan of
 any partition tried beats it."""

@@ -156,8 +156,8 @@ def simulate(mg: MemGraph, profile: DeviceProfile, durations: list[float] | None
              verify: bool = True) -> Simulation:
     """`mg` run once from `start_at`: `arrivals` gives when each recv's message arrives.
     `verify`: check its structure first (`MemGraph.verify`); the compiler's search leaves that
-    out for the plans it lowers itself, one simulation each (2-4% of a compile), and validates
-    the plan it keeps."""
+    out for the plans it lowers itself, one simulation each (2-4% of a compile), and checks
+    the plan it keeps (validated, or verified where validation is off)."""
     run = _Run(mg, profile, durations, start_at, verify)
     for n in mg.nodes:
         run.step(arrivals.get(n.id, 0.0) if arrivals is not None and isinstance(n, RecvNode)
