@@ -170,15 +170,21 @@ def test_paged_prefill_computes_the_dequantized_model(fmt):
     np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
 
 
-def test_a_decode_step_over_a_kv_store_with_packed_weights():
-    cfg = schema.quantized(SMALL, "q8_0")
-    weights = RandomWeights(SMALL, 0)
-    graph = llama.decode_graph(cfg).bind(B=2, C=16)
+def _decode_inputs(graph) -> dict:
+    """Two rows at positions 5 and 11 of a random KV store."""
     rng = np.random.default_rng(0)
     inputs = {"tokens": np.array([[3], [9]]), "pos": np.array([5, 11])}
     for t in graph.inputs:
         if t.op.role.value == "cache":
             inputs[t.op.name] = rng.standard_normal(tuple(t.shape)).astype(np.float32)
+    return inputs
+
+
+def test_a_decode_step_over_a_kv_store_with_packed_weights():
+    cfg = schema.quantized(SMALL, "q8_0")
+    weights = RandomWeights(SMALL, 0)
+    graph = llama.decode_graph(cfg).bind(B=2, C=16)
+    inputs = _decode_inputs(graph)
     want = evaluate(graph, inputs, weights)
     compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3))
     got = run(compiled.memgraph, inputs, weights, order=3)
@@ -210,11 +216,7 @@ def test_packed_weights_split_finer_keep_whole_groups_and_their_values(fmt):
     blocks = [b for b in tg.blocks if b.node == wq.id]
     assert len(blocks) == 4 and all(b.bytes <= cap for b in blocks)
     assert all(b.storage is not None for b in blocks)
-    rng = np.random.default_rng(0)
-    inputs = {"tokens": np.array([[3], [9]]), "pos": np.array([5, 11])}
-    for t in graph.inputs:
-        if t.op.role.value == "cache":
-            inputs[t.op.name] = rng.standard_normal(tuple(t.shape)).astype(np.float32)
+    inputs = _decode_inputs(graph)
     want = evaluate(graph, inputs, weights)
     mg = lower(tg, memory_aware_order(tg),
                LowerOptions(cfg.weight_bytes() // 3, get_policy("reuse-distance")))
