@@ -189,7 +189,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
                                 < tiered.simulation.makespan_s * (1 - search.AUTO_TOLERANCE)):
         (planned, best, tiered), rungs = climbed, device_rungs
         tg, trials = planned.tg, planned.trials
-    elif tiered.choice.disk_bytes and planned.needs.kv_bytes:
+    elif tiered.choice.disk_bytes and planned.needs.kv_bytes:  # not climbed (the disk does
+        # not bind, or a placement stays): its resident bytes tried once with weights first
         tiered, best = weights_first_tiered(trials, best, tiered, options.device_bytes,
                                             options.host_bytes)
     mg = tiered.memgraph
