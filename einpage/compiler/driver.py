@@ -233,13 +233,12 @@ def _finer_tiered(parts: Partitions, chosen: tuple[rooms.Planned, search.Trial, 
     (`chosen`, from `_climb_device`) and misses REFINE_BELOW of the problem's bound: the
     ladder continued on the tiered pass, each finer rung planned (with what won on the rung
     before), tiered and its room climbed (`rooms.climb_tier`), while each gains by
-    AUTO_TOLERANCE. On the device the ladder stops
-    where launches cost more than the smaller blocks in flight save; where the disk binds,
-    every byte the device keeps for blocks in flight and the host keeps for staging is a byte
-    read from disk, and the launches hide behind the disk: llama-7b decode B=8 at 8 GB with a
-    14 GB host, 462 ms on the device's finest rung (66 MB working sets), 425 ms at 33 MB,
-    417 ms at 16 MB, 425 ms at 8 MB. Each rung planned is a rung of the problem's bound
-    (`rungs`)."""
+    AUTO_TOLERANCE. On the device the ladder stops where launches cost more than the smaller
+    blocks in flight save; where the disk binds, every byte the device keeps for blocks in
+    flight and the host keeps for staging is a byte read from disk, and the launches hide
+    behind the disk: llama-7b decode B=8 at 8 GB with a 14 GB host, 462 ms on the device's
+    finest rung (66 MB working sets), 425 ms at 33 MB, 417 ms at 16 MB, 425 ms at 8 MB. Each
+    rung planned is a rung of the problem's bound (`rungs`)."""
     options, profile = parts.options, parts.profile
     _, step, finest = ladder
     bound = ProblemBound.of(
@@ -389,14 +388,14 @@ def _split_streamed(parts: Partitions,
                     rivals: list[rooms.Planned]) -> tuple[rooms.Planned, search.Trial, rooms.Won]:
     """Where a decode step's best plan (`chosen`: the partition, as `rooms.refine_rooms` gives
     it) misses REFINE_BELOW of the problem's bound and streams more than SPLIT_GATE over its
-    partition's least bytes: the weights that plan
-    streams cut finer than the rest (`PartitionOptions.split_weights`, along the axes they
-    contract), on the coarse partition and on the winner's, each tried with what won (`alone`)
-    and its room refined (`rooms.refine_room`); the fastest kept (with its best trial before
-    refining and what won its coarse search), the others as `rivals`. Each streamed block
-    holds room in flight beside the resident set, and every byte of that room streams: the
-    ladder's finer rungs shrink it, but cut every task (the attention over the KV store too),
-    and each launch costs. With blocks of s bytes, two in flight, S bytes to stream at
+    partition's least bytes: the weights that plan streams cut finer than the rest
+    (`PartitionOptions.split_weights`, along the axes they contract), on the coarse partition
+    and on the winner's, each tried with what won (`alone`) and its room refined
+    (`rooms.refine_room`); the fastest kept (with its best trial before refining and what won
+    its coarse search), the others as `rivals`. Each streamed block holds room in flight
+    beside the resident set, and every byte of that room streams: the ladder's finer rungs
+    shrink it, but cut every task (the attention over the KV store too), and each launch
+    costs. With blocks of s bytes, two in flight, S bytes to stream at
     bandwidth B and a latency L per copy, the room costs 2s/B and the copies S L / s: both the
     same at s = sqrt(S L B / 2), 13 MB for 0.7 GB on h100-pcie; the cuts halve, so the caps
     are SPLIT_SHARES times that. llama-7b decode B=8 over 768 rows at 16 GB: its 66 MB rung
@@ -463,10 +462,11 @@ def _plan(parts: Partitions, block: int, coarser: rooms.Won | None = None,
           alone: bool = False, by_weight: bool = False, drained: bool = False,
           split: tuple[frozenset[int], int] | None = None) -> rooms.Planned | None:
     """The partition for `block`-byte working sets (weights in blocks of at most `weight_block`
-    bytes; ordered by weight block where `by_weight`, its rows drained behind compute where
-    `drained`) with its resident set searched (or, given what won on a `coarser` partition of
-    the same pass, that and the policy's set tried, or that `alone`). None where the partition
-    is `unless_like` (the same cuts: nothing to search again) or its rows cannot be drained.
+    bytes, and the weights of `split` in blocks of at most its bytes; ordered by weight block
+    where `by_weight`, its rows drained behind compute where `drained`) with its resident set
+    searched (or, given what won on a `coarser` partition of the same pass, that and the
+    policy's set tried, or that `alone`). None where the partition is `unless_like` (the same
+    cuts: nothing to search again) or its rows cannot be drained.
 
     Where a weight block's readers run apart in its order (a prefill whose sequence is cut:
     each row block goes through a layer before the next, so each projection block is held, or

@@ -245,10 +245,10 @@ def climb_tiers(planned: Planned, best: search.Trial, tiered: Tiered,
     planned (the winner, `best` tiered as `tiered`, and its `rivals`: the other partitions and
     the decode ladder's other rungs) tiered with its best plan, the room climbed by the tiered
     pass (`climb_tier`) on the winner and the TIER_RIVALS fastest others, and the fastest
-    tiered plan kept with its partition. The disk weighs
-    partitions apart from the device: a disk read needs a staging buffer, two of the largest
-    block at least, and every staging byte is a weight byte read from disk, while the device
-    pass hides behind the disk whatever it costs. llama-7b prefill at 4 GB with an 8 GB host:
+    tiered plan kept with its partition. The disk weighs partitions apart from the device: a
+    disk read needs a staging buffer, two of the largest block at least, and every staging
+    byte is a weight byte read from disk, while the device pass hides behind the disk whatever
+    it costs. llama-7b prefill at 4 GB with an 8 GB host:
     its halved partition wins on the device (204 ms), reads 3.21 GB from disk beside 172 MB of
     staging and runs 1083 ms; the same partition with its weights capped at 14 MB blocks reads
     2.89 GB beside 21 MB and runs 998 ms. A decode step's 66 MB rung, llama-7b B=8 at 8 GB with
