@@ -537,6 +537,10 @@ def _drain_behind(parts: Partitions, planned: rooms.Planned, rungs: list[Rung],
     if other is None:  # the rows meet, or nothing drains
         return planned
     rungs.extend(other.tried)
+    # its prefetch given room as the stage order's was (`rooms.prefetch_trials`): both groups
+    # read every weight, and the first group's early layers are held for the second
+    rooms.prefetch_trials(other, known_bound(rungs, profile),
+                          search.without_plan(other.trials.best()))
     best = trials.best().simulation.makespan_s
     if other.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
         planned, other = other, planned

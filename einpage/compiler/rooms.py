@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from einpage.compiler import search
+from einpage.compiler.lowering import FAR_SHARE
 from einpage.compiler.policies import Residency
 from einpage.compiler.resident import (PassNeeds, guarded_shares, kept_bytes, paced_at,
                                        persistent_blocks, streamed_bytes, weights_first_at)
@@ -323,9 +324,10 @@ def prefetch_trials(planned: Planned, bound_s: float, coarse: search.Trial) -> N
     writes deferred claim PREFETCH_CLAIM of their bytes instead of `lowering.CLAIM_SHARE`
     (llama-7b prefill at 1.7 GB: 249.3 -> 247.7 ms; where the link binds
     the prefetch takes room those writes then need: llama3.1-8b at 8 GB 185.9 -> 192.0 ms with
-    every plan at 1.0); and where some persistent block is read by stages far apart (a tied
-    table: gathered first, read again by the logits), the allocation horizon may let such blocks
-    go for its prefetch (`LowerOptions.evict_ahead`; they stream again later), with either claim.
+    every plan at 1.0); and where some persistent block is read again far later in the order
+    (`lowering.FAR_SHARE`: a tied table, gathered first and read again by the logits; a weight
+    both groups of a drained order read), the allocation horizon may let such blocks go for its
+    prefetch (`LowerOptions.evict_ahead`; they stream again later), with either claim.
     llama3.2-1b prefill at 310 MB held 180 MB of its table through the pass: 93.2 -> 76.5 ms
     evicting ahead, 70.8 ms with the smaller claim too; where the link binds, the bytes streamed
     again cost more than the room saves (llama3.2-3b B=4 at 3.3 GB: 0.5% slower). The coarse
@@ -337,7 +339,7 @@ def prefetch_trials(planned: Planned, bound_s: float, coarse: search.Trial) -> N
             or best.simulation.makespan_s * REFINE_BELOW <= bound_s):
         return
     variants = [(False, PREFETCH_CLAIM)]
-    if _read_stages_apart(planned.tg):
+    if _read_far_apart(planned.tg, trials.order):
         variants += [(True, None), (True, PREFETCH_CLAIM)]
     for plan in (best, coarse) if coarse.resident != best.resident else (best,):
         sim = plan.simulation
@@ -352,16 +354,18 @@ def prefetch_trials(planned: Planned, bound_s: float, coarse: search.Trial) -> N
                 pass
 
 
-def _read_stages_apart(tg: TaskGraph) -> bool:
-    """Whether some persistent block is read by tasks two stages apart or more."""
-    stages: dict[int, tuple[int, int]] = {}
-    blocks = tg.blocks
-    for t in tg.tasks:
-        for b in t.reads:
+def _read_far_apart(tg: TaskGraph, order: list[int]) -> bool:
+    """Whether some persistent block is read again further after a read than FAR_SHARE of the
+    positions left after it (`lowering._Lowering._far`)."""
+    n, last = len(order), {}
+    blocks, tasks = tg.blocks, tg.tasks
+    for k, t in enumerate(order):
+        for b in tasks[t].reads:
             if blocks[b].role in PERSISTENT_ROLES:
-                lo, hi = stages.get(b, (t.stage, t.stage))
-                stages[b] = (min(lo, t.stage), max(hi, t.stage))
-    return any(hi - lo >= 2 for lo, hi in stages.values())
+                if b in last and k - last[b] > FAR_SHARE * (n - last[b]):
+                    return True
+                last[b] = k
+    return False
 
 
 def _finish(trials: search.Trials, windows: list[float | None],
