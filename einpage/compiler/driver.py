@@ -537,11 +537,14 @@ def _drain_behind(parts: Partitions, planned: rooms.Planned, rungs: list[Rung],
     if other is None:  # the rows meet, or nothing drains
         return planned
     rungs.extend(other.tried)
-    # its prefetch given room as the stage order's was (`rooms.prefetch_trials`): both groups
-    # read every weight, and the first group's early layers are held for the second
-    rooms.prefetch_trials(other, known_bound(rungs, profile),
-                          search.without_plan(other.trials.best()))
     best = trials.best().simulation.makespan_s
+    drained = other.rung
+    if max(drained.compute_s, drained.front_s, drained.tail_s, drained.min_stream_bytes
+           / profile.h2d_bandwidth) < best * (1 - search.AUTO_TOLERANCE):
+        # its prefetch given room as the stage order's was (`rooms.prefetch_trials`), where it
+        # could still win: both groups read every weight, and the first group's early layers
+        # are held for the second
+        rooms.prefetch_trials(other, known_bound(rungs, profile), other.trials.best())
     if other.trials.best().simulation.makespan_s < best * (1 - search.AUTO_TOLERANCE):
         planned, other = other, planned
     if parts.options.host_bytes is not None:  # (what `rooms.climb_tiers` may weigh)

@@ -238,8 +238,8 @@ class _Lowering:
         those that have a current host copy; where writes are deferred (`defer`), its fresh
         write and any read no finished writer has made yet wait for `finalize`, but the
         bytes left free must still cover `CLAIM_SHARE` (`claim_share`) of the writes deferred
-        so far. `far`: where that room is short, clean blocks not needed before two stages
-        after `p`'s are evicted for it (`_far`). Returns the bytes reserved, or None (nothing
+        so far. `far`: where that room is short, clean blocks not needed for more than
+        FAR_SHARE of the positions left are evicted for it (`_far`). Returns the bytes reserved, or None (nothing
         changed; with `far`, the far blocks may have been let go)."""
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
@@ -315,11 +315,13 @@ class _Lowering:
         reads again). Counted in stages (two stages after `p`'s, as this was first), a drained
         order's groups share their stages, and the blocks two layers ahead, just prefetched,
         were let go instead: qwen2.5-7b B=16 at 1.9 GB streamed 40 GB, 2073 ms; counted in
-        positions, 29 GB, 1769 ms."""
+        positions, 29 GB, 1771 ms. Never a block needed within the prefetch's depth past `p`
+        (near the end of the order half the positions left is a few)."""
         if not st.host_valid:
             return False
         u = bisect.bisect_left(st.uses, p)
-        return u == len(st.uses) or st.uses[u] - p > FAR_SHARE * (self.n - p)
+        return u == len(st.uses) or (
+            st.uses[u] - p > max(FAR_SHARE * (self.n - p), p - self.e))
 
     def _evict_far(self, p: int, short: int) -> int:
         """Evict unpinned far blocks (`_far`), farthest next use first, until `short` bytes are
