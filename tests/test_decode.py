@@ -303,7 +303,8 @@ def test_a_step_with_its_weights_cut_finer_than_the_rest_gives_the_dense_logits(
     rest (`PartitionOptions.split_weights`: what `driver._split_streamed` tries for the weights
     a plan streams), along the axes they contract: lowered under a quarter of the weights'
     bytes and run in several orders of its tasks, the dense reference's logits."""
-    from einpage.compiler.lowering import LowerOptions, lower
+    from einpage.compiler.lower_options import LowerOptions
+    from einpage.compiler.lowering import lower
     from einpage.compiler.order import memory_aware_order
     from einpage.compiler.partitioner import PartitionOptions, partition
     from einpage.compiler.policies import get_policy

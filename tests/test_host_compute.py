@@ -13,7 +13,8 @@ from fake_cupy import installed
 from test_cli import assert_one_line_error, cli
 
 from einpage.compiler import CompileOptions, compile_graph
-from einpage.compiler.lowering import LowerOptions, lower
+from einpage.compiler.lower_options import LowerOptions
+from einpage.compiler.lowering import lower
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.placement import host_blocks, place_on_host

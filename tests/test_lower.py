@@ -12,7 +12,8 @@ from dataclasses import replace
 import pytest
 
 from einpage.ir import validate
-from einpage.compiler.lowering import LowerOptions, lower
+from einpage.compiler.lower_options import LowerOptions
+from einpage.compiler.lowering import lower
 from einpage.compiler.resident import working_set
 from einpage.compiler.policies import get_policy
 from einpage.errors import BudgetError

@@ -199,7 +199,8 @@ def test_packed_weights_split_finer_keep_whole_groups_and_their_values(fmt):
     by their packed bytes (a cap of a quarter of a projection's packed bytes cuts it in four,
     not in four times its logical-to-packed ratio), cut at whole groups, and the plan computes
     the dequantized model's logits in any order."""
-    from einpage.compiler.lowering import LowerOptions, lower
+    from einpage.compiler.lower_options import LowerOptions
+    from einpage.compiler.lowering import lower
     from einpage.compiler.order import memory_aware_order
     from einpage.compiler.partitioner import PartitionOptions, partition
     from einpage.compiler.policies import get_policy

@@ -157,7 +157,7 @@ def test_a_resident_set_tried_before_is_not_lowered_again(monkeypatch):
     """Paced sets of neighbouring room shares are often one set (all empty where no weight
     fits beside the pass): the trial is returned as it was, and kept once."""
     from einpage.compiler import search
-    from einpage.compiler.lowering import LowerOptions
+    from einpage.compiler.lower_options import LowerOptions
     from einpage.compiler.policies import get_policy
     tg, order, seconds = _chain()
     lowered = []
@@ -181,7 +181,7 @@ def test_an_exact_trial_that_does_not_fit_raises_and_is_not_lowered_again(monkey
     pass too little room, `exact` raises rather than lowering half the set (another point), and
     asking again raises without a lowering; the first plan of a search still shrinks."""
     from einpage.compiler import lowering, search
-    from einpage.compiler.lowering import LowerOptions
+    from einpage.compiler.lower_options import LowerOptions
     from einpage.compiler.policies import get_policy
     from einpage.errors import BudgetError
     tg, order, seconds = _chain()
@@ -306,7 +306,8 @@ def test_reused_weights_are_cut_for_streaming_along_their_least_shared_index(tok
     y = {"x": np.random.default_rng(0).standard_normal((tokens, 64)).astype(np.float32),
          "up": np.random.default_rng(1).standard_normal((64, 1024)).astype(np.float32),
          "down": np.random.default_rng(2).standard_normal((1024, 64)).astype(np.float32)}
-    from einpage.compiler.lowering import LowerOptions, lower
+    from einpage.compiler.lower_options import LowerOptions
+    from einpage.compiler.lowering import lower
     from einpage.compiler.policies import get_policy
     from einpage.runtime import executor
     mg = lower(capped, memory_aware_order(capped), LowerOptions(1 << 20, get_policy("reuse-distance")))
@@ -339,7 +340,8 @@ def test_split_weights_are_cut_along_the_axes_they_contract(order):
     y = {"x": rng.standard_normal((16, 64)).astype(np.float32),
          "up": rng.standard_normal((64, 1024)).astype(np.float32),
          "down": rng.standard_normal((1024, 64)).astype(np.float32)}
-    from einpage.compiler.lowering import LowerOptions, lower
+    from einpage.compiler.lower_options import LowerOptions
+    from einpage.compiler.lowering import lower
     from einpage.compiler.policies import get_policy
     from einpage.runtime import executor
     mg = lower(split, memory_aware_order(split),

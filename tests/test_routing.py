@@ -434,7 +434,8 @@ def test_no_reload_is_guarded_where_most_experts_run(hf_fixture):
     cfg, weights = resolve(str(hf_fixture(MIXTRAL)))
     graph = llama.prefill_graph(cfg).bind(B=1, S=16)
     tg = partition(graph, PartitionOptions(cfg.weight_bytes() // 32))
-    from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions, lower
+    from einpage.compiler.lower_options import GUARDED_RELOAD_SHARE, LowerOptions
+    from einpage.compiler.lowering import lower
     from einpage.compiler.order import memory_aware_order
     from einpage.compiler.policies import get_policy
     from einpage.ir.taskgraph import reload_guards
@@ -477,7 +478,7 @@ def test_a_plan_with_a_guarded_reload_is_never_captured(fake_cupy):
 def test_the_room_search_bounds_a_step_by_its_expected_bytes(streamed_experts):
     """The search's per-set bound prices a guarded expert at its share, as the simulator does
     (at full bytes it exceeded plans that exist and stopped the search early)."""
-    from einpage.compiler.lowering import GUARDED_RELOAD_SHARE
+    from einpage.compiler.lower_options import GUARDED_RELOAD_SHARE
     from einpage.compiler.resident import streamed_bytes
     from einpage.ir.taskgraph import reload_guards
     *_, tg, mg, _ = streamed_experts

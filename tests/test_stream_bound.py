@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from einpage.compiler.lowering import LowerOptions, lower
+from einpage.compiler.lower_options import LowerOptions
+from einpage.compiler.lowering import lower
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.policies import get_policy

@@ -4,7 +4,7 @@
     order        `memory_aware_order`: the task order
     resident     which weights stay on the device
     lowering     `lower`: simulated execution with three horizons -> MemGraph (victims chosen by
-                 `policies`, offsets by `allocator`)
+                 `policies`, offsets by `allocator`; its options in `lower_options`)
     search       the look-ahead windows and resident sets tried, and the fastest kept
     rooms        the room search on one partition: resident sets leaving the pass a share of
                  the budget, refined, and weighed again by the tiered pass
@@ -23,7 +23,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "PlanReport": "report", "Traffic": "report", "CompileFigures": "report",
     "PartitionOptions": "partitioner", "partition": "partitioner",
     "memory_aware_order": "order",
-    "LowerOptions": "lowering", "lower": "lowering",
+    "LowerOptions": "lower_options", "lower": "lowering",
     "POLICIES": "policies", "Policy": "policies", "get_policy": "policies",
     "Allocator": "allocator", "aligned": "allocator",
 })

@@ -22,7 +22,7 @@ from einpage.compiler.host_search import place
 from einpage.compiler.allocator import aligned
 from einpage.compiler.cuts import largest_reused_weight
 from einpage.compiler.drain import tail_seconds
-from einpage.compiler.lowering import GUARDED_RELOAD_SHARE, LowerOptions
+from einpage.compiler.lower_options import GUARDED_RELOAD_SHARE, LowerOptions
 from einpage.compiler.policies import Policy, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, ProblemBound, TrialSummary
 from einpage.compiler.rungs import Partitions, Rung, known_bound
@@ -538,9 +538,7 @@ def _drain_behind(parts: Partitions, planned: rooms.Planned, rungs: list[Rung],
         return planned
     rungs.extend(other.tried)
     best = trials.best().simulation.makespan_s
-    drained = other.rung
-    if max(drained.compute_s, drained.front_s, drained.tail_s, drained.min_stream_bytes
-           / profile.h2d_bandwidth) < best * (1 - search.AUTO_TOLERANCE):
+    if known_bound([other.rung], profile) < best * (1 - search.AUTO_TOLERANCE):
         # its prefetch given room as the stage order's was (`rooms.prefetch_trials`), where it
         # could still win: both groups read every weight, and the first group's early layers
         # are held for the second

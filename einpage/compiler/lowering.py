@@ -56,9 +56,10 @@ import bisect
 from dataclasses import dataclass, field
 
 from einpage.compiler.allocator import Allocation, Allocator, aligned
+from einpage.compiler.lower_options import LowerOptions
 from einpage.compiler.order import check_order
 from einpage.compiler.writebacks import keep_idle_outputs
-from einpage.compiler.policies import Candidate, Group, Policy
+from einpage.compiler.policies import Candidate, Group
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.memgraph import (ALIGNMENT, Access, ApplyNode, FreeNode, InputNode, MemGraph,
                                  OffloadNode, OutputRef, ReloadGuard, ReloadNode, TensorInfo)
@@ -68,10 +69,6 @@ from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.units import format_size
 
 
-#: A reload is guarded where its readers' guard is on in at most this share of the passes: it
-#: waits for the router, so it is never prefetched ahead of its layer; where most experts run
-#: anyway, the prefetch is worth more than the bytes a guard might save.
-GUARDED_RELOAD_SHARE = 0.5
 #: A task's fresh write is placed once the execution horizon is fewer than this many tasks
 #: behind it (`_Lowering.finalize`)
 FINALIZE_AHEAD = 2
@@ -86,24 +83,6 @@ CLAIM_SHARE = 2.0
 #: With `evict_ahead`, a clean block whose next use lies further than this share of the
 #: positions left may be let go for the prefetch (`_Lowering._far`)
 FAR_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class LowerOptions:
-    device_bytes: int
-    policy: Policy
-    resident: frozenset[int] = frozenset()       # persistent blocks kept on the device
-    inputs_at_device: bool = False               # activation inputs start on the device
-    outputs_to_host: bool = False                # write outputs back as soon as they are final
-    lookahead_bytes: int | None = None           # cap on bytes reserved ahead of execution
-    lookahead_seconds: float | None = None       # cap on predicted compute ahead of execution
-    task_seconds: tuple[float, ...] = ()         # predicted seconds of each task, by task id
-    on_host: frozenset[int] = frozenset()        # tasks that run on the host (placement)
-    guarded_reload_share: float = GUARDED_RELOAD_SHARE  # guard reloads whose guard's share is at most
-    evict_ahead: bool = False                    # reserving ahead may evict far clean blocks
-    claim_share: float | None = None             # room kept for deferred writes (CLAIM_SHARE)
-    pack_low: bool = True                        # blocks that stay packed from below (`_allocate`)
-    progress: object = None                      # callable(done_tasks, total_tasks) or None
 
 
 @dataclass(slots=True)

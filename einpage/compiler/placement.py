@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from einpage.compiler.lowering import GUARDED_RELOAD_SHARE
+from einpage.compiler.lower_options import GUARDED_RELOAD_SHARE
 from einpage.ir.taskgraph import TaskGraph, reload_guards
 
 #: the candidate sets of blocks kept in host memory, by name (`host_blocks`)

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from einpage.compiler.lowering import LowerOptions, lower
+from einpage.compiler.lower_options import LowerOptions
+from einpage.compiler.lowering import lower
 from einpage.compiler.report import Traffic
 from einpage.errors import BudgetError
 from einpage.ir.memgraph import MemGraph

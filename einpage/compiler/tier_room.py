@@ -21,7 +21,8 @@ from dataclasses import replace
 from typing import Callable
 
 from einpage.compiler import search
-from einpage.compiler.lowering import LowerOptions, lower
+from einpage.compiler.lower_options import LowerOptions
+from einpage.compiler.lowering import lower
 from einpage.compiler.report import Traffic
 from einpage.compiler.resident import kept_bytes, weights_first
 from einpage.compiler.tiers import Tiered, place_tiers
