@@ -6,6 +6,8 @@ nothing of its own); small budgets run; every call with the backend's device cur
 kernel compiled at `open`, none in a pass; KV rows written back from pinned memory."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from fake_cupy import CONTEXT_BYTES, HANDLE_BYTES, installed
@@ -17,6 +19,7 @@ from einpage.compiler import CompileOptions, compile_graph
 from einpage.errors import BudgetError
 from einpage.ir.dtypes import DType
 from einpage.models import llama, resolve
+from einpage.predict.devices import get_device
 from einpage.runners import PlanRunner
 from einpage.runtime import executor
 from einpage.runtime.backends.apply_plan import STATUS_BYTES, workspace_bytes
@@ -273,13 +276,19 @@ def test_streamed_weights_are_pinned_once_per_model(fake_cupy):
 def test_decode_steps_replay_one_captured_graph(fake_cupy):
     """Without per-node timing, a session's second pass is captured as a CUDA graph and every
     pass from then on is one launch of it: no backend call per node, the KV rows written
-    between steps seen by the next, every step equal to the threads backend's."""
+    between steps seen by the next, each step's embedding rows gathered on the host before its
+    launch (the graph's prologue: a stale row would change the step), every step equal to the
+    threads backend's."""
     from einpage.models.generation import decode_step_graph
     from einpage.runtime.backends.threads import ThreadsBackend
     cfg, weights = resolve("tiny", random_weights=True, seed=9)
     prompt = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]]) % cfg.vocab
     graph = decode_step_graph(cfg, 2, 8)
-    mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3)).memgraph
+    # (a link slow enough for the tiny table's rows to be gathered on the host)
+    h100 = get_device("h100-pcie")
+    slow = dataclasses.replace(h100, h2d_bandwidth=h100.h2d_bandwidth / 20, launch_overhead=0.0,
+                               host=dataclasses.replace(h100.host, apply_overhead=0.0))
+    mg = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3, device=slow)).memgraph
     calls = []
 
     class Counting(CupyBackend):
@@ -294,7 +303,9 @@ def test_decode_steps_replay_one_captured_graph(fake_cupy):
     backend = Counting()
     got, replays = steps(backend, False)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
-    applies = sum(n.kind == "apply" for n in mg.nodes)
+    applies = sum(n.kind == "apply" and not n.on_host for n in mg.nodes)
+    # the embedding rows are gathered on the host, before each replay (its prologue)
+    assert any(n.kind == "apply" and n.on_host for n in mg.nodes)
     assert replays == 2 and len(calls) == 2 * applies  # pass 1 eager, pass 2 captured
     # per-node timing times the pass the workers issue; the replays are timed as a whole
     timed_backend = Counting()

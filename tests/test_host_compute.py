@@ -23,7 +23,7 @@ from einpage.errors import InputError, PlanError
 from einpage.ir import MemGraph, validate
 from einpage.ir.dtypes import DType
 from einpage.ir.memgraph import ApplyNode, OffloadNode, ReloadNode
-from einpage.ir.ops import EinsumOp
+from einpage.ir.ops import EinsumOp, GatherOp
 from einpage.ir.spec import EinsumSpec
 from einpage.models import llama, resolve
 from einpage.predict.cost import host_apply_seconds
@@ -277,7 +277,7 @@ def test_the_planner_places_on_the_host_only_where_it_is_faster():
     placed = compile_graph(graph, CompileOptions(budget, device=_profile(fast),
                                                  host_compute=True))
     device = compile_graph(graph, CompileOptions(budget, device=_profile(fast),
-                                                 host_compute=False))
+                                                 host_compute=False, host_gather=False))
     never = compile_graph(graph, CompileOptions(budget, device=_profile(slow),
                                                 host_compute=True))
     host_applies = lambda c: sum(1 for n in c.memgraph.nodes  # noqa: E731
@@ -303,8 +303,9 @@ def test_the_winning_placement_is_lowered_by_stamp_too(monkeypatch):
     fast = dataclasses.replace(_FAST_HOST, apply_overhead=0.0)
     placed = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3, device=_profile(fast),
                                                  host_compute=True, validate=False))
-    on_host = frozenset(n.task for n in placed.memgraph.nodes
-                        if isinstance(n, ApplyNode) and n.on_host)
+    on_host = frozenset(n.task for n in placed.memgraph.nodes  # (the placement's; not the
+                        if isinstance(n, ApplyNode) and n.on_host  # partition's gathers)
+                        and n.task not in placed.taskgraph.host_tasks)
     assert on_host and (on_host, False) in lowered and (on_host, True) in lowered
 
 
@@ -376,7 +377,9 @@ def test_placements_that_cannot_win_are_not_lowered(monkeypatch):
     compiled = compile_graph(graph, CompileOptions(16 * 10**9, validate=False,
                                                    host_compute=True))
     assert not placed
-    assert not any(isinstance(n, ApplyNode) and n.on_host for n in compiled.memgraph.nodes)
+    # (the host gathers the step's embedding rows: `compiler.host_gather`)
+    assert all(isinstance(n.op, GatherOp) for n in compiled.memgraph.nodes
+               if isinstance(n, ApplyNode) and n.on_host)
     assert compiled.simulation.makespan_s < 0.0175
 
 
@@ -501,7 +504,7 @@ def test_the_planner_also_tries_hosting_only_what_the_device_streams(hf_fixture,
 def test_a_pass_bound_by_the_host_says_so():
     from einpage.cli.report import bound_sentence, report_lines
     cfg, weights, graph, inputs = _decode("tiny", capacity=256)
-    compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3))
+    compiled = compile_graph(graph, CompileOptions(cfg.weight_bytes() // 3, host_gather=False))
     sim = compiled.simulation
     busy = dataclasses.replace(sim, host_s=2 * sim.makespan_s + 1e-3)
     report = dataclasses.replace(compiled.report, simulation=busy)

@@ -231,6 +231,14 @@ def available_host_memory() -> int | None:
         return None
 
 
+def host_options(args) -> dict:
+    """The compile options `--host-compute` sets: `auto` weighs applies placed on the host and
+    gathers a pass's embedding rows there where it does not fit (`compiler.host_gather`);
+    `off` runs every task on the device."""
+    auto = args.host_compute == "auto"
+    return {"host_compute": auto, "host_gather": auto}
+
+
 def host_budget(args) -> tuple[int | None, str]:
     """`--cpu-mem` in bytes (None: unlimited) and, in words, where the figure came from."""
     from einpage.units import parse_size

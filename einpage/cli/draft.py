@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from einpage.cli.common import host_budget
+from einpage.cli.common import host_budget, host_options
 from einpage.errors import InputError
 from einpage.ir.dtypes import as_dtype
 from einpage.units import parse_size
@@ -83,7 +83,7 @@ def _searched_split(args, cfg, dcfg, k: int, given, devices: int = 1) -> int:
         host_bytes, _ = host_budget(args)
     options = CompileOptions(device_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
                              policy=args.policy or "reuse-distance", device=_profile(args),
-                             host_bytes=host_bytes, host_compute=args.host_compute == "auto")
+                             host_bytes=host_bytes, **host_options(args))
     capacity = min(capacity_for(int(given.lengths.max()) + args.max_new_tokens,
                                 args.kv_granule), int(given.lengths.max()) + args.max_new_tokens)
     f, _ = search_draft_split(cfg, given.tokens.shape[0], capacity, 0.7, ks, options,

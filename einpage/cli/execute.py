@@ -11,8 +11,8 @@ from typing import TextIO
 import numpy as np
 
 from einpage.cli.common import (POLICY_HELP, add_host_args, add_parallel_arg, add_quantize_arg,
-                                check_budget, check_context, host_budget, input_from_args,
-                                load_plan, report_logits, write_text)
+                                check_budget, check_context, host_budget, host_options,
+                                input_from_args, load_plan, report_logits, write_text)
 from einpage.cli.draft import draft_from_args, draft_tokens
 from einpage.cli.outputs import Deferred, OutputPath
 from einpage.cli.ranks import quiet_rank
@@ -211,7 +211,7 @@ def _runner(args, weights, reserved: int = 0, budget: int | None = None, timed: 
     host_bytes, _ = host_budget(args)
     options = CompileOptions(device_bytes=budget, policy=args.policy or "reuse-distance",
                              device=_profile(args), host_bytes=host_bytes,
-                             host_compute=args.host_compute == "auto")
+                             **host_options(args))
     return runners.PlanRunner(weights, options, args.backend,
                               timing=bool(args.timing or args.trace) and timed,
                               arena=bool(args.arena),

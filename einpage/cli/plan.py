@@ -6,8 +6,8 @@ import re
 import sys
 
 from einpage.cli.common import (POLICY_HELP, add_device_args, add_host_args, add_parallel_arg,
-                                add_quantize_arg, check_budget, host_budget, load_plan,
-                                profile_from_args, write_text)
+                                add_quantize_arg, check_budget, host_budget, host_options,
+                                load_plan, profile_from_args, write_text)
 from einpage.cli.outputs import Deferred, OutputPath
 from einpage.cli.report import print_report
 from einpage.errors import EinpageError, InputError
@@ -209,7 +209,7 @@ def cmd_compile(args) -> None:
         device_bytes=device_bytes, policy=args.policy, device=profile,
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         sources=sources, workload={**workload, "host_budget": host_source},
-        progress=progress, host_bytes=host_bytes, host_compute=args.host_compute == "auto",
+        progress=progress, host_bytes=host_bytes, **host_options(args),
         **lookahead_options(args.lookahead))
     try:
         compiled = compile_graph(graph, options)
@@ -255,7 +255,7 @@ def speculation_report(args, profile, device_bytes: int, over: str | None,
     host_bytes, _ = host_budget(args)
     options = CompileOptions(
         device_bytes=device_bytes, policy=args.policy, device=profile, host_bytes=host_bytes,
-        host_compute=args.host_compute == "auto",
+        **host_options(args),
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         **lookahead_options(args.lookahead))
     tried = []
@@ -331,7 +331,8 @@ def _generation_report(args, profile, device_bytes: int) -> None:
     host_bytes, _ = host_budget(args)
     options = CompileOptions(
         device_bytes=device_bytes, policy=args.policy, device=profile, host_bytes=host_bytes,
-        host_compute=args.host_compute == "auto", block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
+        **host_options(args),
+        block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         **lookahead_options(args.lookahead))
     seq = DEFAULT_SEQ if args.seq is None else args.seq
     if args.concurrent is not None:

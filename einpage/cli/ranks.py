@@ -10,6 +10,7 @@ import time
 from argparse import Namespace
 from dataclasses import replace
 
+from einpage.cli.common import host_options
 from einpage.cli.outputs import Deferred
 from einpage.errors import EinpageError, InputError
 from einpage.units import format_size, parse_rate, parse_size
@@ -76,7 +77,7 @@ def compile_ranks(args, profile, device_bytes: int, over: str | None) -> None:
                     "host_budget": host_source}
         options = CompileOptions(device_bytes=device_bytes, policy=args.policy,
                                  device=profile, sources=sources, workload=workload,
-                                 host_bytes=host_bytes, host_compute=args.host_compute == "auto")
+                                 host_bytes=host_bytes, **host_options(args))
         kinds = [args.parallel] if args.parallel != "auto" else (
             ["pipeline", "tensor", "hybrid"] if m == 1 else ["pipeline", "hybrid"])
         for kind in kinds:
@@ -265,7 +266,7 @@ def ranks_runner(args, weights, budget: int | None = None, timed: bool = True,
     host_bytes = ranks_host_budget(args, comm)
     options = CompileOptions(device_bytes=budget or parse_size(args.gpu_mem, "--gpu-mem"),
                              policy=args.policy or "reuse-distance", device=_profile(args),
-                             host_bytes=host_bytes, host_compute=args.host_compute == "auto")
+                             host_bytes=host_bytes, **host_options(args))
     return runners.RanksRunner(weights, options, devices, args.backend, comm=comm,
                                parallel=getattr(args, "parallel", "pipeline"),
                                timing=timed and _measures(args), role=role)

@@ -34,9 +34,11 @@ def report_lines(r: PlanReport, source: str | None = None) -> list[str]:
     if c is not None:
         formats = (" (" + ", ".join(f"{name} {_gb(n)}" for name, n in c.weight_formats) + ")"
                    if c.weight_formats else "")
+        gathered = (f", {_gb(c.host_read_bytes)} of embedding tables read on the host (only "
+                    "the rows a pass gathers cross the link)" if c.host_read_bytes else "")
         lines.append(f"  weights {_gb(c.weight_bytes)}{formats}: resident {_gb(c.resident_bytes)} "
                      f"(loaded once, kept on the device), streamed {_gb(c.streamed_weight_bytes)} "
-                     "each pass")
+                     f"each pass{gathered}")
         if c.kv_bytes:
             lines.append(f"  KV store {_gb(c.kv_bytes)}: resident {_gb(c.kv_resident_bytes)}, "
                          f"streamed {_gb(c.kv_streamed_bytes)} each step")

@@ -63,6 +63,9 @@ class CompileOptions:
                                         # where it runs in at most this share of passes (0: never)
     pack_low: bool = True               # the blocks that stay packed from below, tried both ways
                                         # (`LowerOptions.pack_low`); False: all by stamp
+    host_gather: bool = True            # a pass that does not fit gathers its embedding rows on
+                                        # the host (`compiler.host_gather`; the CLI's
+                                        # --host-compute off clears it)
 
 
 @dataclass(frozen=True)
@@ -410,7 +413,8 @@ def _split_streamed(parts: Partitions,
     if (sim.h2d_bytes <= planned.rung.min_stream_bytes * (1 + SPLIT_GATE)
             or sim.makespan_s * rooms.REFINE_BELOW <= known_bound(rungs, profile)):
         return chosen
-    streamed = [b for b in tg.input_blocks if b.role == "weight" and b.id not in best.resident]
+    streamed = [b for b in tg.input_blocks if b.role == "weight" and b.id not in best.resident
+                and b.id in tg.device_read]
     if not streamed:
         return chosen
     nodes = frozenset(b.node for b in streamed)
@@ -607,6 +611,8 @@ def _figures(planned: rooms.Planned, best: search.Trial, rungs: list[Rung],
         return search.describe(options.lookahead_bytes, window, options.auto_lookahead)
 
     kept, kept_kv = resident_bytes(best.resident, "weight"), resident_bytes(best.resident, "cache")
+    host_read = sum(aligned(b.bytes) for b in tg.input_blocks  # (as `PassNeeds` counts them)
+                    if b.role == "weight" and tg.host_tasks and b.id not in tg.device_read)
     summaries = tuple(TrialSummary(lookahead(t.window), t.simulation.makespan_s,
                                    resident_bytes(t.resident), t.live_peak)
                       for t in trials.items) if len(trials.items) > 1 else ()
@@ -614,8 +620,8 @@ def _figures(planned: rooms.Planned, best: search.Trial, rungs: list[Rung],
         tasks=len(tg.tasks), blocks=len(tg.blocks), block_bytes=planned.rung.block,
         lower_bound_bytes=memory_lower_bound(tg, best.resident),
         largest_task_bytes=needs.max_working_set,
-        weight_bytes=needs.weight_bytes, resident_bytes=kept,
-        streamed_weight_bytes=needs.weight_bytes - kept,
+        weight_bytes=needs.weight_bytes + host_read, resident_bytes=kept,
+        streamed_weight_bytes=needs.weight_bytes - kept, host_read_bytes=host_read,
         kv_bytes=needs.kv_bytes, kv_resident_bytes=kept_kv,
         kv_streamed_bytes=needs.kv_bytes - kept_kv,
         min_stream_bytes=min(r.min_stream_bytes for r in rungs),

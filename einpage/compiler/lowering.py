@@ -44,11 +44,11 @@ depends on the router's apply and reads its block), so the allocation horizon do
 it before the execution horizon has passed them: a guarded expert is fetched when chosen, never
 ahead of its layer. Where the guard's block has no device instance then, the reload is plain.
 
-Tasks placed on the host (`LowerOptions.on_host`) take no device memory: at the execution horizon
-each becomes an apply on host copies, after an offload of every block it reads that has no
-current host copy; the block it writes then has a host copy only, which a device task reloads
-like any other (its reservation waits until every host writer of the block has run). Every
-writer of a block runs in one place.
+Tasks placed on the host (`LowerOptions.on_host`, and the partition's `TaskGraph.host_tasks`:
+`host_gather`) take no device memory: at the execution horizon each becomes an apply on host
+copies, after an offload of every block it reads that has no current host copy; the block it
+writes then has a host copy only, which a device task reloads like any other (its reservation
+waits until every host writer of the block has run). Every writer of a block runs in one place.
 """
 from __future__ import annotations
 
@@ -151,7 +151,9 @@ class _Lowering:
         self.alloc = Allocator(resident_bytes, opt.device_bytes)
         # block -> host writers not yet run (a device reader's reservation waits for them)
         self.host_pending: dict[int, int] = {}
-        for tid in opt.on_host:
+        # tasks on the host: the placement's and the partition's own (its gathers)
+        self.on_host = opt.on_host | tg.host_tasks
+        for tid in self.on_host:
             w = tg.tasks[tid].write
             self.host_pending[w] = self.host_pending.get(w, 0) + 1
         for w, count in self.host_pending.items():
@@ -222,7 +224,7 @@ class _Lowering:
         changed; with `far`, the far blocks may have been let go)."""
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
-        host = t.id in self.opt.on_host
+        host = t.id in self.on_host
         if not host and any(self.host_pending.get(b) for b in t.reads):
             return None  # its host writers have not run (a == e never gets here: they came first)
         if not host and any(b in self.guard_of and blocks[b].offset is None
@@ -263,7 +265,7 @@ class _Lowering:
         None if that does not fit without evicting."""
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
-        if t.id in self.opt.on_host:
+        if t.id in self.on_host:
             got = 0
         else:
             need = sorted((b for b in dict.fromkeys((*t.reads, t.write))
@@ -572,7 +574,7 @@ class _Lowering:
     def execute(self, p: int) -> None:
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
-        if t.id in self.opt.on_host:
+        if t.id in self.on_host:
             self._host_apply(t)
             self._release(t, p)
             return

@@ -101,6 +101,9 @@ class CompileFigures:
     #: no plan copies host->device in fewer copies (`resident.min_stream_copies`; the least over
     #: the partitions tried): each pays the link's latency besides its bytes
     min_stream_copies: float = 0.0
+    #: weights that tasks on the host alone read (tables whose rows the host gathers:
+    #: `compiler.host_gather`): neither resident nor streamed; in `weight_bytes`
+    host_read_bytes: int = 0
 
     @property
     def min_budget_bytes(self) -> int:

@@ -19,6 +19,12 @@ from einpage.ir.taskgraph import TaskGraph, reload_guards
 from einpage.ir.tensors import PERSISTENT_ROLES
 
 
+def device_tasks(tg: TaskGraph) -> list[int]:
+    """The tasks that run on the device (all but the partition's `TaskGraph.host_tasks`)."""
+    host = tg.host_tasks
+    return [t.id for t in tg.tasks if t.id not in host] if host else list(range(len(tg.tasks)))
+
+
 def working_set(tg: TaskGraph, task_id: int) -> int:
     """The aligned bytes task `task_id` needs on the device at once: its reads and its write."""
     t = tg.tasks[task_id]
@@ -47,10 +53,14 @@ class PassNeeds:
 
 
 def touches(tg: TaskGraph, order: list[int]) -> tuple[dict[int, int], dict[int, int]]:
-    """({block: the position of the first task touching it}, {block: of the last})."""
+    """({block: the position of the first device task touching it}, {block: of the last}): a
+    task on the host (`TaskGraph.host_tasks`) touches no device memory."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
+    host = tg.host_tasks
     for p, tid in enumerate(order):
+        if tid in host:
+            continue
         t = tg.tasks[tid]
         for b in (*t.reads, t.write):
             first.setdefault(b, p)
@@ -83,24 +93,26 @@ def produced_peak(tg: TaskGraph, order: list[int], outputs_stay: bool = True,
 
 
 def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> PassNeeds:
-    """What one pass needs; with `outputs_stay=False` output blocks leave the device after their
-    last use (written back to the host) instead of staying to the end."""
+    """What one pass needs on the device; with `outputs_stay=False` output blocks leave the
+    device after their last use (written back to the host) instead of staying to the end. Tasks
+    on the host (`TaskGraph.host_tasks`) and the inputs only they read need none of it."""
     touched = touches(tg, order)
     peak = produced_peak(tg, order, outputs_stay, touched=touched)
     written_back = (peak if not outputs_stay
                     else produced_peak(tg, order, outputs_stay=False, touched=touched))
+    inputs = [b for b in tg.input_blocks if not tg.host_tasks or b.id in tg.device_read]
+    tasks = device_tasks(tg)
 
     def total(role: str) -> int:
-        return sum(aligned(b.bytes) for b in tg.input_blocks if b.role == role)
+        return sum(aligned(b.bytes) for b in inputs if b.role == role)
 
     return PassNeeds(
         weight_bytes=total("weight"), kv_bytes=total("cache"),
-        input_bytes=sum(aligned(b.bytes) for b in tg.input_blocks
-                        if b.role not in PERSISTENT_ROLES),
+        input_bytes=sum(aligned(b.bytes) for b in inputs if b.role not in PERSISTENT_ROLES),
         activation_peak=peak, written_back_peak=written_back,
-        max_working_set=max((working_set(tg, t) for t in range(len(tg.tasks))), default=0),
-        max_task_weights=max((sum(aligned(tg.blocks[b].bytes) for b in set(t.reads)
-                                  if tg.blocks[b].role in PERSISTENT_ROLES) for t in tg.tasks),
+        max_working_set=max((working_set(tg, t) for t in tasks), default=0),
+        max_task_weights=max((sum(aligned(tg.blocks[b].bytes) for b in set(tg.tasks[t].reads)
+                                  if tg.blocks[b].role in PERSISTENT_ROLES) for t in tasks),
                              default=0))
 
 
@@ -111,8 +123,10 @@ def min_stream_bytes(tg: TaskGraph, order: list[int], device_bytes: int,
 
     Fix a position p of the order. Let A(p) be the produced blocks live at p (first to last
     touch, outputs leaving after their last use) and P the persistent blocks (weights, KV) some
-    task reads. Count what each byte costs in copies against where it is while task p runs
-    (the device holds at most `device_bytes` then):
+    task on the device reads (a task the partition runs on the host, `TaskGraph.host_tasks`,
+    reads host memory: a plan moves what only it reads nowhere). Count what each byte costs in
+    copies against where it is while task p runs (the device holds at most `device_bytes`
+    then):
 
     - a byte of A(p) not on the device at p was spilled and comes back before its last use: 1;
     - a persistent byte not resident streams at least once per pass: 1, unless it is on the
@@ -253,8 +267,9 @@ def front_seconds(tg: TaskGraph, order: list[int], seconds: Sequence[float],
     at its start, larger than the budget) overlap no compute.
 
     The tasks run in `order`, one at a time (the device's compute queue), task t for at least
-    `seconds[t]`; the link copies one byte at a time at `bandwidth`. A persistent block no task
-    writes is on the device before its first reader starts: resident (on the device for the
+    `seconds[t]` (0 for a task on the host: `TaskGraph.host_tasks`, whose reads are no W); the
+    link copies one byte at a time at `bandwidth`. A persistent block no task writes is on the
+    device before its first reader starts: resident (on the device for the
     whole pass) or copied in the pass. Let W(t) be the bytes of such blocks first read by the
     tasks up to t in the order, and X the most a resident set can hold: it stays beside every
     task's produced blocks, so X <= device_bytes - max_t A(t), A(t) the bytes of task t's
@@ -283,13 +298,19 @@ def front_waits(tg: TaskGraph, order: list[int], device_bytes: int,
     """Position by position of `order`, the earliest any plan can start its task:
     `max(0, W(t) - X) / bandwidth` (`front_seconds`)."""
     guarded = reload_guards(tg)
+    on_device = tg.device_read
     counted = {b.id for b in tg.input_blocks if b.role in PERSISTENT_ROLES
-               and not tg.writers[b.id] and b.id not in guarded}
-    persistent = sum(b.bytes for b in tg.input_blocks if b.role in PERSISTENT_ROLES)
+               and not tg.writers[b.id] and b.id not in guarded and b.id in on_device}
+    persistent = sum(b.bytes for b in tg.input_blocks
+                     if b.role in PERSISTENT_ROLES and b.id in on_device)
     seen: set[int] = set()
     first = [0] * len(order)  # W(t), position by position
     most_produced = read = 0
+    host = tg.host_tasks
     for k, tid in enumerate(order):
+        if tid in host:  # (a host task takes no device memory and reads nothing there)
+            first[k] = read
+            continue
         t = tg.tasks[tid]
         produced = 0
         for b in dict.fromkeys((*t.reads, t.write)):
@@ -309,10 +330,10 @@ def streamed_bytes(tg: TaskGraph, resident: frozenset[int] = frozenset(),
                    shares: Mapping[int, float] = MappingProxyType({}),
                    readers: Iterable[int] | None = None) -> int:
     """The raw bytes of the persistent blocks that some task (of `readers`, the tasks on the
-    device; default: every task) reads and `resident` leaves off the device: each crosses the
-    link at least once per pass; with `shares`, the expected bytes: a block whose reload the
-    lowering guards at its share (`taskgraph.reload_guards`)."""
-    tasks = tg.tasks if readers is None else [tg.tasks[t] for t in readers]
+    device; default: every task but the partition's `host_tasks`) reads and `resident` leaves
+    off the device: each crosses the link at least once per pass; with `shares`, the expected
+    bytes: a block whose reload the lowering guards at its share (`taskgraph.reload_guards`)."""
+    tasks = [tg.tasks[t] for t in (device_tasks(tg) if readers is None else readers)]
     read = {b for t in tasks for b in t.reads}
     return round(sum(b.bytes * shares.get(b.id, 1.0) for b in tg.input_blocks
                      if b.role in PERSISTENT_ROLES and b.id in read and b.id not in resident))
@@ -323,14 +344,17 @@ def memory_lower_bound(tg: TaskGraph, resident: frozenset[int]) -> int:
     the resident blocks, live through the pass, and beside them the largest task's other blocks
     (its reads and its write are live together while it runs). Never above the plan's live peak."""
     kept = sum(tg.blocks[b].bytes for b in resident)
-    task = max((sum(tg.blocks[b].bytes for b in {*t.reads, t.write} - resident)
-                for t in tg.tasks), default=0)
+    task = max((sum(tg.blocks[b].bytes for b in {*tg.tasks[t].reads, tg.tasks[t].write}
+                    - resident) for t in device_tasks(tg)), default=0)
     return kept + task
 
 
 def persistent_blocks(tg: TaskGraph) -> frozenset[int]:
-    """Every weight and KV-store input block: the candidates to stay resident."""
-    return frozenset(b.id for b in tg.input_blocks if b.role in PERSISTENT_ROLES)
+    """Every weight and KV-store input block some device task reads: the candidates to stay
+    resident (a table only the host gathers from stays there: `host_gather`)."""
+    on_device = tg.device_read
+    return frozenset(b.id for b in tg.input_blocks
+                     if b.role in PERSISTENT_ROLES and b.id in on_device)
 
 
 def everything_fits(needs: PassNeeds, device_bytes: int) -> bool:
@@ -344,9 +368,13 @@ def pass_reserve(needs: PassNeeds) -> int:
 
 
 def first_reads(tg: TaskGraph, order: list[int]) -> dict[int, int]:
-    """Each block some task reads -> the position in `order` of the first task that reads it."""
+    """Each block some device task reads -> the position in `order` of the first device task
+    that reads it (tasks on the host: `TaskGraph.host_tasks`, read from host memory)."""
     first: dict[int, int] = {}
+    host = tg.host_tasks
     for p, tid in enumerate(order):
+        if tid in host:
+            continue
         for b in tg.tasks[tid].reads:
             first.setdefault(b, p)
     return first
@@ -362,7 +390,8 @@ def choose_resident(tg: TaskGraph, order: list[int], budget: int) -> frozenset[i
     engine has work from the start of the pass to its end while resident layers compute, instead
     of idling through a resident head (or the compute stream idling through a streamed tail)."""
     first = first_reads(tg, order)
-    weights = sorted((b for b in tg.input_blocks if b.role in PERSISTENT_ROLES),
+    weights = sorted((b for b in tg.input_blocks if b.role in PERSISTENT_ROLES
+                      and b.id in tg.device_read),
                      key=lambda b: (first.get(b.id, len(order)), b.id))
     total = sum(aligned(b.bytes) for b in weights)
     if total == 0 or budget <= 0:
@@ -416,10 +445,12 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
     `exclude` (blocks kept in host memory for the tasks placed there)."""
     first = first_reads(tg, order)
     clock = [0.0]
-    for tid in order:
-        clock.append(clock[-1] + seconds[tid])
+    host = tg.host_tasks
+    for tid in order:  # (the device's compute: a task on the host runs beside it)
+        clock.append(clock[-1] + (0.0 if tid in host else seconds[tid]))
     total = clock[-1]
-    blocks = sorted((b for b in tg.input_blocks if b.role in roles and b.id not in exclude),
+    blocks = sorted((b for b in tg.input_blocks if b.role in roles and b.id not in exclude
+                     and b.id in tg.device_read),
                     key=lambda b: (first.get(b.id, len(order)), b.id))
     sizes = [aligned(b.bytes) for b in blocks]
     at = [clock[first.get(b.id, len(order))] for b in blocks]

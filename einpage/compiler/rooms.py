@@ -358,8 +358,10 @@ def _read_far_apart(tg: TaskGraph, order: list[int]) -> bool:
     """Whether some persistent block is read again further after a read than FAR_SHARE of the
     positions left after it (`lowering._Lowering._far`)."""
     n, last = len(order), {}
-    blocks, tasks = tg.blocks, tg.tasks
+    blocks, tasks, host = tg.blocks, tg.tasks, tg.host_tasks
     for k, t in enumerate(order):
+        if t in host:  # (it reads host memory)
+            continue
         for b in tasks[t].reads:
             if blocks[b].role in PERSISTENT_ROLES:
                 if b in last and k - last[b] > FAR_SHARE * (n - last[b]):

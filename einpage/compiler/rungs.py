@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, NamedTuple
 from einpage.compiler.drain import drained_order, tail_seconds
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
+from einpage.compiler.host_gather import LINK_SHARE, with_host_gathers
 from einpage.compiler.resident import (PassNeeds, front_seconds, front_waits, least_disk_bytes,
                                        min_stream_bytes, min_stream_copies, pass_needs,
                                        stream_positions)
 from einpage.ir.graph import Graph
 from einpage.ir.taskgraph import TaskGraph
+from einpage.ir.tensors import PERSISTENT_ROLES
 from einpage.predict.cost import task_seconds
 from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
 
@@ -82,29 +84,39 @@ class Partitions:
             options, profile = self.options, self.profile
             same = next((c for k, c in self._made.items()
                          if k[:2] == key[:2] and k[4] == split), None)
-            tg = same.tg if same is not None else partition(self.graph, PartitionOptions(
-                block, options.cuts, options.sources,
-                drop_constant_blocks=options.drop_constant_blocks,
-                weight_block_bytes=weight_block,
-                split_weights=split[0] if split else frozenset(),
-                split_bytes=split[1] if split else None))
-            seconds = same.seconds if same is not None else tuple(task_seconds(profile, tg))
+            if same is not None:
+                tg, seconds = same.tg, same.seconds
+            else:
+                tg = partition(self.graph, PartitionOptions(
+                    block, options.cuts, options.sources,
+                    drop_constant_blocks=options.drop_constant_blocks,
+                    weight_block_bytes=weight_block,
+                    split_weights=split[0] if split else frozenset(),
+                    split_bytes=split[1] if split else None))
+                seconds = tuple(task_seconds(profile, tg))
+                gathered = self._gathered(tg, seconds)
+                if gathered is not tg:  # (its gathers priced on the host)
+                    tg, seconds = gathered, tuple(task_seconds(profile, gathered,
+                                                               on_device=seconds))
             order = memory_aware_order(tg, by_weight)
             rows = drained_order(tg, order, seconds, profile.d2h_bandwidth)
             if drained and rows is None:
                 return None
             orders = [rows] if drained else [order] if rows is None else [order, rows]
             order = orders[0]
+            # the device's compute, for the bound (a task on the host runs beside it)
+            device = (seconds if not tg.host_tasks else
+                      tuple(0.0 if t in tg.host_tasks else s for t, s in enumerate(seconds)))
             waits = [front_waits(tg, o, options.device_bytes, profile.h2d_bandwidth)
                      for o in orders]
-            tail = min(tail_seconds(tg, o, seconds, options.device_bytes, profile.d2h_bandwidth,
+            tail = min(tail_seconds(tg, o, device, options.device_bytes, profile.d2h_bandwidth,
                                     w) for o, w in zip(orders, waits))
             needs = pass_needs(tg, order)
             positions = stream_positions(tg, order)
             rung = Rung(block, needs.max_working_set,
                         min_stream_bytes(tg, order, options.device_bytes, positions),
-                        sum(seconds),
-                        front_seconds(tg, order, seconds, options.device_bytes,
+                        sum(device),
+                        front_seconds(tg, order, device, options.device_bytes,
                                       profile.h2d_bandwidth, waits[0]), weight_block, by_weight,
                         tail,
                         drained, least_disk_bytes(tg, order, options.device_bytes,
@@ -112,6 +124,24 @@ class Partitions:
                         min_stream_copies(tg, order, options.device_bytes, positions), split)
             self._made = {key: Cut(tg, order, needs, seconds, rung)}
         return self._made[key]
+
+    def _gathered(self, tg: TaskGraph, seconds: tuple[float, ...]) -> TaskGraph:
+        """`tg` with its gathers on the host (`host_gather`) where the options allow it, the
+        link (nearly) binds its pass (the bytes no plan of it can keep on the device take the
+        link at least `host_gather.LINK_SHARE` of its compute, `seconds`), and the host budget
+        holds every persistent block; else `tg`."""
+        options = self.options
+        if not options.host_gather:
+            return tg
+        gathered = with_host_gathers(tg, self.profile)
+        if gathered is tg:
+            return tg
+        persistent = sum(b.bytes for b in tg.input_blocks if b.role in PERSISTENT_ROLES)
+        if options.host_bytes is not None and persistent > options.host_bytes:
+            return tg
+        streamed = min_stream_bytes(tg, memory_aware_order(tg), options.device_bytes)
+        link_s = streamed / self.profile.h2d_bandwidth
+        return gathered if link_s >= LINK_SHARE * sum(seconds) else tg
 
     def hold(self, rung: Rung, tg: TaskGraph, order: list[int], needs: PassNeeds,
              seconds: tuple[float, ...]) -> None:

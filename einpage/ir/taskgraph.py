@@ -60,6 +60,15 @@ class TaskGraph:
     outputs: tuple[OutputBlock, ...]
     inputs: tuple[LogicalTensor, ...]
     results: tuple[LogicalTensor, ...]
+    #: tasks the partition runs on the host (a gather of rows from a table in host memory:
+    #: `compiler.host_gather`): no plan moves what only they read to the device
+    host_tasks: frozenset[int] = frozenset()
+
+    @cached_property
+    def device_read(self) -> frozenset[int]:
+        """The blocks some task on the device reads (every task but `host_tasks`)."""
+        host = self.host_tasks
+        return frozenset(b for t in self.tasks if t.id not in host for b in t.reads)
 
     @cached_property
     def writers(self) -> tuple[tuple[int, ...], ...]:

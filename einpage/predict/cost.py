@@ -24,6 +24,10 @@ from einpage.ir.ops import BlockOp, CopyOp, EinsumOp, FillOp, GatherOp, unguarde
 from einpage.predict.devices import DeviceProfile
 from einpage.predict.hosts import HostProfile
 
+#: A host write of at least this many bytes is cut into a range of rows per core: the host
+#: pool's threshold (`runtime.hostpool.MIN_POOLED_BYTES`, which predict may not import)
+POOLED_BYTES = 1 << 20
+
 
 def op_work(op: BlockOp, read_shapes: Sequence[Sequence[int]], read_bytes: int,
             write_shape: Sequence[int], write_bytes: int, write_dtype: str,
@@ -82,13 +86,16 @@ def host_apply_seconds(host: HostProfile, op: BlockOp, reads: Sequence, write,
     contraction the compiled kernels take (`kernels_seconds`) through them; any other
     contraction over unpacked operands cut into a chunk per core (the BLAS rate, the memory
     bandwidth of every core, and each core converting its share of the f16/bf16 operands to
-    float32 with NumPy), anything else on one core (NumPy's ufuncs; packed operands dequantized
+    float32 with NumPy), a gather by the rows it picks (`gather_seconds`), anything else on one
+    core (NumPy's ufuncs; packed operands dequantized
     first); plus the apply's dispatch. A guarded op: its op at its expected share, a dispatch
     where skipped."""
     op, guard = unguarded(op)
     if guard is not None:
         return (guard.share * host_apply_seconds(host, op, reads[:-1], write, accumulate)
                 + (1 - guard.share) * host.apply_overhead)
+    if isinstance(op, GatherOp):
+        return gather_seconds(host, reads, write, accumulate) + host.apply_overhead
     through = kernels_seconds(host, op, reads) if host.kernels else None
     if through is not None:
         return through + host.apply_overhead
@@ -134,6 +141,28 @@ def kernels_seconds(host: HostProfile, op: BlockOp, reads: Sequence) -> float | 
     return elements / rate + flops / host.matmul_flops
 
 
+def gather_seconds(host: HostProfile, reads: Sequence, write, accumulate: bool) -> float:
+    """A gather of rows on the host's CPU (`runtime.blockops`, NumPy). Over a table block cut
+    by rows it clears its block (the first block's task only) and writes the rows of the ids
+    its rows hold, adding where it accumulates: of B ids, each picks B times the block's share
+    of the table's rows (by expectation; a packed table's rows dequantized at `dequant_rate`);
+    the ids are read three times (offset, mask, pick). A write of POOLED_BYTES or more is
+    cut into a range of rows per core (`hostpool.pooled_rows`): the memory's bandwidth, every
+    core's dequantizing."""
+    table, ids = reads[0], reads[1]
+    src = getattr(table, "source", None)
+    full = src.full_shape[0] if src is not None and src.full_shape else table.shape[0]
+    share = table.shape[0] / full if full else 1.0
+    rows = logical_bytes(write)
+    cores = host.cores if write.bytes >= POOLED_BYTES else 1
+    bandwidth = host.memory_bandwidth if cores > 1 else host.core_bandwidth
+    cleared = 0 if accumulate or share >= 1 else rows
+    unpack = (share * math.prod(write.shape) / (host.dequant_rate * cores)
+              if table.storage is not None else 0.0)
+    moved = cleared + share * rows * (3 if accumulate else 2) + 3 * ids.bytes
+    return unpack + moved / bandwidth
+
+
 def logical_bytes(record) -> int:
     """The bytes of a tensor record in its logical dtype (packed or not)."""
     return math.prod(record.shape) * record.dtype.itemsize
@@ -160,10 +189,11 @@ def disk_seconds(profile: DeviceProfile, nbytes: int) -> float:
 
 def task_seconds(profile: DeviceProfile, tg, on_host: frozenset[int] = frozenset(),
                  on_device: Sequence[float] | None = None) -> list[float]:
-    """Predicted compute seconds of every task of a `TaskGraph`, by task id (those `on_host`
-    priced on the profile's host; `on_device`: every task's seconds on the device, known
-    already: only the host's are priced)."""
+    """Predicted compute seconds of every task of a `TaskGraph`, by task id (those `on_host`, and
+    the partition's own `host_tasks`, priced on the profile's host; `on_device`: every task's
+    seconds on the device, known already: only the host's are priced)."""
     blocks = tg.blocks
+    on_host = on_host | getattr(tg, "host_tasks", frozenset())  # (the partition's: gathers)
     known: dict = {}  # the tasks of one op over blocks of one shape cost the same: priced once
 
     def price(t, where=profile.host, how=host_apply_seconds) -> float:

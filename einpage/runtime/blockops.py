@@ -38,12 +38,48 @@ def host_apply_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence
     n, reads = _guarded(n, reads, write, None)
     if n is None:
         return
+    if isinstance(n.op, GatherOp) and _gather_rows_into(n, tensors, reads, write):
+        return
     lay = stored_layout(n, tensors, reads)
     if (lay is None and isinstance(n.op, EinsumOp)
             and all(tensors[a.tensor].storage is None for a in n.reads)
             and hostpool.pooled_einsum(n.op, reads, write, n.accumulate)):
         return
     _apply(n, tensors, reads, write, None, lay)
+
+
+def _gather_rows_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],
+                      write: np.ndarray) -> bool:
+    """A gather over a table block cut by rows (`host_gather`: the host gathers an embedding
+    from a table in many blocks), into `write` touching only the rows of the ids its block
+    holds: the first block's task clears the write, each adds its rows (the generic path writes
+    every row of the write in every block's task), a range of rows per worker of the host pool
+    (`hostpool.pooled_rows`). False where the table block holds every row (the generic path
+    range-checks its ids) or the write is no contiguous array."""
+    info = tensors[n.reads[0].tensor]
+    src = info.source
+    if src is None or not src.full_shape or src.full_shape[0] == info.shape[0]:
+        return False
+    ids = np.asarray(reads[1], dtype=np.int64).reshape(-1)
+    if not write.flags.c_contiguous:
+        return False
+    rows = write.reshape(ids.size, -1)  # (a view: one row of the write per id)
+    compute = info.dtype.compute
+    table, offset, height = reads[0], n.op.row_offset, info.shape[0]
+
+    def chunk(lo: int, hi: int) -> None:
+        local = ids[lo:hi] - offset
+        inside = (local >= 0) & (local < height)
+        part = rows[lo:hi]
+        if not n.accumulate:
+            part[...] = 0
+        if inside.any():
+            picked = _gather(n.op, table, ids[lo:hi][inside], info).reshape(-1, part.shape[1])
+            part[inside] = (part[inside].astype(compute)
+                            + picked.astype(compute, copy=False)).astype(part.dtype, copy=False)
+
+    hostpool.pooled_rows(ids.size, write.nbytes, chunk)
+    return True
 
 
 def _apply(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequence[np.ndarray],

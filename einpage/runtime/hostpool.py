@@ -102,4 +102,17 @@ def pooled_einsum(op: EinsumOp, reads: Sequence[np.ndarray], write: np.ndarray,
     return True
 
 
-__all__ = ["MIN_POOLED_BYTES", "pooled_einsum", "run_all", "split_axis", "workers"]
+def pooled_rows(count: int, nbytes: int, job: Callable[[int, int], None]) -> None:
+    """`job(lo, hi)` over rows [0, count) of a write of `nbytes`: on the pool, a range of rows
+    per worker, where there are several workers and the write is at least MIN_POOLED_BYTES;
+    else in one piece (a gather of embedding rows on the host: each row is one worker's)."""
+    pieces = min(workers(), count) if nbytes >= MIN_POOLED_BYTES else 1
+    if pieces < 2:
+        job(0, count)
+        return
+    bounds = [count * k // pieces for k in range(pieces + 1)]
+    run_all([functools.partial(job, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo])
+
+
+__all__ = ["MIN_POOLED_BYTES", "pooled_einsum", "pooled_rows", "run_all", "split_axis",
+           "workers"]

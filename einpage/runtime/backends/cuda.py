@@ -36,7 +36,10 @@ on the queue's stream. Every CUDA call runs with the backend's device current.
 
 CUDA graphs. A plan with no host work in its pass (no disk reads) can be captured
 (`begin_capture`: the copy streams fork from the compute stream, so all of the pass is in the
-graph; `end_capture`: they join back) and replayed in one launch per pass (`replay`). GEMMs go
+graph; `end_capture`: they join back) and replayed in one launch per pass (`replay`). Host
+applies that read only the pass's inputs (a gather of embedding rows on the host:
+`compiler.host_gather`) are its prologue: a replay runs them on the CPU into their host
+buffers, then launches the graph, whose copies of those buffers are in it. GEMMs go
 through `cublas_lib` (ctypes), whose calls capture, where CuPy's cuBLAS wrappers refuse.
 
 Compute. `apply_plan.plan_apply` decides at `open` how each apply runs: a cuBLAS GemmEx (half
@@ -205,6 +208,7 @@ class CupyBackend(DeviceApplies, Backend):
         self._handle = 0             # the compute thread's cuBLAS handle
         self._gemm_calls = {}        # MatmulApply -> its cuBLAS call (DeviceApplies)
         self._fixed: dict[int, int] = {}  # activation input node -> its pinned slot
+        self._on_cpu: set[int] = set()    # recorded nodes of the CPU's queues (`record`)
         self._graph = None           # the captured pass (CUDA graph)
 
     def context_bytes(self) -> int:
@@ -446,6 +450,9 @@ class CupyBackend(DeviceApplies, Backend):
     def record(self, queue: str, node: int) -> None:
         """Record the node's event, made at its first record and recorded anew every pass (a
         pass's waits come after its records, and passes do not overlap)."""
+        if queue in _CPU_QUEUES:  # its work is done (on the CPU) once the worker records it
+            self._on_cpu.add(node)
+            return
         event = self._events.get(node)
         with self._device:
             if event is None:
@@ -453,6 +460,12 @@ class CupyBackend(DeviceApplies, Backend):
             event.record(self._streams[queue])
 
     def wait(self, queue: str, node: int) -> None:
+        """Make `queue` wait for `node` (which its worker saw recorded): a stream waits on the
+        node's event; a CPU queue synchronizes on it (the CPU touches the bytes now). A node a
+        CPU queue ran is done already: nothing to wait on (a captured stream could not wait on
+        an event recorded outside the capture)."""
+        if node in self._on_cpu:
+            return
         if queue in _CPU_QUEUES:  # the CPU touches the bytes now: the work must be done
             self._events[node].synchronize()
             return
@@ -484,10 +497,19 @@ class CupyBackend(DeviceApplies, Backend):
         """A pass with no host work in it (no disk reads, no applies on the host, no messages
         to or from other ranks) and no guards (a branch on data: a guarded apply or reload)
         replays as one CUDA graph."""
+        prologue = {n.id for n in self._prologue()}
         return not any(isinstance(n, (ReadNode, SendNode, RecvNode)) or (
-            isinstance(n, ApplyNode) and (n.on_host or n.guard is not None)) or (
+            isinstance(n, ApplyNode) and ((n.on_host and n.id not in prologue)
+                                          or n.guard is not None)) or (
                 isinstance(n, ReloadNode) and n.guard is not None)
             for n in self.mg.nodes)
+
+    def _prologue(self) -> list[ApplyNode]:
+        """The host applies that read only the pass's inputs (no device work before them: a
+        host gather's table and ids), in plan order: a replay runs them before its launch."""
+        inputs = {n.tensor for n in self.mg.nodes if isinstance(n, InputNode)}
+        return [n for n in self.mg.nodes if isinstance(n, ApplyNode) and n.on_host
+                and n.guard is None and all(a.tensor in inputs for a in n.reads)]
 
     # ------------------------------------------------------------------ messages
     def send(self, n: SendNode, comm) -> None:
@@ -544,11 +566,14 @@ class CupyBackend(DeviceApplies, Backend):
         self._graph = None if failed else graph
 
     def replay(self) -> None:
-        """Refill the activations' slots, then launch the graph on the compute stream (after the
-        KV rows written since the last pass, which went there too)."""
+        """Refill the activations' slots, run the prologue's host applies (`_prologue`: the
+        last pass has finished, so nothing reads their buffers), then launch the graph on the
+        compute stream (after the KV rows written since the last pass, which went there too)."""
         for nid, at in self._fixed.items():
             tid = self.mg.nodes[nid].tensor
             self._read_input(tid, at, instance_bytes(self.mg, tid, self.mg.nodes[nid].offset)[1])
+        for n in self._prologue():
+            self.run_host(n)
         with self._device:
             self._graph.launch(self._streams["compute"])
 
