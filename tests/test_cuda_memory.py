@@ -382,3 +382,42 @@ def test_a_trace_issues_every_pass_node_by_node(fake_cupy, tmp_path):
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     per_pass = {e["pid"] for e in events}
     assert len(per_pass) == 3, per_pass
+
+
+def test_host_gathers_are_a_replays_prologue_without_copies_back(fake_cupy):
+    """A host gather reads its table and ids where they lie, also where the device holds them
+    (a tied table resident for the logits: its checkpoint bytes; ids an input that only the
+    host reads stays at host): no offload feeds it, so it runs before each launch of the
+    captured pass (a gather waiting on an offload inside the graph is refused by CUDA), and
+    every step equals the threads backend's."""
+    from dataclasses import replace as swap
+
+    from einpage.compiler.host_gather import with_host_gathers
+    from einpage.compiler.lower_options import LowerOptions
+    from einpage.compiler.lowering import lower
+    from einpage.compiler.order import memory_aware_order
+    from einpage.compiler.partitioner import PartitionOptions, partition
+    from einpage.compiler.policies import get_policy
+    from einpage.compiler.resident import persistent_blocks
+    from einpage.ir import validate
+    from einpage.models.generation import decode_step_graph
+    from einpage.runtime.backends.threads import ThreadsBackend
+    cfg, weights = resolve("tiny-tied", random_weights=True, seed=9)
+    h100 = get_device("h100-pcie")
+    slow = swap(h100, h2d_bandwidth=h100.h2d_bandwidth / 20, launch_overhead=0.0,
+                host=swap(h100.host, apply_overhead=0.0))
+    tg = with_host_gathers(partition(decode_step_graph(cfg, 2, 8), PartitionOptions(4096)), slow)
+    tables = {tg.tasks[t].reads[0] for t in tg.host_tasks}
+    resident = frozenset(tables & persistent_blocks(tg))
+    assert resident  # the logits read the table on the device
+    for inputs_at_device in (False, True):
+        mg = lower(tg, memory_aware_order(tg), LowerOptions(
+            cfg.weight_bytes(), get_policy("reuse-distance"), resident=resident,
+            inputs_at_device=inputs_at_device))
+        validate(mg)
+        assert not any(n.kind == "offload" for n in mg.nodes)
+        prompt = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]]) % cfg.vocab
+        want, _ = held_decode_steps(cfg, weights, mg, prompt, ThreadsBackend(), True)
+        got, replays = held_decode_steps(cfg, weights, mg, prompt, CupyBackend(), False)
+        assert replays >= 2
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -57,6 +57,33 @@ def test_a_weight_tables_gathers_go_to_the_host_where_they_pay():
     assert host_gathers(partition(g.build(), PartitionOptions(1 << 18)), PROFILE) == frozenset()
 
 
+def test_a_tied_table_is_gathered_on_the_host_only_where_it_cannot_stay_resident():
+    """A table the logits read too stays resident where the room allows: the device gather
+    then costs nothing; larger than the room, it would cross twice, and the host gathers."""
+    tg = partition(_tied(vocab=4096, width=64), PartitionOptions(1 << 16))
+    gathers = {t.id for t in tg.tasks if isinstance(t.op, GatherOp)}
+    table = sum(b.bytes for b in tg.input_blocks if b.name.startswith("table"))
+    assert host_gathers(tg, PROFILE, room=table) == frozenset()
+    assert host_gathers(tg, PROFILE, room=table - 1) == host_gathers(tg, PROFILE) == gathers
+
+
+def test_each_token_blocks_rows_are_gathered_before_the_next_ones():
+    """On the device each table block is read once for every token block (their sums in
+    lockstep); on the host the table is in memory, so each token block's sum runs whole, and the
+    first layer can start on the first token block's rows."""
+    cfg, _ = resolve("small", random_weights=True)
+    device = partition(llama.prefill_graph(cfg).bind(B=1, S=128),
+                       PartitionOptions(cfg.weight_bytes() // 64))
+    lockstep = [device.tasks[t].write for t in memory_aware_order(device)
+                if isinstance(device.tasks[t].op, GatherOp)]
+    assert len(lockstep) > len(set(lockstep)) > 1
+    assert lockstep != sorted(lockstep, key=lockstep.index)  # every block's first term first
+    tg = with_host_gathers(device, PROFILE)
+    writes = [tg.tasks[t].write for t in memory_aware_order(tg) if t in tg.host_tasks]
+    assert sorted(writes) == sorted(lockstep)
+    assert writes == sorted(writes, key=writes.index)  # each block's terms together
+
+
 def test_what_only_the_host_reads_is_no_device_need():
     """The table a host gather alone reads is no candidate to stay resident, no weight the
     device holds (`PassNeeds`), and the tasks' order and blocks are unchanged."""
@@ -214,3 +241,42 @@ def test_host_compute_off_keeps_the_gathers_on_the_device(capsys):
     assert cli("compile", "llama-7b", "--gpu-mem", "4GB", "--cpu-mem", "unlimited") == 0
     assert ("262.14 MB of embedding tables read on the host (only the rows a pass gathers cross "
             "the link)") in capsys.readouterr().out
+
+
+def test_a_host_gather_reads_a_resident_weight_where_it_lies_and_never_a_kv_block():
+    """A weight's input at device leaves its host copy (the checkpoint's bytes, which no pass
+    changes: rule 10): a host gather reads a resident table with no offload; a KV-store block
+    at device has none (the device's copy takes the new rows between passes), and the same
+    plan with that tensor a cache block is refused."""
+    from einpage.compiler.lower_options import LowerOptions
+    from einpage.compiler.lowering import lower
+    from einpage.compiler.policies import get_policy
+    from einpage.errors import PlanError
+    tg = with_host_gathers(partition(_tied(vocab=4096, width=64), PartitionOptions(1 << 16)),
+                           PROFILE)
+    tables = {tg.tasks[t].reads[0] for t in tg.host_tasks}
+    mg = lower(tg, memory_aware_order(tg), LowerOptions(
+        10**9, get_policy("reuse-distance"), resident=frozenset(tables)))
+    validate(mg)
+    reads = {a.tensor for n in _host_applies(mg) for a in n.reads}
+    assert tables <= reads and not any(n.kind == "offload" for n in mg.nodes)
+    table = next(iter(tables))
+    tensors = list(mg.tensors)
+    tensors[table] = dataclasses.replace(tensors[table], role="cache")
+    with pytest.raises(PlanError, match="no host copy"):
+        validate(dataclasses.replace(mg, tensors=tuple(tensors)))
+
+
+@pytest.mark.parametrize("policy", ["reuse-distance", "lru", "layerwise"])
+def test_no_policy_moves_a_table_only_the_host_reads(policy):
+    cfg, weights, graph, inputs = _llama()
+    mg = compile_graph(graph, CompileOptions(int(cfg.weight_bytes() / 1.5), policy=policy,
+                                             device=PROFILE)).memgraph
+    hosted = _host_applies(mg)
+    assert hosted
+    tables = {a.tensor for n in hosted for a in n.reads[:1]}
+    assert not any(n.kind in ("reload", "input") and n.tensor in tables
+                   and getattr(n, "at", "device") == "device" for n in mg.nodes)
+    got = run(mg, inputs, weights, order=2)["logits"]
+    np.testing.assert_allclose(got, reference.evaluate(graph, inputs, weights)["logits"],
+                               rtol=1e-5, atol=1e-5)

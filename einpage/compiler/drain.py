@@ -53,8 +53,11 @@ def tail_seconds(tg: TaskGraph, order: Sequence[int], seconds: Sequence[float],
     With `waits` and u the last position this is the front term (`resident.front_seconds`),
     never less.
     Tasks placed on the host write there and are not counted: this holds for a device-only
-    plan."""
-    outputs = {o.block for o in tg.outputs if tg.blocks[o.block].role not in PERSISTENT_ROLES}
+    plan, and for the partition's own host tasks (`TaskGraph.host_tasks`), whose outputs are
+    left out."""
+    host = tg.host_tasks
+    outputs = {o.block for o in tg.outputs if tg.blocks[o.block].role not in PERSISTENT_ROLES
+               and not (host and all(w in host for w in tg.writers[o.block]))}
     last: dict[int, int] = {}
     for k, t in enumerate(order):
         if tg.tasks[t].write in outputs:

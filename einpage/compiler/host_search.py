@@ -72,9 +72,10 @@ def place(trials: search.Trials, needs: PassNeeds, won_share: float | None,
         of tasks, either queue's compute (those two once per placement), or the link time of
         what device tasks read of the persistent blocks left off the device."""
         if on_host not in compute_floor:
-            device_tasks = [t for t in range(len(seconds)) if t not in on_host]
+            host = on_host | tg.host_tasks  # (and the partition's own: its gathers)
+            device_tasks = [t for t in range(len(seconds)) if t not in host]
             compute_floor[on_host] = max(
-                placement.critical_path(tg, order, seconds), sum(seconds[t] for t in on_host),
+                placement.critical_path(tg, order, seconds), sum(seconds[t] for t in host),
                 sum(seconds[t] for t in device_tasks)), device_tasks
         least, device_tasks = compute_floor[on_host]
         return max(least, streamed_bytes(tg, resident, guarded, readers=device_tasks)

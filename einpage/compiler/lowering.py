@@ -181,7 +181,10 @@ class _Lowering:
                 st.last_writer = nid
                 st.accesses = [nid]
                 st.host_valid = True
-            elif opt.inputs_at_device and blk.role not in PERSISTENT_ROLES and st.uses:
+                if blk.role == "weight":  # its host copy: the checkpoint's (a host task reads it)
+                    st.host_node = nid
+            elif (opt.inputs_at_device and blk.role not in PERSISTENT_ROLES and st.uses
+                  and b in tg.device_read):  # (one only host tasks read stays there)
                 a = self.alloc.allocate(st.size)
                 if a is None:
                     raise BudgetError("inputs do not fit on the device", st.size, 0)
@@ -556,7 +559,7 @@ class _Lowering:
         deps = set()
         for b in dict.fromkeys(t.reads):
             st = blocks[b]
-            if not st.host_valid or st.host_node is None:  # (a resident block: no host copy)
+            if not st.host_valid or st.host_node is None:  # (a resident KV block: no host copy)
                 oid = self.emit(OffloadNode(self._next_id(), b, st.offset, (st.last_writer,)))
                 st.host_node, st.host_valid = oid, True
                 st.accesses.append(oid)

@@ -76,11 +76,14 @@ def _walk(tg: TaskGraph, roots: list[int] | None = None) -> list[int]:
         for d in deps[t]:
             if stage[d] == stage[t]:
                 consumed_in_stage[d] = True
-    blocks = tg.blocks
+    blocks, host = tg.blocks, tg.host_tasks
 
     def weight_group(t: int) -> int:
-        """The first weight block an exit reads itself (-1: none): exits that read one weight
-        block run one after another, so a streamed block is loaded once for all of them."""
+        """The first weight block an exit reads itself (-1: none, or a task on the host, which
+        reads host memory): exits that read one weight block run one after another, so a
+        streamed block is loaded once for all of them."""
+        if t in host:  # (a host gather: each token block's rows summed before the next's)
+            return -1
         return next((b for b in tg.tasks[t].reads if blocks[b].role == "weight"), -1)
 
     onto = [-1] * n  # the writer an accumulating task adds onto

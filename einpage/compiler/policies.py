@@ -114,7 +114,8 @@ class Layerwise(LRU):
         out = []
         for stage, start in first.items():
             end = last[stage]
-            blocks = dict.fromkeys(b for q in range(start, end + 1)
+            blocks = dict.fromkeys(b for q in range(start, end + 1)  # (a task on the host
+                                   if order[q] not in tg.host_tasks  # reads host memory)
                                    for b in tg.tasks[order[q]].reads
                                    if tg.blocks[b].role == "weight")
             out.append(Group(stage, start, end, tuple(blocks)))

@@ -104,9 +104,11 @@ class Partitions:
                 return None
             orders = [rows] if drained else [order] if rows is None else [order, rows]
             order = orders[0]
-            # the device's compute, for the bound (a task on the host runs beside it)
+            # the device's compute, for the bound (a task on the host runs beside it, on the
+            # host's one queue: the compute term is the longer of the two)
             device = (seconds if not tg.host_tasks else
                       tuple(0.0 if t in tg.host_tasks else s for t, s in enumerate(seconds)))
+            hosted = sum(seconds[t] for t in tg.host_tasks)
             waits = [front_waits(tg, o, options.device_bytes, profile.h2d_bandwidth)
                      for o in orders]
             tail = min(tail_seconds(tg, o, device, options.device_bytes, profile.d2h_bandwidth,
@@ -115,7 +117,7 @@ class Partitions:
             positions = stream_positions(tg, order)
             rung = Rung(block, needs.max_working_set,
                         min_stream_bytes(tg, order, options.device_bytes, positions),
-                        sum(device),
+                        max(sum(device), hosted),
                         front_seconds(tg, order, device, options.device_bytes,
                                       profile.h2d_bandwidth, waits[0]), weight_block, by_weight,
                         tail,
@@ -129,17 +131,20 @@ class Partitions:
         """`tg` with its gathers on the host (`host_gather`) where the options allow it, the
         link (nearly) binds its pass (the bytes no plan of it can keep on the device take the
         link at least `host_gather.LINK_SHARE` of its compute, `seconds`), and the host budget
-        holds every persistent block; else `tg`."""
+        holds every persistent block (a tied table only where it is larger than the room its
+        pass leaves: `host_gather.host_gathers`); else `tg`."""
         options = self.options
-        if not options.host_gather:
+        persistent = sum(b.bytes for b in tg.input_blocks if b.role in PERSISTENT_ROLES)
+        if not options.host_gather or (options.host_bytes is not None
+                                       and persistent > options.host_bytes):
             return tg
-        gathered = with_host_gathers(tg, self.profile)
+        order = memory_aware_order(tg)
+        needs = pass_needs(tg, order)
+        gathered = with_host_gathers(tg, self.profile, options.device_bytes
+                                     - needs.written_back_peak - needs.max_working_set)
         if gathered is tg:
             return tg
-        persistent = sum(b.bytes for b in tg.input_blocks if b.role in PERSISTENT_ROLES)
-        if options.host_bytes is not None and persistent > options.host_bytes:
-            return tg
-        streamed = min_stream_bytes(tg, memory_aware_order(tg), options.device_bytes)
+        streamed = min_stream_bytes(tg, order, options.device_bytes)
         link_s = streamed / self.profile.h2d_bandwidth
         return gathered if link_s >= LINK_SHARE * sum(seconds) else tg
 

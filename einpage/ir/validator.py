@@ -53,7 +53,8 @@ Invariants:
 
 10. Applies on the host (`on: "host"`, version 2) read and write host copies, not instances:
     every tensor it reads has a current host copy (its latest version), one of whose makers is
-    an ancestor; its write makes the tensor's host copy (a new version), so the tensor has no
+    an ancestor (a weight's input, at host or at device: the checkpoint's bytes, which no pass
+    changes); its write makes the tensor's host copy (a new version), so the tensor has no
     live device instance then (that instance would hold a stale version), an accumulating host
     write has the host copy's maker and every reader of it since as ancestors, and so does any
     node that replaces a host copy with a newer version (an offload, a host write): every
@@ -397,6 +398,8 @@ class _Checker:
             if node.offset is None:
                 self._fail(node, f"input of {self._name(t)} at device has no offset")
             self._create(node, t, node.offset)
+            if self.tensors[t].role == "weight":  # the checkpoint's bytes, which no pass changes
+                self._host_copy(node, t)
         elif node.at == "disk":
             if node.offset is not None:
                 self._fail(node, f"input of {self._name(t)} at disk has an offset ({node.offset})")

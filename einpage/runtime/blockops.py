@@ -58,8 +58,9 @@ def _gather_rows_into(n: ApplyNode, tensors: Sequence[TensorInfo], reads: Sequen
     range-checks its ids) or the write is no contiguous array."""
     info = tensors[n.reads[0].tensor]
     src = info.source
-    if src is None or not src.full_shape or src.full_shape[0] == info.shape[0]:
-        return False
+    if src is None or not src.full_shape or src.full_shape[0] == info.shape[0] or (
+            info.storage is not None and not _gathers_packed_rows(n.op, info)):
+        return False  # (packed across its rows: the generic path unpacks it first)
     ids = np.asarray(reads[1], dtype=np.int64).reshape(-1)
     if not write.flags.c_contiguous:
         return False

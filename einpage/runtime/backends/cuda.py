@@ -505,11 +505,20 @@ class CupyBackend(DeviceApplies, Backend):
             for n in self.mg.nodes)
 
     def _prologue(self) -> list[ApplyNode]:
-        """The host applies that read only the pass's inputs (no device work before them: a
-        host gather's table and ids), in plan order: a replay runs them before its launch."""
-        inputs = {n.tensor for n in self.mg.nodes if isinstance(n, InputNode)}
-        return [n for n in self.mg.nodes if isinstance(n, ApplyNode) and n.on_host
-                and n.guard is None and all(a.tensor in inputs for a in n.reads)]
+        """The host applies that read only the pass's inputs and depend on nothing but inputs
+        and each other (no device work before them: a host gather's table and ids), in plan
+        order: a replay runs them before its launch."""
+        nodes = self.mg.nodes
+        inputs = {n.tensor for n in nodes if isinstance(n, InputNode)}
+        out: list[ApplyNode] = []
+        ids: set[int] = set()
+        for n in nodes:
+            if (isinstance(n, ApplyNode) and n.on_host and n.guard is None
+                    and all(a.tensor in inputs for a in n.reads)
+                    and all(isinstance(nodes[d], InputNode) or d in ids for d in n.deps)):
+                out.append(n)
+                ids.add(n.id)
+        return out
 
     # ------------------------------------------------------------------ messages
     def send(self, n: SendNode, comm) -> None:
