@@ -280,3 +280,25 @@ def test_no_policy_moves_a_table_only_the_host_reads(policy):
     got = run(mg, inputs, weights, order=2)["logits"]
     np.testing.assert_allclose(got, reference.evaluate(graph, inputs, weights)["logits"],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_a_table_packed_across_its_rows_is_gathered_by_the_generic_path():
+    """A q8_0 table whose groups span both axes (48 columns: no whole group in a row) cut by
+    rows and gathered on the host: unpacked first, as on the device; the answer the same."""
+    from einpage.ir.storage import Storage
+    g = GraphBuilder()
+    table = g.input("table", (8192, 48), role="weight", storage=Storage("q8_0", 2))
+    x = g.gather(table, g.input("ids", (8,), "i64"))
+    g.output("y", g.einsum("sm,nm->sn", x, g.input("w", (48, 48), role="weight")))
+    graph = g.build()
+    rng = np.random.default_rng(0)
+    weights = {"table": rng.standard_normal((8192, 48)).astype(np.float32),
+               "w": rng.standard_normal((48, 48)).astype(np.float32)}
+    ids = {"ids": rng.integers(0, 8192, (8,))}
+    got = {}
+    for gather in (False, True):
+        mg = compile_graph(graph, CompileOptions(1 << 16, device=PROFILE,
+                                                 host_gather=gather)).memgraph
+        assert bool(_host_applies(mg)) == gather
+        got[gather] = run(mg, ids, weights.__getitem__, order=1)["y"]
+    np.testing.assert_array_equal(got[True], got[False])
