@@ -302,3 +302,49 @@ def test_a_table_packed_across_its_rows_is_gathered_by_the_generic_path():
         assert bool(_host_applies(mg)) == gather
         got[gather] = run(mg, ids, weights.__getitem__, order=1)["y"]
     np.testing.assert_array_equal(got[True], got[False])
+
+
+def test_a_copy_waiting_on_the_host_lets_the_link_carry_what_follows_first():
+    """`queue_order.defer_host_copies`: a reload of a block the host writes moves past the
+    copies the link carries before the host is done (here 0.8 s of them against 1 s of host
+    work), never past a node that depends on it; ids and deps renumbered, nothing else moved."""
+    from einpage.compiler.queue_order import defer_host_copies
+    from einpage.ir.memgraph import Access, InputNode
+    from einpage.ir.ops import GatherOp as Op
+    host = ApplyNode(1, (Access(0, None),), Access(1, None), False, Op(0), (0,), task=0, on="host")
+    nodes = [InputNode(0, 0, "host"), host, ReloadNode(2, 1, 0, (1,)),
+             ReloadNode(3, 2, 64, ()), ReloadNode(4, 3, 128, ()),
+             ApplyNode(5, (Access(1, 0),), Access(4, 192), False, Op(0), (2, 3), task=1),
+             ReloadNode(6, 5, 256, ())]
+    seconds = {0: 1.0}
+    out = defer_host_copies(nodes, lambda n: seconds[n.task], lambda n: 0.4)
+    assert [n.tensor if not isinstance(n, ApplyNode) else -n.task - 1 for n in out] == [
+        0, -1, 2, 3, 1, -2, 5]  # the reload of tensor 1 after both copies, before its reader
+    assert [n.id for n in out] == list(range(7))
+    assert out[5].deps == (2, 4) and out[4].deps == (1,)
+    # a host done before the link is: nothing moves
+    assert defer_host_copies(nodes, lambda n: 0.0, lambda n: 0.4) == nodes
+
+
+def test_copies_waiting_on_the_host_move_back_and_the_pass_is_not_slower():
+    """A paged LLaMA with its rows gathered on the host, lowered with and without the link's
+    figures (`LowerOptions.link`): its order moves, the plan validates and computes its graph,
+    and its simulated pass is no longer."""
+    from einpage.compiler.lower_options import LowerOptions
+    from einpage.compiler.lowering import lower
+    from einpage.compiler.policies import get_policy
+    cfg, weights, graph, inputs = _llama(seq=64)
+    budget = cfg.weight_bytes() // 4
+    tg = with_host_gathers(partition(graph, PartitionOptions(budget // 8)), PROFILE)
+    order = memory_aware_order(tg)
+    base = LowerOptions(budget, get_policy("reuse-distance"), outputs_to_host=True,
+                        task_seconds=tuple(task_seconds(PROFILE, tg)))
+    plain = lower(tg, order, base)
+    moved = lower(tg, order, dataclasses.replace(
+        base, link=(PROFILE.h2d_bandwidth, PROFILE.copy_latency)))
+    assert [n.kind for n in moved.nodes] != [n.kind for n in plain.nodes]
+    validate(moved)
+    assert simulate(moved, PROFILE).makespan_s <= simulate(plain, PROFILE).makespan_s
+    got = run(moved, inputs, weights, order=6)["logits"]
+    np.testing.assert_allclose(got, reference.evaluate(graph, inputs, weights)["logits"],
+                               rtol=1e-5, atol=1e-5)

@@ -35,7 +35,7 @@ from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
 from einpage.ir.memgraph import ALIGNMENT, MemGraph
 from einpage.ir.taskgraph import TaskGraph
-from einpage.predict.devices import DeviceProfile
+from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
 from einpage.predict.simulator import Simulation
 from einpage.units import format_size
 
@@ -575,11 +575,13 @@ def _lower_options(options: CompileOptions, policy: Policy, fits: bool,
     """What every trial's lowering shares. A pass that streams weights writes its outputs (logits,
     the KV cache) back to the host as soon as each block is final, so the device keeps that
     memory for resident weights."""
+    profile = options.device or get_device(DEFAULT_DEVICE)
     return LowerOptions(options.device_bytes, policy, inputs_at_device=fits and policy.evicts,
                         outputs_to_host=not fits and policy.evicts,
                         lookahead_bytes=options.lookahead_bytes, task_seconds=seconds,
                         guarded_reload_share=options.guarded_reload_share,
-                        pack_low=options.pack_low)
+                        pack_low=options.pack_low,
+                        link=(profile.h2d_bandwidth, profile.copy_latency))
 
 
 def _default_lookahead(trials: search.Trials, best: search.Trial,
