@@ -54,22 +54,27 @@ def defer_host_copies(nodes: Sequence, host_seconds: Callable[[ApplyNode], float
                 emit(nodes[r])
 
     for n in nodes:
-        ready = max((done[d] for d in n.deps if d in done), default=0.0)
         if isinstance(n, ReloadNode):
+            ready = max((done[d] for d in n.deps if d in done), default=0.0)
             if ready > link:
                 waiting[n.id] = ready
                 continue
-            # a waiting copy goes first where this one would end after its host is done: it
-            # waits no longer than its host (the link idles less than one copy)
-            release(link + copy_seconds(n))
-        emit(n)
-        release(link)
+            if waiting:  # a waiting copy goes first where this one would end after its host
+                release(link + copy_seconds(n))  # is done: it waits no longer than its host
+        if waiting:
+            emit(n)
+            release(link)
+        else:  # (the common case: nothing waits)
+            out.append(n)
+            if isinstance(n, ReloadNode):
+                link += copy_seconds(n)
     for r in list(waiting):
         if r in waiting:
             del waiting[r]
             emit(nodes[r])
-    if all(n.id == k for k, n in enumerate(out)):
+    moved = {n.id: k for k, n in enumerate(out) if n.id != k}  # (a few: the copies moved and
+    if not moved:                                             # the nodes they moved past)
         return list(nodes)
-    new_id = {n.id: k for k, n in enumerate(out)}
-    return [replace(n, id=k, deps=tuple(sorted(new_id[d] for d in n.deps)))
+    return [n if n.id == k and not any(d in moved for d in n.deps) else
+            replace(n, id=k, deps=tuple(sorted(moved.get(d, d) for d in n.deps)))
             for k, n in enumerate(out)]
