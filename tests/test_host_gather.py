@@ -260,11 +260,29 @@ def test_a_host_gather_reads_a_resident_weight_where_it_lies_and_never_a_kv_bloc
     validate(mg)
     reads = {a.tensor for n in _host_applies(mg) for a in n.reads}
     assert tables <= reads and not any(n.kind == "offload" for n in mg.nodes)
+    graph = _tied(vocab=4096, width=64)
+    rng = np.random.default_rng(3)
+    weights = {x.op.name: rng.standard_normal(x.shape).astype(np.float32)
+               for x in graph.inputs if x.op.role.value == "weight"}
+    ids = {"ids": rng.integers(0, 4096, (4,))}
+    want = reference.evaluate(graph, ids, weights.__getitem__)["logits"]
+    for order in ("sequential", 7):  # the NumPy executor reads the table's source too
+        np.testing.assert_allclose(run(mg, ids, weights.__getitem__, order=order)["logits"],
+                                   want, rtol=1e-4, atol=1e-4)
     table = next(iter(tables))
     tensors = list(mg.tensors)
     tensors[table] = dataclasses.replace(tensors[table], role="cache")
     with pytest.raises(PlanError, match="no host copy"):
         validate(dataclasses.replace(mg, tensors=tuple(tensors)))
+    # ... and a weight's input at device is no reload's host copy (rule 6): a resident table
+    # freed and reloaded is refused
+    from einpage.ir.memgraph import FreeNode
+    start = next(n for n in mg.nodes if n.kind == "input" and n.tensor == table)
+    nodes = list(mg.nodes)
+    nodes += [FreeNode(len(nodes), table, start.offset, tuple(range(len(nodes)))),
+              ReloadNode(len(nodes) + 1, table, start.offset, (len(nodes),))]
+    with pytest.raises(PlanError, match="no host copy"):
+        validate(dataclasses.replace(mg, nodes=tuple(nodes)))
 
 
 @pytest.mark.parametrize("policy", ["reuse-distance", "lru", "layerwise"])

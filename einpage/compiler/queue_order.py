@@ -39,13 +39,17 @@ def defer_host_copies(nodes: Sequence, host_seconds: Callable[[ApplyNode], float
 
     def emit(n) -> None:
         nonlocal link
-        for d in n.deps:  # (a waiting reload it depends on goes first)
-            if d in waiting:
-                del waiting[d]
-                emit(nodes[d])
-        out.append(n)
-        if isinstance(n, ReloadNode):
-            link += copy_seconds(n)
+        stack = [n]
+        while stack:  # (a waiting reload it depends on goes first)
+            first = next((d for d in stack[-1].deps if d in waiting), None)
+            if first is not None:
+                del waiting[first]
+                stack.append(nodes[first])
+                continue
+            top = stack.pop()
+            out.append(top)
+            if isinstance(top, ReloadNode):
+                link += copy_seconds(top)
 
     def release(by: float) -> None:
         for r in [r for r, at in waiting.items() if at <= by]:

@@ -192,6 +192,9 @@ class _Checker:
         self.host_readers: dict[int, list[int]] = {}  # tensor -> readers of that host copy
         self.host_applies = 0
         self.host_inputs: dict[int, list[int]] = {}  # tensor -> its inputs at host
+        #: weight tensor -> its input at device: the checkpoint's bytes, which no pass changes,
+        #: are a host apply's host copy of it (rule 10; no reload's or output's: rules 6, 7)
+        self.weights_at_device: dict[int, int] = {}
         self.instances = 0
         self.traffic = {"reload": [0, 0], "offload": [0, 0], "read": [0, 0]}
         self.host_arena = Arena(max(mg.host_arena_bytes, 1))
@@ -398,8 +401,8 @@ class _Checker:
             if node.offset is None:
                 self._fail(node, f"input of {self._name(t)} at device has no offset")
             self._create(node, t, node.offset)
-            if self.tensors[t].role == "weight":  # the checkpoint's bytes, which no pass changes
-                self._host_copy(node, t)
+            if self.tensors[t].role == "weight":  # (rule 10: what a host apply may read)
+                self.weights_at_device[t] = node.id
         elif node.at == "disk":
             if node.offset is not None:
                 self._fail(node, f"input of {self._name(t)} at disk has an offset ({node.offset})")
@@ -609,7 +612,12 @@ class _Checker:
         """Rule 10: an apply on host copies."""
         reads = [self._tensor(node, a.tensor) for a in node.reads]
         for t in reads:
-            self._host_current(node, t, "reads on the host")
+            at_device = self.weights_at_device.get(t)
+            if at_device is None or t in self.host_nodes or t in self.last_write:
+                self._host_current(node, t, "reads on the host")
+            elif not self.ancestry.any_of([at_device], node.id):
+                self._fail(node, f"reads on the host {self._name(t)}, but its input "
+                                 f"{self._kind(at_device)} is not an ancestor")
         w = self._tensor(node, node.write.tensor)
         inst = self.live.get(w)
         if inst is not None:

@@ -137,6 +137,8 @@ class NumpyExecutor:
             self.host[n.tensor] = None  # the source is the host copy; read at reload
         elif n.at == "device":
             self._view(n.tensor, n.offset)[...] = self.io.source_block(n.tensor)
+            if self.mg.tensors[n.tensor].role == "weight":  # a host apply may read its source
+                self.host[n.tensor] = None
         elif n.at != "disk":  # at disk: only a read brings it into host memory
             raise PlanError(f"input at {n.at!r}; expected 'host', 'device' or 'disk'")
 
