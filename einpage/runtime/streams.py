@@ -33,6 +33,24 @@ from einpage.ir.tensors import PERSISTENT_ROLES
 QUEUES = ("compute", "h2d", "d2h", "disk", "host", "send", "recv")
 
 
+def host_prologue(mg: MemGraph) -> list[ApplyNode]:
+    """The host applies that read only the pass's inputs and depend on nothing but inputs and
+    each other (no device work before them: a host gather's table and ids,
+    `compiler.host_gather`), in plan order: a runtime that replays a captured pass runs them
+    before its launch (the CuPy backend's CUDA graphs)."""
+    nodes = mg.nodes
+    inputs = {n.tensor for n in nodes if isinstance(n, InputNode)}
+    out: list[ApplyNode] = []
+    ids: set[int] = set()
+    for n in nodes:
+        if (isinstance(n, ApplyNode) and n.on_host and n.guard is None
+                and all(a.tensor in inputs for a in n.reads)
+                and all(isinstance(nodes[d], InputNode) or d in ids for d in n.deps)):
+            out.append(n)
+            ids.add(n.id)
+    return out
+
+
 def queue_of(n: MemNode) -> str | None:
     """The queue a node runs on, or None for a node that only orders (free, input at host or
     disk)."""

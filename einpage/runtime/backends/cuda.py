@@ -85,6 +85,7 @@ from einpage.runtime.backends.cuda_source import DEVICE_DTYPE
 from einpage.runtime.backends.pinned import PinnedWeights
 from einpage.runtime.diskread import DiskReader
 from einpage.runtime.planio import PlanIO, instance_bytes, receive_into, stored, typed_view
+from einpage.runtime.streams import host_prologue
 
 __all__ = ["CupyBackend", "cuda_usable", "workspace_bytes"]
 
@@ -497,28 +498,12 @@ class CupyBackend(DeviceApplies, Backend):
         """A pass with no host work in it (no disk reads, no applies on the host, no messages
         to or from other ranks) and no guards (a branch on data: a guarded apply or reload)
         replays as one CUDA graph."""
-        prologue = {n.id for n in self._prologue()}
+        prologue = {n.id for n in host_prologue(self.mg)}
         return not any(isinstance(n, (ReadNode, SendNode, RecvNode)) or (
             isinstance(n, ApplyNode) and ((n.on_host and n.id not in prologue)
                                           or n.guard is not None)) or (
                 isinstance(n, ReloadNode) and n.guard is not None)
             for n in self.mg.nodes)
-
-    def _prologue(self) -> list[ApplyNode]:
-        """The host applies that read only the pass's inputs and depend on nothing but inputs
-        and each other (no device work before them: a host gather's table and ids), in plan
-        order: a replay runs them before its launch."""
-        nodes = self.mg.nodes
-        inputs = {n.tensor for n in nodes if isinstance(n, InputNode)}
-        out: list[ApplyNode] = []
-        ids: set[int] = set()
-        for n in nodes:
-            if (isinstance(n, ApplyNode) and n.on_host and n.guard is None
-                    and all(a.tensor in inputs for a in n.reads)
-                    and all(isinstance(nodes[d], InputNode) or d in ids for d in n.deps)):
-                out.append(n)
-                ids.add(n.id)
-        return out
 
     # ------------------------------------------------------------------ messages
     def send(self, n: SendNode, comm) -> None:
@@ -575,13 +560,13 @@ class CupyBackend(DeviceApplies, Backend):
         self._graph = None if failed else graph
 
     def replay(self) -> None:
-        """Refill the activations' slots, run the prologue's host applies (`_prologue`: the
+        """Refill the activations' slots, run the prologue's host applies (`streams.host_prologue`: the
         last pass has finished, so nothing reads their buffers), then launch the graph on the
         compute stream (after the KV rows written since the last pass, which went there too)."""
         for nid, at in self._fixed.items():
             tid = self.mg.nodes[nid].tensor
             self._read_input(tid, at, instance_bytes(self.mg, tid, self.mg.nodes[nid].offset)[1])
-        for n in self._prologue():
+        for n in host_prologue(self.mg):
             self.run_host(n)
         with self._device:
             self._graph.launch(self._streams["compute"])
