@@ -24,8 +24,8 @@ from einpage.compiler.cuts import largest_reused_weight
 from einpage.compiler.drain import tail_seconds
 from einpage.compiler.lower_options import GUARDED_RELOAD_SHARE, LowerOptions
 from einpage.compiler.policies import Policy, get_policy
-from einpage.compiler.report import CompileFigures, PlanReport, ProblemBound, TrialSummary
-from einpage.compiler.rungs import Partitions, Rung, known_bound
+from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
+from einpage.compiler.rungs import Partitions, Rung, known_bound, problem_bound
 from einpage.compiler.resident import (PassNeeds, everything_fits, kept_bytes,
                                        memory_lower_bound)
 from einpage.compiler.tier_room import weights_first_tiered, with_plan
@@ -35,7 +35,7 @@ from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
 from einpage.ir.memgraph import ALIGNMENT, MemGraph
 from einpage.ir.taskgraph import TaskGraph
-from einpage.predict.devices import DEFAULT_DEVICE, DeviceProfile, get_device
+from einpage.predict.devices import DeviceProfile
 from einpage.predict.simulator import Simulation
 from einpage.units import format_size
 
@@ -244,10 +244,7 @@ def _finer_tiered(parts: Partitions, chosen: tuple[rooms.Planned, search.Trial, 
     rung planned is a rung of the problem's bound (`rungs`)."""
     options, profile = parts.options, parts.profile
     _, step, finest = ladder
-    bound = ProblemBound.of(
-        min(r.compute_s for r in rungs), min(r.min_stream_bytes for r in rungs), profile,
-        options.host_bytes, min(r.min_disk_bytes for r in rungs), min(r.front_s for r in rungs),
-        min(r.tail_s for r in rungs), min(r.min_stream_copies for r in rungs)).seconds
+    bound = problem_bound(rungs, profile, options.host_bytes).seconds
     if chosen[2].simulation.makespan_s * rooms.REFINE_BELOW <= bound:
         return chosen
     while chosen[0].rung.block == finest:
@@ -493,8 +490,8 @@ def _plan(parts: Partitions, block: int, coarser: rooms.Won | None = None,
     _check_largest_task(needs, options.device_bytes, block)
     fits = everything_fits(needs, options.device_bytes)
     residency = policy.resident(tg, order, options.device_bytes, fits)
-    trials = search.Trials(tg, order, _lower_options(options, policy, fits, seconds), profile,
-                           options.progress)
+    trials = search.Trials(tg, order, _lower_options(options, profile, policy, fits, seconds),
+                           profile, options.progress)
     won = rooms.search_resident(trials, options, needs, residency, seconds,
                                 max(rung.compute_s, rung.min_stream_bytes / profile.h2d_bandwidth),
                                 coarser, alone)
@@ -570,12 +567,11 @@ def _check_largest_task(needs: PassNeeds, device_bytes: int, block: int) -> None
                           needs.max_working_set, device_bytes)
 
 
-def _lower_options(options: CompileOptions, policy: Policy, fits: bool,
-                   seconds: tuple[float, ...]) -> LowerOptions:
+def _lower_options(options: CompileOptions, profile: DeviceProfile, policy: Policy,
+                   fits: bool, seconds: tuple[float, ...]) -> LowerOptions:
     """What every trial's lowering shares. A pass that streams weights writes its outputs (logits,
     the KV cache) back to the host as soon as each block is final, so the device keeps that
     memory for resident weights."""
-    profile = options.device or get_device(DEFAULT_DEVICE)
     return LowerOptions(options.device_bytes, policy, inputs_at_device=fits and policy.evicts,
                         outputs_to_host=not fits and policy.evicts,
                         lookahead_bytes=options.lookahead_bytes, task_seconds=seconds,
@@ -614,7 +610,7 @@ def _figures(planned: rooms.Planned, best: search.Trial, rungs: list[Rung],
 
     kept, kept_kv = resident_bytes(best.resident, "weight"), resident_bytes(best.resident, "cache")
     host_read = sum(aligned(b.bytes) for b in tg.input_blocks  # (as `PassNeeds` counts them)
-                    if b.role == "weight" and tg.host_tasks and b.id not in tg.device_read)
+                    if b.role == "weight" and b.id not in tg.device_read)
     summaries = tuple(TrialSummary(lookahead(t.window), t.simulation.makespan_s,
                                    resident_bytes(t.resident), t.live_peak)
                       for t in trials.items) if len(trials.items) > 1 else ()

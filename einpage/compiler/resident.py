@@ -100,7 +100,7 @@ def pass_needs(tg: TaskGraph, order: list[int], outputs_stay: bool = True) -> Pa
     peak = produced_peak(tg, order, outputs_stay, touched=touched)
     written_back = (peak if not outputs_stay
                     else produced_peak(tg, order, outputs_stay=False, touched=touched))
-    inputs = [b for b in tg.input_blocks if not tg.host_tasks or b.id in tg.device_read]
+    inputs = [b for b in tg.input_blocks if b.id in tg.device_read]
     tasks = device_tasks(tg)
 
     def total(role: str) -> int:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from einpage.compiler.drain import drained_order, tail_seconds
 from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
+from einpage.compiler.report import ProblemBound
 from einpage.compiler.host_gather import LINK_SHARE, with_host_gathers
 from einpage.compiler.resident import (PassNeeds, front_seconds, front_waits, least_disk_bytes,
                                        min_stream_bytes, min_stream_copies, pass_needs,
@@ -157,10 +158,17 @@ class Partitions:
         self._made = {key: Cut(tg, order, needs, seconds, rung)}
 
 
+def problem_bound(rungs: list[Rung], profile: DeviceProfile,
+                  host_bytes: int | None = None) -> ProblemBound:
+    """The problem's bound over the rungs so far, each term the least over the rungs (the
+    stream term's bytes and copies each so); with `host_bytes`, its disk term too."""
+    return ProblemBound.of(
+        min(r.compute_s for r in rungs), min(r.min_stream_bytes for r in rungs), profile,
+        host_bytes, min(r.min_disk_bytes for r in rungs), min(r.front_s for r in rungs),
+        min(r.tail_s for r in rungs), min(r.min_stream_copies for r in rungs))
+
+
 def known_bound(rungs: list[Rung], profile: DeviceProfile) -> float:
-    """The problem's bound over the rungs so far (device terms: compute, stream, front, tail),
-    each term the least over the rungs (the stream term's bytes and copies each so)."""
-    return max(min(r.compute_s for r in rungs), min(r.front_s for r in rungs),
-               min(r.tail_s for r in rungs),
-               min(r.min_stream_bytes for r in rungs) / profile.h2d_bandwidth
-               + min(r.min_stream_copies for r in rungs) * profile.copy_latency)
+    """The problem's bound over the rungs so far, in seconds: its device terms (compute,
+    stream, front, tail)."""
+    return problem_bound(rungs, profile).seconds
