@@ -224,8 +224,8 @@ class _Lowering:
         write and any read no finished writer has made yet wait for `finalize`, but the
         bytes left free must still cover `CLAIM_SHARE` (`claim_share`) of the writes deferred
         so far. `far`: where that room is short, clean blocks not needed for more than
-        FAR_SHARE of the positions left are evicted for it (`_far`). Returns the bytes reserved, or None (nothing
-        changed; with `far`, the far blocks may have been let go)."""
+        FAR_SHARE of the positions left are evicted for it (`_far`). Returns the bytes
+        reserved, or None (nothing changed; with `far`, the far blocks may have been let go)."""
         t = self.tg.tasks[self.order[p]]
         blocks = self.blocks
         host = t.id in self.on_host

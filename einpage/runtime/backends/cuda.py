@@ -560,9 +560,10 @@ class CupyBackend(DeviceApplies, Backend):
         self._graph = None if failed else graph
 
     def replay(self) -> None:
-        """Refill the activations' slots, run the prologue's host applies (`streams.host_prologue`: the
-        last pass has finished, so nothing reads their buffers), then launch the graph on the
-        compute stream (after the KV rows written since the last pass, which went there too)."""
+        """Refill the activations' slots, run the prologue's host applies
+        (`streams.host_prologue`: the last pass has finished, so nothing reads their buffers),
+        then launch the graph on the compute stream (after the KV rows written since the last
+        pass, which went there too)."""
         for nid, at in self._fixed.items():
             tid = self.mg.nodes[nid].tensor
             self._read_input(tid, at, instance_bytes(self.mg, tid, self.mg.nodes[nid].offset)[1])
