@@ -344,6 +344,28 @@ def test_a_copy_waiting_on_the_host_lets_the_link_carry_what_follows_first():
     assert defer_host_copies(nodes, lambda n: 0.0, lambda n: 0.4) == nodes
 
 
+def test_copies_after_a_waiting_copys_reader_move_before_it_while_the_host_works():
+    """Where the reader of a copy waiting on the host's gathers (the work that opens the pass)
+    comes first, the copies after that reader whose dependencies are placed move before the
+    waiting copy, while the link ends them before the host is done (two of 0.4 s against 1 s
+    of host work); a copy that depends on the reader stays after it."""
+    from einpage.compiler.queue_order import defer_host_copies
+    from einpage.ir.memgraph import Access, InputNode
+    from einpage.ir.ops import GatherOp as Op
+    host = ApplyNode(1, (Access(0, None),), Access(1, None), False, Op(0), (0,), task=0, on="host")
+    nodes = [InputNode(0, 0, "host"), host, ReloadNode(2, 1, 0, (1,)),
+             ApplyNode(3, (Access(1, 0),), Access(4, 64), False, Op(0), (2,), task=1),
+             ReloadNode(4, 5, 128, ()), ReloadNode(5, 6, 192, (3,)), ReloadNode(6, 7, 256, ()),
+             ReloadNode(7, 8, 320, ())]
+    out = defer_host_copies(nodes, lambda n: 1.0, lambda n: 0.4, lambda n: True)
+    assert [n.tensor if not isinstance(n, ApplyNode) else -n.task - 1 for n in out] == [
+        0, -1, 5, 7, 1, -2, 6, 8]  # the third copy would end after the host: it stays
+    assert [n.id for n in out] == list(range(8))
+    assert out[5].deps == (4,) and out[6].deps == (5,) and out[4].deps == (1,)
+    # host work that does not open the pass (host attention's, say): nothing moves before it
+    assert defer_host_copies(nodes, lambda n: 1.0, lambda n: 0.4) == nodes
+
+
 def test_copies_waiting_on_the_host_move_back_and_the_pass_is_not_slower():
     """A paged LLaMA with its rows gathered on the host, lowered with and without the link's
     figures (`LowerOptions.link`): its order moves, the plan validates and computes its graph,

@@ -97,6 +97,79 @@ def test_paced_resident_keeps_blocks_whose_copy_is_mostly_latency(kv):
         assert norms <= chosen and len(chosen - norms) == keep
 
 
+def _mixed(layers: int = 8, n: int = 256):
+    """Each layer reads two small weights (n x n/4, n/4 x n) and then a large one (n x n): all
+    far above 1/SMALL_BLOCK_SHARE of the largest, so any may stream."""
+    g = GraphBuilder()
+    x = g.input("x", (64, n))
+    for layer in range(layers):
+        x = g.einsum("ab,bc->ac", x, g.input(f"a{layer}", (n, n // 4), role="weight"))
+        x = g.einsum("ab,bc->ac", x, g.input(f"b{layer}", (n // 4, n), role="weight"))
+        x = g.einsum("ab,bc->ac", x, g.input(f"w{layer}", (n, n), role="weight"))
+    g.output("y", x)
+    tg = partition(g.build(), PartitionOptions(1 << 22))
+    order = memory_aware_order(tg)
+    return tg, order, tuple(task_seconds(get_device("h100-pcie"), tg))
+
+
+@pytest.mark.parametrize("keep", [1, 3, 6])
+def test_by_size_streams_what_in_order_streams_in_blocks_of_one_size(keep):
+    tg, order, seconds = _chain()
+    size = aligned(tg.blocks[next(b.id for b in tg.input_blocks if b.role == "weight")].bytes)
+    assert paced_resident(tg, order, keep * size, seconds, largest=size, by_size=True) == (
+        paced_resident(tg, order, keep * size, seconds, largest=size))
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
+def test_by_size_streams_the_same_bytes_in_fewer_copies(share):
+    """`by_size` streams the largest blocks the pace allows: at least the bytes the budget
+    leaves out, in fewer copies than the walk in order; the block read first stays (nothing
+    could have been fetched before it)."""
+    tg, order, seconds = _mixed()
+    weights = [b for b in tg.input_blocks if b.role == "weight"]
+    total = sum(aligned(b.bytes) for b in weights)
+    largest = max(aligned(b.bytes) for b in weights)
+    budget = int(total * share)
+    in_order = paced_resident(tg, order, budget, seconds, largest=largest)
+    by_size = paced_resident(tg, order, budget, seconds, largest=largest, by_size=True)
+    for chosen in (in_order, by_size):
+        assert _bytes(tg, chosen) <= budget
+    first = _first_use(tg, order)
+    assert min((b.id for b in weights), key=first.get) in by_size
+    streamed = [b.id for b in weights if b.id not in by_size]
+    assert len(streamed) < len([b for b in weights if b.id not in in_order])
+    assert total - _bytes(tg, by_size) >= total - budget
+
+
+def test_by_size_sets_are_climbed_from_the_best_plan_and_kept_only_where_faster(monkeypatch):
+    """The driver climbs paced sets by size from the best plan's room (`rooms.by_size_trials`):
+    lowered as more trials, so the plan is never slower than without them, and it validates."""
+    from einpage.compiler import rooms
+    g = GraphBuilder()
+    x = g.input("x", (64, 1024))
+    for layer in range(6):
+        x = g.einsum("ab,bc->ac", x, g.input(f"a{layer}", (1024, 256), role="weight"))
+        x = g.einsum("ab,bc->ac", x, g.input(f"b{layer}", (256, 1024), role="weight"))
+        x = g.einsum("ab,bc->ac", x, g.input(f"w{layer}", (1024, 1024), role="weight"))
+    g.output("y", x)
+    graph, options = g.build(), CompileOptions(device_bytes=6 << 20)
+    called = []
+    real = rooms.by_size_trials
+
+    def spy(planned, *a):
+        before = len(planned.trials.items)
+        real(planned, *a)
+        called.append(len(planned.trials.items) - before)
+
+    monkeypatch.setattr(rooms, "by_size_trials", spy)
+    with_sizes = compile_graph(graph, options)
+    assert called and called[0] > 0  # by-size sets were lowered
+    monkeypatch.setattr(rooms, "by_size_trials", lambda *a: None)
+    without = compile_graph(graph, options)
+    assert with_sizes.simulation.makespan_s <= without.simulation.makespan_s
+    assert validate(with_sizes.memgraph).proven
+
+
 def test_weights_first_keeps_weights_before_the_kv_store():
     tg, order, seconds = _chain(kv=True)
     weights = {b.id for b in tg.input_blocks if b.role == "weight"}
@@ -404,6 +477,7 @@ def test_the_winning_room_is_refined_on_a_finer_grid(monkeypatch):
     cfg, _ = resolve("llama3.1-8b", random_weights=True)
     graph = prefill_graph(cfg).bind(B=1, S=2048)
     options = CompileOptions(device_bytes=8 * 10**9, validate=False)
+    monkeypatch.setattr(rooms, "by_size_trials", lambda *a: None)  # (it climbs finer rooms too)
     refined = compile_graph(graph, options).simulation.makespan_s
     monkeypatch.setattr(rooms, "refine_room", lambda planned, *a: planned)
     coarse = compile_graph(graph, options).simulation.makespan_s
@@ -422,6 +496,7 @@ def test_the_nearest_partitions_are_refined_too(monkeypatch):
     cfg, _ = resolve("llama-13b", random_weights=True)
     graph = prefill_graph(cfg).bind(B=1, S=2048)
     options = CompileOptions(device_bytes=12 * 10**9, validate=False, host_gather=False)
+    monkeypatch.setattr(rooms, "by_size_trials", lambda *a: None)  # (another climb)
     rivals = compile_graph(graph, options).simulation.makespan_s
     monkeypatch.setattr(rooms, "RIVALS", 0)
     alone = compile_graph(graph, options).simulation.makespan_s

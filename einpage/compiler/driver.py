@@ -173,6 +173,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         search.stamped_trials(planned.trials, known_bound(rungs, parts.profile))
     if options.host_compute and not planned.fits:
         place(planned.trials, planned.needs, planned.won.share, options)
+    if not planned.fits:  # (after the placement, which starts from what the device keeps)
+        rooms.by_size_trials(planned, options, known_bound(rungs, parts.profile))
     tg, trials = planned.tg, planned.trials
     best = trials.best()
     device_rungs = rungs

@@ -677,7 +677,8 @@ class _Lowering:
         if self.on_host and opt.link is not None and opt.task_seconds:
             rate, latency = opt.link
             nodes = defer_host_copies(nodes, lambda n: opt.task_seconds[n.task],
-                                      lambda n: tg.blocks[n.tensor].bytes / rate + latency)
+                                      lambda n: tg.blocks[n.tensor].bytes / rate + latency,
+                                      lambda n: n.task in tg.host_tasks)
         outputs = []
         for o in tg.outputs:
             b = o.block

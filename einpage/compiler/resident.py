@@ -10,6 +10,7 @@ overlaps compute throughout.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, Sequence
@@ -423,7 +424,8 @@ SMALL_BLOCK_SHARE = 256
 
 def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequence[float],
                    largest: int, roles: frozenset[str] = PERSISTENT_ROLES,
-                   exclude: frozenset[int] = frozenset()) -> frozenset[int]:
+                   exclude: frozenset[int] = frozenset(), by_size: bool = False
+                   ) -> frozenset[int]:
     """Persistent blocks to keep resident within `budget` bytes, the streamed ones paced by the
     pass's predicted compute time (`seconds`: each task's, by task id) rather than by bytes.
 
@@ -442,7 +444,8 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
     block that streams anyway; its pace still goes to the blocks after it); if the walk
     streams less than S, it is walked again with a proportionally faster pace, and what still
     exceeds `budget` streams from the end. Only blocks of `roles` are candidates, and none in
-    `exclude` (blocks kept in host memory for the tasks placed there)."""
+    `exclude` (blocks kept in host memory for the tasks placed there). `by_size`: the pace
+    streams the largest blocks it allows (`_streamed_by_size`), not the first ones."""
     first = first_reads(tg, order)
     clock = [0.0]
     host = tg.host_tasks
@@ -460,16 +463,12 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
     rate = must / total if total > 0 else float("inf")
     small = max(sizes, default=0) // SMALL_BLOCK_SHARE
     for _ in range(8):
-        streamed, kept = 0, []
-        for b, size, t in zip(blocks, sizes, at):
-            if streamed < must and size <= largest and streamed + size <= rate * t + size / 2:
-                streamed += size  # a small block's pace goes to the blocks after it
-                if size > small:
-                    continue
-            kept.append((b.id, size))
+        streamed, kept = (_streamed_by_size if by_size else _streamed_in_order)(
+            sizes, at, must, rate, largest, small)
         if streamed >= must or rate == float("inf"):
             break
         rate *= must / max(streamed, 1)
+    kept = [(blocks[k].id, sizes[k]) for k in kept]
     used = sum(size for _, size in kept)
     chosen = dict(kept)
     for b, size in reversed(kept):
@@ -478,6 +477,43 @@ def paced_resident(tg: TaskGraph, order: list[int], budget: int, seconds: Sequen
         del chosen[b]
         used -= size
     return frozenset(chosen)
+
+
+def _streamed_in_order(sizes: list[int], at: list[float], must: int, rate: float,
+                       largest: int, small: int) -> tuple[int, list[int]]:
+    """`paced_resident`'s walk: (the bytes streamed, the indices of the blocks kept, in order).
+    Each block streams while the bytes streamed so far, it included, keep the pace."""
+    streamed, kept = 0, []
+    for k, (size, t) in enumerate(zip(sizes, at)):
+        if streamed < must and size <= largest and streamed + size <= rate * t + size / 2:
+            streamed += size  # a small block's pace goes to the blocks after it
+            if size > small:
+                continue
+        kept.append(k)
+    return streamed, kept
+
+
+def _streamed_by_size(sizes: list[int], at: list[float], must: int, rate: float,
+                      largest: int, small: int) -> tuple[int, list[int]]:
+    """`_streamed_in_order` streaming the largest blocks the pace allows: each block streams,
+    and while the bytes streamed so far exceed the pace (or reach `must` without it) the
+    smallest block streamed so far stays instead (the latest of equal ones: blocks of one size
+    walk as in order). The same bytes in fewer copies, each of which costs the link its latency
+    besides its bytes; larger blocks in flight take more room."""
+    streamed, kept, going = 0, [], []  # going: a heap of (size, -index) of the streamed blocks
+    for k, (size, t) in enumerate(zip(sizes, at)):
+        if size <= small or size > largest:
+            if size <= small and streamed < must and streamed + size <= rate * t + size / 2:
+                streamed += size
+            kept.append(k)
+            continue
+        heapq.heappush(going, (size, -k))
+        streamed += size
+        while going and (streamed > rate * t + size / 2 or streamed - going[0][0] >= must):
+            gone, j = heapq.heappop(going)
+            streamed -= gone
+            kept.append(-j)
+    return streamed, sorted(kept)
 
 
 def kept_bytes(tg: TaskGraph, blocks) -> int:
@@ -499,15 +535,17 @@ def weights_first(tg: TaskGraph, order: list[int], budget: int, seconds: Sequenc
 
 
 def paced_at(tg: TaskGraph, order: list[int], peak: int, budget: int, at: float,
-             seconds: Sequence[float], exclude: frozenset = frozenset()) -> frozenset:
+             seconds: Sequence[float], exclude: frozenset = frozenset(),
+             by_size: bool = False) -> frozenset:
     """The paced resident set (`resident.paced_resident`) that leaves the pass `at` of the
     budget as room beside `peak` bytes of activations (the blocks of `exclude` kept elsewhere):
     `PassNeeds.activation_peak`, outputs kept to the pass's end, for the coarse room search
     (whose grid was measured so), or `PassNeeds.written_back_peak`, outputs leaving once
     written back as a pass that streams does, for the fine one (which may then keep resident
     the room that the KV rows a prefill writes would otherwise take: 1.07 GB of llama-7b's
-    4 GB)."""
-    return paced_resident(tg, order, *_room_at(peak, budget, at, seconds), exclude=exclude)
+    4 GB). `by_size`: as `paced_resident`'s."""
+    return paced_resident(tg, order, *_room_at(peak, budget, at, seconds), exclude=exclude,
+                          by_size=by_size)
 
 
 def weights_first_at(tg: TaskGraph, order: list[int], peak: int, budget: int, at: float,
