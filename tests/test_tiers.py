@@ -94,9 +94,11 @@ def test_the_room_is_climbed_again_by_the_tiered_pass(monkeypatch):
     writes a quarter of its weights) at half its weights, with a host for half of what streams:
     faster than the device search's set tiered, valid, and giving the unconstrained plan's
     logits in random orders."""
-    from einpage.compiler import rooms
+    from einpage.compiler import driver, rooms
     from einpage.models import config
     from einpage.models.checkpoint import RandomWeights
+    # (the last plan tiered by size too gains more on the device search's set: another step)
+    monkeypatch.setattr(driver, "by_size_tiers", lambda mg, sim, tiered, *a: tiered)
     cfg = dataclasses.replace(config.preset("small"), kv_heads=8)
     graph = llama.prefill_graph(cfg).bind(B=1, S=128)
     base = CompileOptions(cfg.weight_bytes() // 2)
@@ -356,8 +358,8 @@ def test_disk_bandwidth_prices_the_reads(tiny):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 50), st.integers(1, 3)), min_size=1, max_size=30),
-       st.floats(0, 1.2))
-def test_pinned_blocks_fit_and_favour_blocks_read_twice(blocks, share):
+       st.floats(0, 1.2), st.booleans())
+def test_pinned_blocks_fit_and_favour_blocks_read_twice(blocks, share, by_size):
     sizes = {t: b * HOST_ALIGNMENT for t, (b, _) in enumerate(blocks)}
     reloads = {t: r for t, (_, r) in enumerate(blocks)}
 
@@ -365,10 +367,47 @@ def test_pinned_blocks_fit_and_favour_blocks_read_twice(blocks, share):
         streamed = tuple(sizes)
     Needs.reloads = reloads
     capacity = int(sum(sizes.values()) * share)
-    pinned = choose_pinned(Needs, sizes.__getitem__, capacity)
+    pinned = choose_pinned(Needs, sizes.__getitem__, capacity, by_size)
     assert sum(sizes[t] for t in pinned) <= capacity
     left = capacity - sum(sizes[t] for t in pinned)
     assert all(sizes[t] > left for t in sizes if t not in pinned)  # nothing more fits
+
+
+@pytest.mark.parametrize("share", [0.5, 0.75])
+def test_pinned_by_size_reads_the_same_bytes_in_fewer_blocks(share):
+    """Blocks of 1 and 3 units in turn, read once each: pinned by size, the disk reads the
+    large ones (fewer reads for at least the bytes the budget leaves out), spread along the
+    pass (some in its first half)."""
+    sizes = {t: (3 if t % 2 else 1) * HOST_ALIGNMENT for t in range(48)}
+
+    class Needs:
+        streamed = tuple(sizes)
+        reloads = dict.fromkeys(sizes, 1)
+    capacity = int(sum(sizes.values()) * share)
+    disk = {}
+    for by_size in (False, True):
+        pinned = choose_pinned(Needs, sizes.__getitem__, capacity, by_size)
+        assert sum(sizes[t] for t in pinned) <= capacity
+        disk[by_size] = [t for t in sizes if t not in pinned]
+    assert len(disk[True]) < len(disk[False])
+    assert min(disk[True]) < len(sizes) // 2
+
+
+def test_the_last_plan_is_tiered_by_size_where_that_is_faster(tiny):
+    """`by_size_tiers`: the faster of the tiering given and the one pinned by size; a plan
+    that reads nothing from disk is left as it is."""
+    from einpage.compiler.tiers import by_size_tiers
+    from einpage.predict.devices import get_device
+    free, host = tiny["free"], tiny["host"]
+    profile = get_device("h100-pcie")
+    given = place_tiers(free.memgraph, free.simulation, host, profile)
+    assert given.choice.disk_bytes
+    other = place_tiers(free.memgraph, free.simulation, host, profile, by_size=True)
+    kept = by_size_tiers(free.memgraph, free.simulation, given, host, profile)
+    assert kept.simulation.makespan_s == min(given.simulation.makespan_s,
+                                             other.simulation.makespan_s)
+    whole = place_tiers(free.memgraph, free.simulation, None, profile)
+    assert by_size_tiers(free.memgraph, free.simulation, whole, None, profile) is whole
 
 
 def test_staging_buffers_form_a_ring_with_reuse_edges(tiny):

@@ -29,7 +29,7 @@ from einpage.compiler.rungs import Partitions, Rung, known_bound, problem_bound
 from einpage.compiler.resident import (PassNeeds, everything_fits, kept_bytes,
                                        memory_lower_bound)
 from einpage.compiler.tier_room import weights_first_tiered, with_plan
-from einpage.compiler.tiers import Tiered, place_tiers
+from einpage.compiler.tiers import Tiered, by_size_tiers, place_tiers
 from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
@@ -198,6 +198,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
         # not bind, or a placement stays): its resident bytes tried once with weights first
         tiered, best = weights_first_tiered(trials, best, tiered, options.device_bytes,
                                             options.host_bytes)
+    tiered = by_size_tiers(best.memgraph, best.simulation, tiered, options.host_bytes,
+                           trials.profile)
     mg = tiered.memgraph
     if not options.validate:  # (the search simulated its plans unverified: `search.Trials`)
         mg.verify()
@@ -209,6 +211,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             "min_stream_bytes": figures.min_stream_bytes,
             "min_disk_bytes": figures.min_disk_bytes,
             "min_stream_copies": figures.min_stream_copies,
+            "min_disk_reads": figures.min_disk_reads,
+            "min_disk_staging": figures.min_disk_staging,
             "weight_bytes": figures.weight_bytes, "kv_bytes": figures.kv_bytes,
             "kv_resident_bytes": figures.kv_resident_bytes, **tiered.choice.to_json(),
             **options.workload}
@@ -602,6 +606,7 @@ def _figures(planned: rooms.Planned, best: search.Trial, rungs: list[Rung],
              default_makespan: float | None, options: CompileOptions,
              elapsed: float) -> CompileFigures:
     tg, needs, trials = planned.tg, planned.needs, planned.trials
+    disk = problem_bound(rungs, trials.profile, options.host_bytes)
 
     def resident_bytes(blocks, role: str | None = None) -> int:
         return sum(aligned(tg.blocks[b].bytes) for b in blocks
@@ -633,7 +638,8 @@ def _figures(planned: rooms.Planned, best: search.Trial, rungs: list[Rung],
         default_lookahead_makespan_s=default_makespan,
         trials=summaries, weight_formats=_weight_formats(tg),
         min_disk_bytes=min(r.min_disk_bytes for r in rungs),
-        min_stream_copies=min(r.min_stream_copies for r in rungs))
+        min_stream_copies=min(r.min_stream_copies for r in rungs),
+        min_disk_reads=disk.disk_reads, min_disk_staging=disk.disk_staging)
 
 
 def _weight_formats(tg: TaskGraph) -> tuple[tuple[str, int], ...]:

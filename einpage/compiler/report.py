@@ -101,6 +101,11 @@ class CompileFigures:
     #: no plan copies host->device in fewer copies (`resident.min_stream_copies`; the least over
     #: the partitions tried): each pays the link's latency besides its bytes
     min_stream_copies: float = 0.0
+    #: no plan reads from disk in fewer reads (`resident.least_disk_reads`; the least over the
+    #: partitions tried): each pays the disk's latency besides its bytes
+    min_disk_reads: int = 0
+    #: ... beside a staging arena of at least this many bytes (`resident.least_disk_staged`)
+    min_disk_staging: int = 0
     #: weights that tasks on the host alone read (tables whose rows the host gathers:
     #: `compiler.host_gather`): neither resident nor streamed; in `weight_bytes`
     host_read_bytes: int = 0
@@ -131,6 +136,8 @@ class ProblemBound:
     front_s: float = 0.0  # the first bytes over the link, then the compute after them
     tail_s: float = 0.0   # the compute to the outputs' last writers, then their write-back
     stream_copies: float = 0.0  # the fewest host->device copies (in `stream_s` at the latency)
+    disk_reads: int = 0  # the fewest disk reads (in `disk_s` at the disk's latency)
+    disk_staging: int = 0  # the staging arena's least bytes, read from disk besides (`disk_s`)
 
     @property
     def seconds(self) -> float:
@@ -146,21 +153,33 @@ class ProblemBound:
         return max(self.compute_s, self.stream_s, self.disk_s)
 
     @staticmethod
+    def disk_bytes_of(stream_bytes: int, host_bytes: int | None, least_disk: int) -> int:
+        """The disk term's bytes: the streamed bytes a host budget of `host_bytes` cannot hold,
+        or `least_disk` (`of`), whichever is more; 0 without a host budget."""
+        return (max(0, stream_bytes - host_bytes, least_disk) if isinstance(host_bytes, int)
+                else 0)
+
+    @staticmethod
     def of(compute_s: float, stream_bytes: int, profile,
            host_bytes: int | None = None, least_disk: int = 0,
            front_s: float = 0.0, tail_s: float = 0.0,
-           stream_copies: float = 0.0) -> "ProblemBound":
+           stream_copies: float = 0.0, disk_reads: int = 0,
+           disk_staging: int = 0) -> "ProblemBound":
         """`least_disk`: the bytes no plan can hold on the device and the host together (their
         outputs counted, `resident.least_disk_bytes`), which the disk supplies whatever the
-        link does."""
-        disk = (max(0, stream_bytes - host_bytes, least_disk) if isinstance(host_bytes, int)
-                else 0)
+        link does, and beside them the bytes of a staging arena of `disk_staging` that host
+        memory then does not hold, in at least `disk_reads` reads, each paying the disk's
+        latency (`resident.least_disk_staged`)."""
+        disk = ProblemBound.disk_bytes_of(stream_bytes, host_bytes, least_disk)
         disk_bw = getattr(profile, "disk_bandwidth", None)
         stream_s = (stream_bytes / profile.h2d_bandwidth
                     + stream_copies * getattr(profile, "copy_latency", 0.0))
-        return ProblemBound(compute_s, stream_bytes, stream_s, disk,
-                            disk / disk_bw if disk and disk_bw else 0.0, front_s, tail_s,
-                            stream_copies)
+        disk_s = ((disk + disk_staging) / disk_bw
+                  + disk_reads * getattr(profile, "disk_latency", 0.0) if disk and disk_bw
+                  else 0.0)
+        return ProblemBound(compute_s, stream_bytes, stream_s, disk, disk_s, front_s, tail_s,
+                            stream_copies, disk_reads if disk and disk_bw else 0,
+                            disk_staging if disk and disk_bw else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,9 +250,14 @@ class PlanReport:
         tail = compiled.min_tail_s if compiled else 0.0
         copies = (compiled.min_stream_copies if compiled
                   else mg.meta.get("min_stream_copies", 0.0))
+        reads = compiled.min_disk_reads if compiled else mg.meta.get("min_disk_reads", 0)
+        staging = (compiled.min_disk_staging if compiled
+                   else mg.meta.get("min_disk_staging", 0))
         bound = (ProblemBound.of(compute, stream, profile, mg.meta.get("host_bytes"),
                                  disk if isinstance(disk, int) else 0, front, tail,
-                                 copies if isinstance(copies, (int, float)) else 0.0)
+                                 copies if isinstance(copies, (int, float)) else 0.0,
+                                 reads if isinstance(reads, int) else 0,
+                                 staging if isinstance(staging, int) else 0)
                  if isinstance(stream, int) and profile is not None else None)
         return PlanReport(mg.device_bytes, len(mg.nodes), len(mg.tensors),
                           valid.peak_bytes if valid else mg.high_water(),
@@ -314,6 +338,8 @@ class PlanReport:
                    lower_bound_stream_s=b.stream_s if b else None,
                    lower_bound_stream_copies=b.stream_copies if b else None,
                    lower_bound_disk_s=b.disk_s if b else None,
+                   lower_bound_disk_reads=b.disk_reads if b else None,
+                   lower_bound_disk_staging_bytes=b.disk_staging if b else None,
                    lower_bound_front_s=b.front_s if b else None,
                    lower_bound_tail_s=b.tail_s if b else None)
         # the disk tier (compiler.tiers): bytes read from disk per pass and the host budget

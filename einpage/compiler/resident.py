@@ -11,6 +11,7 @@ overlaps compute throughout.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, Sequence
@@ -258,6 +259,56 @@ def least_disk_bytes(tg: TaskGraph, order: list[int], device_bytes: int,
         live += d
         most = max(most, live)
     return max(0, held + most - device_bytes - host_bytes)
+
+
+def disk_block_sizes(tg: TaskGraph) -> tuple[int, ...]:
+    """The bytes of each persistent block some task reads, largest first: what a plan may read
+    from disk, one read per block (`least_disk_reads`)."""
+    read = {b for t in tg.tasks for b in t.reads}
+    return tuple(sorted((b.bytes for b in tg.input_blocks
+                         if b.role in PERSISTENT_ROLES and b.id in read), reverse=True))
+
+
+def least_disk_reads(sizes: Sequence[int], disk_bytes: int) -> int | None:
+    """The fewest blocks of `sizes` (largest first) whose bytes reach `disk_bytes` (None where
+    all of them do not)."""
+    if disk_bytes <= 0:
+        return 0
+    total = 0
+    for k, size in enumerate(sizes, 1):
+        total += size
+        if total >= disk_bytes:
+            return k
+    return None
+
+
+def least_disk_staged(sizes: Sequence[int], disk_bytes: int, bandwidth: float,
+                      latency: float) -> tuple[float, int, int]:
+    """(seconds, reads, staging bytes): the least time in which a disk supplies `disk_bytes`
+    (> 0) that no plan can hold on the device or in host memory (counted with the whole host
+    budget), for plans whose persistent blocks are `sizes` (`disk_block_sizes`, largest first),
+    each read paying `latency` besides its bytes at `bandwidth`.
+
+    A plan reads a block from disk whole, one read per block (a `read` node), into a staging
+    buffer in the host arena, which it holds for the whole pass beside the blocks pinned in
+    host memory (DESIGN.md, "Tiers"). With m the largest block it reads from disk, its arena
+    holds at least m bytes, so host memory holds m bytes fewer of anything else at every
+    moment and the disk supplies at least D + m bytes (D = `disk_bytes`), in blocks of at most
+    m bytes: at least k(m) reads, the fewest of the largest such blocks whose bytes reach
+    D + m (no k blocks hold more). So the disk takes at least (D + m) / B + k(m) L, and no plan
+    beats the least of that over the sizes m it could read largest (one with no k(m) cannot
+    read that much in such blocks). Over several partitions: each plan's partition reads at
+    least the least disk bytes of all, so the least of this over the partitions bounds every
+    plan. Tested against every disk set and staging arena of small plans
+    (`tests/test_stream_bound.py`)."""
+    best = (math.inf, 0, 0)
+    for m in sorted(set(sizes)):
+        least = least_disk_reads([s for s in sizes if s <= m], disk_bytes + m)
+        if least is not None:
+            best = min(best, ((disk_bytes + m) / bandwidth + least * latency, least, m))
+    if best[0] == math.inf:  # no blocks reach it: no plan reads it (the bytes alone)
+        return disk_bytes / bandwidth, 0, 0
+    return best
 
 
 def front_seconds(tg: TaskGraph, order: list[int], seconds: Sequence[float],

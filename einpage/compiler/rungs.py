@@ -15,9 +15,9 @@ from einpage.compiler.order import memory_aware_order
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.compiler.report import ProblemBound
 from einpage.compiler.host_gather import LINK_SHARE, with_host_gathers
-from einpage.compiler.resident import (PassNeeds, front_seconds, front_waits, least_disk_bytes,
-                                       min_stream_bytes, min_stream_copies, pass_needs,
-                                       stream_positions)
+from einpage.compiler.resident import (PassNeeds, disk_block_sizes, front_seconds, front_waits,
+                                       least_disk_bytes, least_disk_staged, min_stream_bytes,
+                                       min_stream_copies, pass_needs, stream_positions)
 from einpage.ir.graph import Graph
 from einpage.ir.taskgraph import TaskGraph
 from einpage.ir.tensors import PERSISTENT_ROLES
@@ -51,6 +51,9 @@ class Rung(NamedTuple):
     #: the weights (graph node ids) it cuts finer, and to at most how many bytes
     #: (`driver._split_streamed`)
     split: tuple[frozenset[int], int] | None = None
+    #: with a host budget, its persistent blocks' bytes, largest first: the fewest disk reads
+    #: of its plans (`resident.least_disk_reads`)
+    disk_blocks: tuple[int, ...] = ()
 
 
 class Cut(NamedTuple):
@@ -124,7 +127,8 @@ class Partitions:
                         tail,
                         drained, least_disk_bytes(tg, order, options.device_bytes,
                                                   options.host_bytes),
-                        min_stream_copies(tg, order, options.device_bytes, positions), split)
+                        min_stream_copies(tg, order, options.device_bytes, positions), split,
+                        disk_block_sizes(tg) if options.host_bytes is not None else ())
             self._made = {key: Cut(tg, order, needs, seconds, rung)}
         return self._made[key]
 
@@ -161,11 +165,20 @@ class Partitions:
 def problem_bound(rungs: list[Rung], profile: DeviceProfile,
                   host_bytes: int | None = None) -> ProblemBound:
     """The problem's bound over the rungs so far, each term the least over the rungs (the
-    stream term's bytes and copies each so); with `host_bytes`, its disk term too."""
+    stream term's bytes and copies each so); with `host_bytes`, its disk term too (its bytes,
+    and the staging and reads they take at least in a rung's blocks, the least over the rungs:
+    `resident.least_disk_staged`)."""
+    stream = min(r.min_stream_bytes for r in rungs)
+    least = min(r.min_disk_bytes for r in rungs)
+    disk = ProblemBound.disk_bytes_of(stream, host_bytes, least)
+    reads = staging = 0
+    if disk and all(r.disk_blocks for r in rungs) and getattr(profile, "disk_bandwidth", None):
+        _, reads, staging = min(least_disk_staged(r.disk_blocks, disk, profile.disk_bandwidth,
+                                                  profile.disk_latency) for r in rungs)
     return ProblemBound.of(
-        min(r.compute_s for r in rungs), min(r.min_stream_bytes for r in rungs), profile,
-        host_bytes, min(r.min_disk_bytes for r in rungs), min(r.front_s for r in rungs),
-        min(r.tail_s for r in rungs), min(r.min_stream_copies for r in rungs))
+        min(r.compute_s for r in rungs), stream, profile, host_bytes, least,
+        min(r.front_s for r in rungs), min(r.tail_s for r in rungs),
+        min(r.min_stream_copies for r in rungs), reads, staging)
 
 
 def known_bound(rungs: list[Rung], profile: DeviceProfile) -> float:
