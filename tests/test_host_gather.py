@@ -366,6 +366,22 @@ def test_copies_after_a_waiting_copys_reader_move_before_it_while_the_host_works
     assert defer_host_copies(nodes, lambda n: 1.0, lambda n: 0.4) == nodes
 
 
+def test_a_copy_is_moved_once_whichever_waiting_copy_it_goes_before():
+    """A waiting copy that depends on another waiting copy (emitted later, from the release of
+    the second): the copies after it that moved before the first are not moved again (a review
+    found them placed twice)."""
+    from einpage.compiler.queue_order import defer_host_copies
+    from einpage.ir.memgraph import Access, InputNode
+    from einpage.ir.ops import GatherOp as Op
+    host = [ApplyNode(k, (Access(0, None),), Access(k, None), False, Op(0), (0,), task=k - 1,
+                      on="host") for k in (1, 2)]
+    nodes = [InputNode(0, 0, "host"), *host, ReloadNode(3, 2, 0, (2,)),
+             ReloadNode(4, 1, 64, (1, 3)), *(ReloadNode(k, k, 64 * k, ()) for k in range(5, 9))]
+    out = defer_host_copies(nodes, lambda n: 1.0, lambda n: 0.4, lambda n: True)
+    assert [n.id for n in out] == list(range(len(nodes)))
+    assert sorted(n.tensor for n in out[3:]) == [1, 2, 5, 6, 7, 8]  # each copy once
+
+
 def test_copies_waiting_on_the_host_move_back_and_the_pass_is_not_slower():
     """A paged LLaMA with its rows gathered on the host, lowered with and without the link's
     figures (`LowerOptions.link`): its order moves, the plan validates and computes its graph,

@@ -158,13 +158,14 @@ def test_by_size_sets_are_climbed_from_the_best_plan_and_kept_only_where_faster(
 
     def spy(planned, *a):
         before = len(planned.trials.items)
-        real(planned, *a)
+        out = real(planned, *a)
         called.append(len(planned.trials.items) - before)
+        return out
 
     monkeypatch.setattr(rooms, "by_size_trials", spy)
     with_sizes = compile_graph(graph, options)
     assert called and called[0] > 0  # by-size sets were lowered
-    monkeypatch.setattr(rooms, "by_size_trials", lambda *a: None)
+    monkeypatch.setattr(rooms, "by_size_trials", lambda planned, *a: planned)
     without = compile_graph(graph, options)
     assert with_sizes.simulation.makespan_s <= without.simulation.makespan_s
     assert validate(with_sizes.memgraph).proven
@@ -477,7 +478,7 @@ def test_the_winning_room_is_refined_on_a_finer_grid(monkeypatch):
     cfg, _ = resolve("llama3.1-8b", random_weights=True)
     graph = prefill_graph(cfg).bind(B=1, S=2048)
     options = CompileOptions(device_bytes=8 * 10**9, validate=False)
-    monkeypatch.setattr(rooms, "by_size_trials", lambda *a: None)  # (it climbs finer rooms too)
+    monkeypatch.setattr(rooms, "by_size_trials", lambda planned, *a: planned)  # (it climbs finer rooms too)
     refined = compile_graph(graph, options).simulation.makespan_s
     monkeypatch.setattr(rooms, "refine_room", lambda planned, *a: planned)
     coarse = compile_graph(graph, options).simulation.makespan_s
@@ -496,7 +497,7 @@ def test_the_nearest_partitions_are_refined_too(monkeypatch):
     cfg, _ = resolve("llama-13b", random_weights=True)
     graph = prefill_graph(cfg).bind(B=1, S=2048)
     options = CompileOptions(device_bytes=12 * 10**9, validate=False, host_gather=False)
-    monkeypatch.setattr(rooms, "by_size_trials", lambda *a: None)  # (another climb)
+    monkeypatch.setattr(rooms, "by_size_trials", lambda planned, *a: planned)  # (another climb)
     rivals = compile_graph(graph, options).simulation.makespan_s
     monkeypatch.setattr(rooms, "RIVALS", 0)
     alone = compile_graph(graph, options).simulation.makespan_s

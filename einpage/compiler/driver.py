@@ -174,7 +174,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     if options.host_compute and not planned.fits:
         place(planned.trials, planned.needs, planned.won.share, options)
     if not planned.fits:  # (after the placement, which starts from what the device keeps)
-        rooms.by_size_trials(planned, options, known_bound(rungs, parts.profile))
+        planned = rooms.by_size_trials(planned, options, known_bound(rungs, parts.profile))
     tg, trials = planned.tg, planned.trials
     best = trials.best()
     device_rungs = rungs
@@ -213,6 +213,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
             "min_stream_copies": figures.min_stream_copies,
             "min_disk_reads": figures.min_disk_reads,
             "min_disk_staging": figures.min_disk_staging,
+            # (the disk those two were least for: priced on another, they bound nothing)
+            "min_disk_priced": [trials.profile.disk_bandwidth, trials.profile.disk_latency],
             "weight_bytes": figures.weight_bytes, "kv_bytes": figures.kv_bytes,
             "kv_resident_bytes": figures.kv_resident_bytes, **tiered.choice.to_json(),
             **options.workload}

@@ -75,8 +75,9 @@ def defer_host_copies(nodes: Sequence, host_seconds: Callable[[ApplyNode], float
         for m in nodes[after + 1:after + 1 + HOIST_SCAN]:
             if link >= until:
                 return
-            if (isinstance(m, ReloadNode) and m.id not in hoisted and m.id not in waiting
-                    and link + copy_seconds(m) <= until and ready(m) <= link
+            if (isinstance(m, ReloadNode) and m.id not in placed and m.id not in hoisted
+                    and m.id not in waiting and link + copy_seconds(m) <= until
+                    and ready(m) <= link
                     and all(d in placed for d in m.deps)):
                 hoisted.add(m.id)
                 place(m)
@@ -109,6 +110,8 @@ def defer_host_copies(nodes: Sequence, host_seconds: Callable[[ApplyNode], float
                 continue
             if waiting:  # a waiting copy goes first where this one would end after its host
                 release(link + copy_seconds(n))  # is done: it waits no longer than its host
+                if n.id in placed:  # (moved before that copy as it went)
+                    continue
         if waiting:
             emit(n)
             release(link)

@@ -101,8 +101,8 @@ class CompileFigures:
     #: no plan copies host->device in fewer copies (`resident.min_stream_copies`; the least over
     #: the partitions tried): each pays the link's latency besides its bytes
     min_stream_copies: float = 0.0
-    #: no plan reads from disk in fewer reads (`resident.least_disk_reads`; the least over the
-    #: partitions tried): each pays the disk's latency besides its bytes
+    #: the reads of the disk term (`resident.least_disk_staged`: at the staging that gives
+    #: the least time, over the partitions tried): each pays the disk's latency
     min_disk_reads: int = 0
     #: ... beside a staging arena of at least this many bytes (`resident.least_disk_staged`)
     min_disk_staging: int = 0
@@ -121,8 +121,9 @@ class ProblemBound:
     """The least time any plan of this problem (graph, budgets, device) can take per pass: the
     least compute time; the bytes no plan can avoid copying host->device (`stream_bytes`) over
     the link's bandwidth, and the copies no plan can avoid (`stream_copies`) at its latency;
-    and of those bytes, the ones that a host budget of `host_bytes` cannot hold (they must be
-    read from disk) over the disk's bandwidth; the persistent bytes its tasks
+    and the persistent bytes that the device and a host budget of `host_bytes` cannot hold
+    (they must be read from disk) over the disk's bandwidth, with the staging and the reads
+    they take; the persistent bytes its tasks
     read first, over the link before those tasks, and the compute from them to the end
     (`front_s`, `resident.front_seconds`); the outputs' write-back after the tasks that finish
     them (`tail_s`, `drain.tail_seconds`); whichever is most. Each plan also
@@ -153,11 +154,14 @@ class ProblemBound:
         return max(self.compute_s, self.stream_s, self.disk_s)
 
     @staticmethod
-    def disk_bytes_of(stream_bytes: int, host_bytes: int | None, least_disk: int) -> int:
-        """The disk term's bytes: the streamed bytes a host budget of `host_bytes` cannot hold,
-        or `least_disk` (`of`), whichever is more; 0 without a host budget."""
-        return (max(0, stream_bytes - host_bytes, least_disk) if isinstance(host_bytes, int)
-                else 0)
+    def disk_bytes_of(host_bytes: int | None, least_disk: int) -> int:
+        """The disk term's bytes: `least_disk` (`of`) under a host budget, 0 without one. (Not
+        the bytes the link must carry less `host_bytes`, which it once also took: those count
+        a block read before and after some task twice, as the link carries it, where host
+        memory holds it once; a plan reading nothing from disk ran at 1.24 of that bound. The
+        stream's bytes, its blocks counted once, are never above `least_disk`, which counts
+        every persistent block once and every live block beside it.)"""
+        return max(0, least_disk) if isinstance(host_bytes, int) else 0
 
     @staticmethod
     def of(compute_s: float, stream_bytes: int, profile,
@@ -170,7 +174,7 @@ class ProblemBound:
         link does, and beside them the bytes of a staging arena of `disk_staging` that host
         memory then does not hold, in at least `disk_reads` reads, each paying the disk's
         latency (`resident.least_disk_staged`)."""
-        disk = ProblemBound.disk_bytes_of(stream_bytes, host_bytes, least_disk)
+        disk = ProblemBound.disk_bytes_of(host_bytes, least_disk)
         disk_bw = getattr(profile, "disk_bandwidth", None)
         stream_s = (stream_bytes / profile.h2d_bandwidth
                     + stream_copies * getattr(profile, "copy_latency", 0.0))
@@ -253,6 +257,9 @@ class PlanReport:
         reads = compiled.min_disk_reads if compiled else mg.meta.get("min_disk_reads", 0)
         staging = (compiled.min_disk_staging if compiled
                    else mg.meta.get("min_disk_staging", 0))
+        if compiled is None and (profile is None or mg.meta.get("min_disk_priced") != [
+                getattr(profile, "disk_bandwidth", None), getattr(profile, "disk_latency", None)]):
+            reads = staging = 0  # the least staging and reads for another disk: its bytes only
         bound = (ProblemBound.of(compute, stream, profile, mg.meta.get("host_bytes"),
                                  disk if isinstance(disk, int) else 0, front, tail,
                                  copies if isinstance(copies, (int, float)) else 0.0,

@@ -357,7 +357,7 @@ def prefetch_trials(planned: Planned, bound_s: float, coarse: search.Trial) -> N
                 pass
 
 
-def by_size_trials(planned: Planned, options: CompileOptions, bound_s: float) -> None:
+def by_size_trials(planned: Planned, options: CompileOptions, bound_s: float) -> Planned:
     """Paced sets that stream the largest blocks their pace allows (`resident.paced_resident`'s
     `by_size`), climbed on the fine room grid from the best plan's room with its window and
     knobs, as more trials: the same bytes in fewer copies, each of which costs the link its
@@ -368,18 +368,24 @@ def by_size_trials(planned: Planned, options: CompileOptions, bound_s: float) ->
     grid where the refined sets in order win in the end (qwen2.5-7b at 3.8 GB 222.9 -> 224.7
     ms, qwen3-32b at 33 GB 676.3 -> 681.6 ms). Not where the plan is within AUTO_TOLERANCE of
     the problem's bound (`bound_s`). (Where the copies' latency is below that share of the
-    pass, larger blocks still pace the link better: llama2-70b at 35 GB 2123.4 -> 2103.3 ms.)"""
-    trials = planned.trials
+    pass, larger blocks still pace the link better: llama2-70b at 35 GB 2123.4 -> 2103.3 ms.)
+    Returns `planned`, with the share a set by size won at where one did (the tiered climb
+    starts from it)."""
+    trials, needs, budget = planned.trials, planned.needs, options.device_bytes
     best = trials.best()
     if (not planned.paced or best.on_host
             or best.simulation.makespan_s * (1 - search.AUTO_TOLERANCE) <= bound_s):
-        return
+        return planned
     # from the room its set leaves (the share it won at says less where that room is below
     # what the outputs take: qwen2.5-7b at 3.8 GB won at 0.05, kept as 0, read back as 0.1)
-    start = _room_share(planned.needs, kept_bytes(planned.tg, best.resident), options.device_bytes)
-    probes = _Probes(trials, planned.needs, options, best.window, True, best.knobs,
-                     by_size=True)
+    start = _room_share(needs, kept_bytes(planned.tg, best.resident), budget)
+    probes = _Probes(trials, needs, options, best.window, True, best.knobs, by_size=True)
     search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES, start=start)
+    winner = trials.best()
+    if winner is best or winner.resident not in probes.shares:
+        return planned
+    return planned._replace(won=Won(max(0.0, probes.shares[winner.resident]
+                                         - needs.outputs_held / budget)))
 
 
 def _read_far_apart(tg: TaskGraph, order: list[int]) -> bool:
@@ -407,6 +413,6 @@ def _finish(trials: search.Trials, windows: list[float | None],
     return Won(shares.get(trials.best().resident))
 
 
-__all__ = ["Planned", "Won", "by_size_trials", "climb_tier", "climb_tiers", "prefetch_trials", "refine_room",
-           "refine_rooms", "search_resident", "PREFETCH_CLAIM", "REFINE_BELOW", "RIVALS",
-           "RIVAL_NEAR", "TIER_RIVALS"]
+__all__ = ["Planned", "Won", "by_size_trials", "climb_tier", "climb_tiers", "prefetch_trials",
+           "refine_room", "refine_rooms", "search_resident", "PREFETCH_CLAIM", "REFINE_BELOW",
+           "RIVALS", "RIVAL_NEAR", "TIER_RIVALS"]

@@ -170,7 +170,7 @@ def problem_bound(rungs: list[Rung], profile: DeviceProfile,
     `resident.least_disk_staged`)."""
     stream = min(r.min_stream_bytes for r in rungs)
     least = min(r.min_disk_bytes for r in rungs)
-    disk = ProblemBound.disk_bytes_of(stream, host_bytes, least)
+    disk = ProblemBound.disk_bytes_of(host_bytes, least)
     reads = staging = 0
     if disk and all(r.disk_blocks for r in rungs) and getattr(profile, "disk_bandwidth", None):
         _, reads, staging = min(least_disk_staged(r.disk_blocks, disk, profile.disk_bandwidth,
