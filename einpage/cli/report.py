@@ -133,8 +133,10 @@ def _time_lines(r: PlanReport) -> list[str]:
              f"{_secs(sim.d2h_s)}{host}; compute waits {_secs(sim.stall_s)} for data"]
     b = r.bound
     if b is not None:
-        disk = (f"; {_gb(b.disk_bytes)} of them that the host budget cannot hold, read from "
-                f"disk: {_secs(b.disk_s)}" if b.disk_bytes else "")
+        staged = (f" beside a staging block of {_gb(b.disk_staging)}, in at least "
+                  f"{b.disk_reads} reads" if b.disk_reads else "")
+        disk = (f"; {_gb(b.disk_bytes)} that the device and the host budget cannot hold, read "
+                f"from disk{staged}: {_secs(b.disk_s)}" if b.disk_bytes else "")
         copies = (f" in at least {math.floor(b.stream_copies)} copies" if b.stream_copies >= 1
                   else "")
         if b.front_s > b.steady_s:
