@@ -410,6 +410,21 @@ def test_the_last_plan_is_tiered_by_size_where_that_is_faster(tiny):
     assert by_size_tiers(free.memgraph, free.simulation, whole, None, profile) is whole
 
 
+def test_renumbered_nodes_equal_their_replace(tiny):
+    """`memgraph.renumbered` (the disk tier's fast renumbering) gives what `replace` gives, for
+    every kind of node of a tiered plan (reads, reloads from staging, inputs at disk) and a
+    changed field."""
+    from einpage.ir.memgraph import renumbered
+    mg = tiny["tiered"].memgraph
+    assert {n.kind for n in mg.nodes} >= {"input", "read", "reload", "apply", "free"}
+    for n in mg.nodes:
+        deps = (*n.deps, len(mg.nodes))
+        assert renumbered(n, n.id + 1, deps) == dataclasses.replace(n, id=n.id + 1, deps=deps)
+        if n.kind == "input":
+            assert renumbered(n, 0, (), at="disk") == dataclasses.replace(n, id=0, deps=(),
+                                                                          at="disk")
+
+
 def test_staging_buffers_form_a_ring_with_reuse_edges(tiny):
     free = tiny["free"].memgraph
     needs = host_needs(free)

@@ -33,7 +33,7 @@ from typing import Callable
 
 from einpage.errors import BudgetError
 from einpage.ir.memgraph import (HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph, MemNode,
-                                 OffloadNode, ReadNode, ReloadNode)
+                                 OffloadNode, ReadNode, ReloadNode, renumbered)
 from einpage.predict.devices import DeviceProfile
 from einpage.predict.simulator import Simulation, simulate
 from einpage.units import format_size
@@ -236,12 +236,12 @@ def with_disk_tier(mg: MemGraph, disk: frozenset[int], staging_bytes: int) -> Me
         k = len(out)
         deps = tuple(new_id[d] for d in n.deps)
         if isinstance(n, InputNode) and n.tensor in disk:
-            node: MemNode = replace(n, id=k, at="disk", deps=deps)
+            node: MemNode = renumbered(n, k, deps, at="disk")
         elif isinstance(n, ReloadNode) and n.id in staged:
-            node = replace(n, id=k, deps=tuple(sorted({*deps, read_of[n.id]})),
-                           host_offset=staged[n.id][0])
+            node = renumbered(n, k, tuple(sorted({*deps, read_of[n.id]})),
+                              host_offset=staged[n.id][0])
         else:
-            node = replace(n, id=k, deps=deps)
+            node = renumbered(n, k, deps)
         new_id[n.id] = k
         out.append(node)
         emit_reads(after.get(n.id, []))

