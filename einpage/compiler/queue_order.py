@@ -55,7 +55,6 @@ def defer_host_copies(nodes: Sequence, host_seconds: Callable[[ApplyNode], float
         return list(nodes)
     out: list = []
     placed: set[int] = set()  # the ids in `out`
-    hoisted: set[int] = set()  # copies moved before a waiting one, placed already
     waiting: dict[int, float] = {}  # reload id -> when its host writer is done
     link = 0.0
 
@@ -75,11 +74,9 @@ def defer_host_copies(nodes: Sequence, host_seconds: Callable[[ApplyNode], float
         for m in nodes[after + 1:after + 1 + HOIST_SCAN]:
             if link >= until:
                 return
-            if (isinstance(m, ReloadNode) and m.id not in placed and m.id not in hoisted
-                    and m.id not in waiting and link + copy_seconds(m) <= until
-                    and ready(m) <= link
+            if (isinstance(m, ReloadNode) and m.id not in placed and m.id not in waiting
+                    and link + copy_seconds(m) <= until and ready(m) <= link
                     and all(d in placed for d in m.deps)):
-                hoisted.add(m.id)
                 place(m)
 
     def emit(n) -> None:
@@ -101,7 +98,7 @@ def defer_host_copies(nodes: Sequence, host_seconds: Callable[[ApplyNode], float
                 emit(nodes[r])
 
     for n in nodes:
-        if n.id in hoisted:
+        if n.id in placed:  # (a copy moved before a waiting one)
             continue
         if isinstance(n, ReloadNode):
             at = ready(n)

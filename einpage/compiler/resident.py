@@ -558,13 +558,24 @@ def _streamed_by_size(sizes: list[int], at: list[float], must: int, rate: float,
                 streamed += size
             kept.append(k)
             continue
-        heapq.heappush(going, (size, -k))
-        streamed += size
-        while going and (streamed > rate * t + size / 2 or streamed - going[0][0] >= must):
-            gone, j = heapq.heappop(going)
-            streamed -= gone
-            kept.append(-j)
+        streamed = take_largest(going, streamed, k, size, rate * t + size / 2, must, kept)
     return streamed, sorted(kept)
+
+
+def take_largest(going: list, taken: int, k: int, size: int, pace: float, must: int,
+                 left: list[int]) -> int:
+    """One step of a walk that takes the largest blocks a pace allows (`_streamed_by_size`,
+    `tiers._disk_by_size`): block `k` of `size` bytes is taken (pushed on the heap `going` of
+    (size, -index)), and while the bytes taken exceed `pace` or reach `must` without the
+    smallest taken block, that block is left (its index appended to `left`; the latest of
+    equal ones). Returns the bytes taken."""
+    heapq.heappush(going, (size, -k))
+    taken += size
+    while going and (taken > pace or taken - going[0][0] >= must):
+        gone, j = heapq.heappop(going)
+        taken -= gone
+        left.append(-j)
+    return taken
 
 
 def kept_bytes(tg: TaskGraph, blocks) -> int:

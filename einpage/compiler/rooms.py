@@ -191,11 +191,19 @@ def refine_room(planned: Planned, options: CompileOptions, bound_s: float,
         search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES,
                            start=start)
         shares = {**probes.shares, **shares}
-    winner = trials.best()
+    return _fine_winner(planned, best, shares, options.device_bytes)
+
+
+def _fine_winner(planned: Planned, best: search.Trial, shares: dict[frozenset, float],
+                 budget: int) -> Planned:
+    """`planned`, with the share of the fine grid (beside the written-back peak: `shares`, by
+    resident set) that a set won at, where one beat `best`: as the coarse grid measures it
+    (`Won`)."""
+    winner = planned.trials.best()
     if winner is best or winner.resident not in shares:
         return planned
     return planned._replace(won=Won(max(0.0, shares[winner.resident]
-                                         - needs.outputs_held / options.device_bytes)))
+                                         - planned.needs.outputs_held / budget)))
 
 
 #: Partitions that lost the coarse comparison by at most RIVAL_NEAR (at most RIVALS of them,
@@ -381,11 +389,7 @@ def by_size_trials(planned: Planned, options: CompileOptions, bound_s: float) ->
     start = _room_share(needs, kept_bytes(planned.tg, best.resident), budget)
     probes = _Probes(trials, needs, options, best.window, True, best.knobs, by_size=True)
     search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES, start=start)
-    winner = trials.best()
-    if winner is best or winner.resident not in probes.shares:
-        return planned
-    return planned._replace(won=Won(max(0.0, probes.shares[winner.resident]
-                                         - needs.outputs_held / budget)))
+    return _fine_winner(planned, best, probes.shares, budget)
 
 
 def _read_far_apart(tg: TaskGraph, order: list[int]) -> bool:

@@ -27,13 +27,13 @@ queue runs ahead of the link by the staging arena's size.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, replace
 from typing import Callable
 
 from einpage.errors import BudgetError
 from einpage.ir.memgraph import (HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph, MemNode,
                                  OffloadNode, ReadNode, ReloadNode, renumbered)
+from einpage.compiler.resident import take_largest
 from einpage.predict.devices import DeviceProfile
 from einpage.predict.simulator import Simulation, simulate
 from einpage.units import format_size
@@ -166,12 +166,7 @@ def _disk_by_size(blocks: list[int], sizes: Callable[[int], int], must: int) -> 
     for k, t in enumerate(blocks):
         size = sizes(t)
         seen += size
-        heapq.heappush(going, (size, -k))
-        disk += size
-        while going and (disk > rate * seen + size / 2 or disk - going[0][0] >= must):
-            gone, j = heapq.heappop(going)
-            disk -= gone
-            kept.append(-j)
+        disk = take_largest(going, disk, k, size, rate * seen + size / 2, must, kept)
     return [blocks[k] for k in sorted(kept, key=lambda k: (sizes(blocks[k]), k))]
 
 
