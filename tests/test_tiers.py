@@ -280,7 +280,7 @@ def test_staging_sizes_stop_past_the_best(tiny, monkeypatch):
     makespans = iter((3.0, 2.0, 2.5, 1.0, 0.5))
     tried = []
 
-    def simulate_(mg, profile, **_):
+    def simulate_(mg, profile, *_, **__):
         tried.append(mg.host_arena_bytes)
         return dataclasses.replace(free.simulation, makespan_s=next(makespans))
 
@@ -288,6 +288,20 @@ def test_staging_sizes_stop_past_the_best(tiny, monkeypatch):
     chosen = place_tiers(free.memgraph, free.simulation, host, H100)
     assert len(tried) == 3 and chosen.choice.staging_bytes == tried[1]
     assert chosen.simulation.makespan_s == 2.0
+
+
+def test_a_tiering_keeps_its_plans_node_seconds(tiny):
+    """`tiered_seconds` gives every node of a tiering the seconds `node_seconds` prices it at:
+    the plan's nodes theirs, the reads the disk's (`place_tiers` prices each plan once and
+    simulates every staging size it tries with them)."""
+    from einpage.compiler.tiers import tiered_seconds, with_disk_tier
+    from einpage.predict.simulator import node_seconds
+    mg = tiny["free"].memgraph
+    needs = host_needs(mg)
+    largest = max(mg.tensors[t].bytes for t in needs.streamed)
+    tiered = with_disk_tier(mg, frozenset(needs.streamed[::2]), 4 * largest)
+    assert sum(n.kind == "read" for n in tiered.nodes) > 0
+    assert tiered_seconds(tiered, node_seconds(mg, H100), H100) == node_seconds(tiered, H100)
 
 
 def test_the_disk_weighs_the_partitions_apart_from_the_device():

@@ -182,6 +182,74 @@ def test_live_peak_below_high_water_when_placement_leaves_a_gap():
     assert (report.peak_bytes, report.live_peak_bytes) == (4 * SLOT, SLOT)
 
 
+def live_peak_of_instances(mg: MemGraph) -> int:
+    """`MemGraph.live_peak` as a sum over `MemGraph.instances`: each instance's bytes from the
+    node that creates it to the node that ends it, and, while an apply that frees instances
+    runs, their bytes its write does not take over."""
+    created = [0] * len(mg.nodes)
+    ended = [0] * len(mg.nodes)
+    during = [0] * len(mg.nodes)
+    for i in mg.instances:
+        created[i.start] += i.bytes
+        if i.end is None:
+            continue
+        ended[i.end] += i.bytes
+        n = mg.nodes[i.end]
+        if isinstance(n, ApplyNode) and n.frees and not n.accumulate:
+            lo, hi = n.write.offset, n.write.offset + mg.tensors[n.write.tensor].bytes
+            during[i.end] += i.bytes - max(0, min(hi, i.offset + i.bytes) - max(lo, i.offset))
+    live = top = 0
+    for k in range(len(mg.nodes)):
+        live += created[k] - ended[k]
+        top = max(top, live + during[k])
+    return top
+
+
+def frees_apart_plan() -> MemGraph:
+    """`accumulate_plan` whose last apply writes d beside c (@768) while freeing it: both live
+    while it runs."""
+    return replace_node(accumulate_plan(), 6, write=Access(3, 3 * SLOT))
+
+
+@pytest.mark.parametrize("make", [streaming_plan, accumulate_plan, frees_apart_plan,
+                                  lambda: stale_plan(offload_first=True),
+                                  lambda: stale_plan(offload_first=False)])
+def test_live_peak_counts_every_instance(make):
+    """The one-pass live peak (the compiler's search asks it of every plan) is the instances'
+    count, in place and apart, in the plan's order and in random topological orders."""
+    mg = make()
+    assert mg.live_peak() == live_peak_of_instances(mg) > 0
+    for seed in range(10):
+        other = renumber(mg, random_topological_order(mg, seed))
+        assert other.live_peak() == live_peak_of_instances(other)
+
+
+def test_live_peak_of_compiled_plans_counts_every_instance():
+    """... and of plans the compiler lowered (streamed, offloaded, written back)."""
+    from test_compile import random_graphs
+    from hypothesis import HealthCheck, given, settings
+
+    from einpage.compiler import CompileOptions, compile_graph
+    from einpage.errors import BudgetError
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(random_graphs())
+    def check(case):
+        graph, _, _ = case
+        probe = compile_graph(graph, CompileOptions(1 << 30, block_bytes=512, validate=False))
+        least = probe.report.compiled.min_budget_bytes
+        for slack in (1.0, 1.5):
+            budget = max(4096, int(least * slack))
+            try:
+                mg = compile_graph(graph, CompileOptions(budget, block_bytes=512,
+                                                         validate=False)).memgraph
+            except BudgetError:
+                continue
+            assert mg.live_peak() == live_peak_of_instances(mg)
+
+    check()
+
+
 @pytest.mark.parametrize("make", [streaming_plan, accumulate_plan,
                                   lambda: stale_plan(offload_first=True)])
 def test_every_topological_order_of_a_valid_plan_validates(make):

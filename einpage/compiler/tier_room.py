@@ -121,8 +121,9 @@ def _tiered(trials: search.Trials, opts: LowerOptions, best: search.Trial, resid
     tiered within `host_bytes` (`BudgetError` where its host needs do not fit), with its
     trial."""
     profile = trials.profile
-    sim = simulate(mg, profile, node_seconds(mg, profile, opts.task_seconds), verify=False)
-    return place_tiers(mg, sim, host_bytes, profile), replace(
+    seconds = node_seconds(mg, profile, opts.task_seconds)
+    sim = simulate(mg, profile, seconds, verify=False)
+    return place_tiers(mg, sim, host_bytes, profile, seconds=seconds), replace(
         best, resident=resident, memgraph=mg, simulation=sim,
         spill_bytes=Traffic.of(mg).offload_bytes, live_peak=mg.live_peak())
 

@@ -35,7 +35,8 @@ from einpage.ir.memgraph import (HOST_ALIGNMENT, ApplyNode, InputNode, MemGraph,
                                  OffloadNode, ReadNode, ReloadNode, renumbered)
 from einpage.compiler.resident import take_largest
 from einpage.predict.devices import DeviceProfile
-from einpage.predict.simulator import Simulation, simulate
+from einpage.predict.cost import disk_seconds
+from einpage.predict.simulator import Simulation, node_seconds, simulate
 from einpage.units import format_size
 
 #: staging arena sizes tried, in multiples of the largest block read from disk
@@ -243,6 +244,17 @@ def with_disk_tier(mg: MemGraph, disk: frozenset[int], staging_bytes: int) -> Me
     return replace(mg, nodes=tuple(out), host_arena_bytes=staging_bytes)
 
 
+def tiered_seconds(tiered: MemGraph, seconds: list[float],
+                   profile: DeviceProfile) -> list[float]:
+    """The predicted duration of every node of `tiered` (`with_disk_tier` of a plan whose nodes
+    take `seconds`: `simulator.node_seconds`): its reads', and those of the plan's nodes, which
+    keep their order among them."""
+    tensors = tiered.tensors
+    plan = iter(seconds)
+    return [disk_seconds(profile, tensors[n.tensor].bytes) if isinstance(n, ReadNode)
+            else next(plan) for n in tiered.nodes]
+
+
 @dataclass(frozen=True)
 class Tiered:
     memgraph: MemGraph
@@ -251,11 +263,13 @@ class Tiered:
 
 
 def place_tiers(mg: MemGraph, simulation: Simulation, host_bytes: int | None,
-                profile: DeviceProfile, by_size: bool = False) -> Tiered:
+                profile: DeviceProfile, by_size: bool = False,
+                seconds: list[float] | None = None) -> Tiered:
     """The plan of least predicted makespan with every host need inside `host_bytes` (None:
     unlimited; nothing is read from disk). Raises `BudgetError` with the host budget that would
     work when the blocks that must stay in host memory do not fit. `by_size`: the pinned blocks
-    the smallest the spread allows (`choose_pinned`)."""
+    the smallest the spread allows (`choose_pinned`). `seconds`: `mg`'s node seconds
+    (`simulator.node_seconds`), where the caller has them."""
     needs = host_needs(mg)
     sizes = {t: host_aligned(mg.tensors[t].bytes) for t in needs.streamed}
     if host_bytes is None or needs.fixed_bytes + needs.streamed_bytes <= host_bytes:
@@ -272,6 +286,8 @@ def place_tiers(mg: MemGraph, simulation: Simulation, host_bytes: int | None,
                           f"smallest host budget that would work is {format_size(smallest)} "
                           f"(--cpu-mem)", smallest, host_bytes)
     best: Tiered | None = None
+    if seconds is None:  # (each tiering's nodes are these and its reads)
+        seconds = node_seconds(mg, profile)
     for arena in (k * largest for k in STAGING_BLOCKS):
         capacity = host_bytes - needs.fixed_bytes - arena
         if capacity < 0 or (best is not None and arena >= needs.streamed_bytes):
@@ -279,7 +295,7 @@ def place_tiers(mg: MemGraph, simulation: Simulation, host_bytes: int | None,
         pinned = choose_pinned(needs, sizes.__getitem__, capacity, by_size)
         disk = frozenset(needs.streamed) - pinned
         tiered = with_disk_tier(mg, disk, arena)
-        sim = simulate(tiered, profile, verify=False)
+        sim = simulate(tiered, profile, tiered_seconds(tiered, seconds, profile), verify=False)
         here = Tiered(tiered, sim, TierChoice(host_bytes, needs.fixed_bytes,
                                               sum(sizes[t] for t in pinned),
                                               sum(sizes[t] for t in disk), arena, len(disk)))

@@ -458,27 +458,40 @@ class MemGraph:
         """Most bytes live at once in the node order: the lower bound that a perfect,
         fragmentation-free placement of this order would need. While an `apply` runs, its output
         and the instances it frees coexist, except for the bytes the output takes over (consumed
-        in place)."""
-        delta = [0] * (len(self.nodes) + 1)   # bytes created (+) and ended (-) by each node
-        during = [0] * len(self.nodes)        # extra bytes live only while the node runs
-        writes = {}
+        in place). The instances as `instances` replays them, in one pass that makes none (the
+        compiler's search asks this of every plan it lowers)."""
+        tensors = self.tensors
+        live: dict[int, tuple[int, int]] = {}  # tensor -> (offset, bytes) of its instance
+        now = top = 0
+
+        def create(tensor: int, offset) -> int:
+            if not isinstance(offset, int):
+                return 0
+            nbytes = tensors[tensor].bytes
+            old = live.get(tensor)
+            live[tensor] = (offset, nbytes)
+            return nbytes - (old[1] if old is not None else 0)
+
         for n in self.nodes:
-            if isinstance(n, ApplyNode) and n.frees and not n.accumulate:
-                writes[n.id] = n.write
-        for i in self.instances:
-            delta[i.start] += i.bytes
-            if i.end is not None:
-                delta[i.end] -= i.bytes
-                w = writes.get(i.end)
-                if w is not None:  # freed by an apply: live until its write lands
-                    lo, hi = w.offset, w.offset + self.tensors[w.tensor].bytes
-                    overlap = max(0, min(hi, i.offset + i.bytes) - max(lo, i.offset))
-                    during[i.end] += i.bytes - overlap
-        live = top = 0
-        for k in range(len(self.nodes)):
-            top = max(top, live + delta[k] + during[k])
-            live += delta[k]
-            top = max(top, live)
+            during = 0  # bytes live only while the node runs
+            if isinstance(n, ApplyNode):
+                for a in n.frees:
+                    gone = live.pop(a.tensor, None)
+                    if gone is not None:
+                        now -= gone[1]
+                        if not n.accumulate:  # live until its write lands
+                            (at, nbytes), lo = gone, n.write.offset
+                            hi = lo + tensors[n.write.tensor].bytes
+                            during += nbytes - max(0, min(hi, at + nbytes) - max(lo, at))
+                if not n.accumulate and not n.on_host:
+                    now += create(n.write.tensor, n.write.offset)
+            elif isinstance(n, ReloadNode) or (isinstance(n, InputNode) and n.at == "device"):
+                now += create(n.tensor, n.offset)
+            elif isinstance(n, FreeNode):
+                gone = live.pop(n.tensor, None)
+                if gone is not None:
+                    now -= gone[1]
+            top = max(top, now + during)
         return top
 
     # ------------------------------------------------------------ printer
