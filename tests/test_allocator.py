@@ -7,6 +7,7 @@ shortcut that changes a placement, a dependency or the free bytes shows up as a 
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 
 from einpage.compiler import Allocator, aligned, allocator
@@ -58,16 +59,22 @@ def test_allocator_matches_the_model(script):
     _check(script)
 
 
-@settings(max_examples=500, deadline=None)
-@given(ops)
-def test_the_search_by_threshold_matches_the_model(script):
-    """The array search `allocate` takes over many free segments, taken at every count."""
-    many = allocator.MANY_SEGMENTS
-    allocator.MANY_SEGMENTS = 0
-    try:
+@pytest.mark.parametrize("short", [allocator.SHORT_SPANS, 0])
+def test_the_search_by_threshold_matches_the_model(short):
+    """The array search `allocate` takes over many free segments, taken at every count, with
+    its windows' newest stamps taken span step by span step and (`short` 0) from the sparse
+    table."""
+    @settings(max_examples=500, deadline=None)
+    @given(ops)
+    def check(script):
         _check(script)
+
+    many, spans = allocator.MANY_SEGMENTS, allocator.SHORT_SPANS
+    allocator.MANY_SEGMENTS, allocator.SHORT_SPANS = 0, short
+    try:
+        check()
     finally:
-        allocator.MANY_SEGMENTS = many
+        allocator.MANY_SEGMENTS, allocator.SHORT_SPANS = many, spans
 
 
 def _check(script) -> None:

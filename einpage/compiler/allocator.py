@@ -27,6 +27,9 @@ _ABOVE = 1 << 62  # ... and a key newer than every one
 #: Beyond this many free segments `allocate` searches by threshold over arrays
 #: (`Allocator._allocate_many`), below it with a sliding window in Python
 MANY_SEGMENTS = 512
+#: `Allocator._allocate_many` takes the maximum over windows of at most this many segments step
+#: by step, over wider ones from a sparse table
+SHORT_SPANS = 8
 
 
 def aligned(n: int, alignment: int = ALIGNMENT) -> int:
@@ -115,13 +118,15 @@ class Allocator:
         return self.take(best_at, size)
 
     def _allocate_many(self, size: int) -> Allocation | None:
-        """`allocate` over many segments, in array passes: each candidate window (a segment
-        start whose `size` bytes stay inside its run) covers segments [s, m); its newest stamp
-        is a range maximum, answered from a sparse table of the stamps (the maxima of every
-        power-of-two span, O(n log n) to build, two lookups a query). The least key at the
-        lowest offset is the first minimum in address order: the sliding window's choice."""
+        """`allocate` over many free segments, in array passes: each candidate window (a
+        segment start whose `size` bytes stay inside its run) covers segments [s, m); its
+        newest stamp is the maximum of the stamps [s, m): taken one span step at a time where
+        the widest window covers at most SHORT_SPANS segments (most cover one), else answered
+        from a sparse table of the stamps (the maxima of every power-of-two span, O(n log n) to
+        build, two lookups a query). The least key at the lowest offset is the first minimum
+        in address order: the sliding window's choice."""
         lo = np.array(self._lo, dtype=np.int64)
-        stamp = np.array(self._key, dtype=np.float64)
+        stamp = np.array(self._key, dtype=np.int64)
         run_lo = np.array(self._run_lo, dtype=np.int64)
         run_hi = np.array(self._run_hi, dtype=np.int64)
         run = np.searchsorted(run_lo, lo, side="right") - 1  # the run of each segment
@@ -133,14 +138,21 @@ class Allocator:
         starts = np.flatnonzero(ok)
         stop = np.searchsorted(lo, end[starts], side="left")  # window of start s: [s, stop)
         span = stop - starts
-        levels = int(span.max()).bit_length()  # spans 2^k for k < levels
-        table = np.full((levels, len(stamp)), -1.0)  # row k: the newest of [i, i + 2^k)
-        table[0] = stamp
-        for k in range(1, levels):
-            half = 1 << (k - 1)
-            np.maximum(table[k - 1, :-half], table[k - 1, half:], out=table[k, :-half])
-        k = np.log2(span).astype(np.int64)  # exact for spans below 2^53
-        newest = np.maximum(table[k, starts], table[k, stop - (1 << k)])
+        widest = int(span.max())
+        if widest <= SHORT_SPANS:
+            newest = stamp[starts]
+            for step in range(1, widest):
+                more = np.flatnonzero(span > step)
+                newest[more] = np.maximum(newest[more], stamp[starts[more] + step])
+        else:
+            levels = widest.bit_length()  # spans 2^k for k < levels
+            table = np.full((levels, len(stamp)), NEVER, dtype=np.int64)  # row k: the newest
+            table[0] = stamp                                              # of [i, i + 2^k)
+            for k in range(1, levels):
+                half = 1 << (k - 1)
+                np.maximum(table[k - 1, :-half], table[k - 1, half:], out=table[k, :-half])
+            k = np.log2(span).astype(np.int64)  # exact for spans below 2^53
+            newest = np.maximum(table[k, starts], table[k, stop - (1 << k)])
         return self.take(int(lo[starts[int(np.argmin(newest))]]), size)
 
     def allocate_lowest(self, size: int) -> Allocation | None:
@@ -161,6 +173,44 @@ class Allocator:
     def take(self, at: int, size: int) -> Allocation:
         """Claim [at, at+size), which must be free."""
         size = aligned(max(size, 1))
+        end = at + size
+        lo_, hi_ = self._lo, self._hi
+        k = bisect.bisect_right(lo_, at) - 1
+        if k >= 0 and hi_[k] >= end:  # (the common case: within one segment)
+            lo, hi, st = lo_[k], hi_[k], self._key[k]
+            if lo < at and end < hi:
+                hi_[k] = at
+                lo_.insert(k + 1, end), hi_.insert(k + 1, hi), self._key.insert(k + 1, st)
+            elif lo < at:
+                hi_[k] = at
+            elif end < hi:
+                lo_[k] = end
+            else:
+                del lo_[k], hi_[k], self._key[k]
+            self._take_run(at, end)
+            if st == NEVER:
+                return Allocation(at, size, (), ((at, end, None),))
+            return Allocation(at, size, (st,), ((at, end, st),))
+        return self._take_pieces(at, size)
+
+    def _take_run(self, at: int, end: int) -> None:
+        """[at, end) leaves the run of free bytes that holds it."""
+        run_lo, run_hi = self._run_lo, self._run_hi
+        r = bisect.bisect_right(run_lo, at) - 1
+        lo, hi = run_lo[r], run_hi[r]
+        if lo < at and end < hi:
+            run_hi[r] = at
+            run_lo.insert(r + 1, end), run_hi.insert(r + 1, hi)
+        elif lo < at:
+            run_hi[r] = at
+        elif end < hi:
+            run_lo[r] = end
+        else:
+            del run_lo[r], run_hi[r]
+        self._free -= end - at
+
+    def _take_pieces(self, at: int, size: int) -> Allocation:
+        """`take` across several free segments."""
         deps, pieces = set(), []
         k = bisect.bisect_right(self._lo, at) - 1
         new_lo, new_hi, new_stamp = [], [], []
@@ -183,12 +233,7 @@ class Allocator:
         if k < 0 or covered != size:
             raise RuntimeError(f"allocator: [{at}, {end}) is not free")
         self._lo[k:j], self._hi[k:j], self._key[k:j] = new_lo, new_hi, new_stamp
-        r = bisect.bisect_right(self._run_lo, at) - 1
-        run_lo, run_hi = self._run_lo[r], self._run_hi[r]
-        split = [(a, b) for a, b in ((run_lo, at), (end, run_hi)) if a < b]
-        self._run_lo[r:r + 1] = [a for a, _ in split]
-        self._run_hi[r:r + 1] = [b for _, b in split]
-        self._free -= size
+        self._take_run(at, end)
         return Allocation(at, size, tuple(sorted(deps)), tuple(pieces))
 
     def free(self, offset: int, size: int, stamp: int | None) -> None:

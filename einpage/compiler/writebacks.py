@@ -4,7 +4,9 @@ node took that room, the output stays on the device instead (a post-pass of the 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
+from itertools import chain
+
+from einpage.ir.memgraph import renumbered
 
 
 def keep_idle_outputs(nodes: list, written_back: dict[int, int]) -> tuple[list, dict[int, int]]:
@@ -13,11 +15,14 @@ def keep_idle_outputs(nodes: list, written_back: dict[int, int]) -> tuple[list, 
     depends on the free that followed its offload), stays on the device to the end instead, as
     outputs do in a pass that fits, and the pass ends without copying it. Returns the nodes
     (renumbered) and where each output kept this way lies."""
-    users = Counter(d for n in nodes for d in n.deps)
     drop: set[int] = set()
     at: dict[int, int] = {}
+    if not written_back:
+        return nodes, at
+    users = Counter(chain.from_iterable(n.deps for n in nodes))
     for b, fid in written_back.items():
-        oid = fid - 1  # the lowering's _evict emits the offload right before the free, which alone waits on it
+        # the lowering's _evict emits the offload right before the free, which alone waits on it
+        oid = fid - 1
         if users[fid] == 0 and nodes[oid].kind == "offload" and users[oid] == 1:
             drop.update((oid, fid))
             at[b] = nodes[fid].offset
@@ -30,5 +35,5 @@ def keep_idle_outputs(nodes: list, written_back: dict[int, int]) -> tuple[list, 
         if n.id in drop:
             continue
         new_id[n.id] = len(out)
-        out.append(replace(n, id=len(out), deps=tuple(new_id[d] for d in n.deps)))
+        out.append(renumbered(n, len(out), tuple(new_id[d] for d in n.deps)))
     return out, at

@@ -93,6 +93,24 @@ class TaskGraph:
             out.append(tuple(sorted(d)))
         return tuple(out)
 
+    @cached_property
+    def guard_keys(self) -> dict[int, tuple[int, int, float]]:
+        """{weight block: (guard block, index, share)} for the input blocks no task writes
+        whose every reader is guarded by the same element of the same block (one written in
+        the pass), at any share (`reload_guards` asks a share of at most its `most`)."""
+        guard_of: dict[int, tuple[int, int, float] | None] = {}
+        blocks, writers = self.blocks, self.writers
+        for t in self.tasks:
+            mine = {b for b in t.reads if blocks[b].role == "weight" and not writers[b]}
+            if not mine:
+                continue
+            op = t.op
+            key = ((t.reads[-1], op.index, op.share) if isinstance(op, GuardedOp)
+                   and t.reads[-1] not in mine and writers[t.reads[-1]] else None)
+            for b in mine:
+                guard_of[b] = key if guard_of.get(b, key) == key else None
+        return {b: key for b, key in guard_of.items() if key is not None}
+
     @property
     def input_blocks(self) -> list[Block]:
         return [b for b in self.blocks if b.source is not None]
@@ -151,19 +169,9 @@ def reload_guards(tg: TaskGraph, most: float = 1.0
                   ) -> dict[int, tuple[int, int, float]]:
     """{weight block: (guard block, index, share)} for the blocks whose reloads may be guarded:
     an input block no task writes, every task that reads it guarded by the same element of the
-    same block (one written in the pass), expected on in at most `most` of the passes."""
-    guard_of: dict[int, tuple[int, int, float] | None] = {}
-    for t in tg.tasks:
-        mine = {b for b in t.reads if tg.blocks[b].role == "weight" and not tg.writers[b]}
-        if not mine:
-            continue
-        op = t.op
-        key = ((t.reads[-1], op.index, op.share) if isinstance(op, GuardedOp)
-               and op.share <= most and t.reads[-1] not in mine and tg.writers[t.reads[-1]]
-               else None)
-        for b in mine:
-            guard_of[b] = key if guard_of.get(b, key) == key else None
-    return {b: key for b, key in guard_of.items() if key is not None}
+    same block (one written in the pass), expected on in at most `most` of the passes
+    (`TaskGraph.guard_keys`, made once per taskgraph: every lowering asks)."""
+    return {b: key for b, key in tg.guard_keys.items() if key[2] <= most}
 
 
 def prune_dead(tg: TaskGraph) -> TaskGraph:
