@@ -162,3 +162,21 @@ def test_lowest_placement_packs_what_placement_by_stamp_would_split():
     got = [b.allocate_lowest(512) for _ in range(3)]
     assert [g.offset for g in got] == [0, 512, 1024]
     assert got[1].deps == (14, 16) and b.free_bytes == 0
+
+
+def test_a_run_made_again_is_searched_again():
+    """`allocate` remembers each run's best window per size until the run changes. The run at
+    512 (stamps 9 and 10) is searched and not chosen; a free joins it to the run before it,
+    768 is taken and freed untouched while they are joined, and a take splits the run at 512
+    off again: searched anew, its best window is the untouched 768, not 512."""
+    alloc = Allocator(0, 4 * 256)
+    blocks = [alloc.allocate(256) for _ in range(4)]
+    for block, stamp in zip(blocks[:1] + blocks[2:], (1, 9, 10)):
+        alloc.free(block.offset, block.size, stamp)
+    assert alloc.allocate(256).offset == 0   # the oldest: 1 (the run at 512 searched too)
+    alloc.free(256, 256, 3)                  # [256, 1024): joined to the run at 512
+    alloc.take(768, 256)                     # (changed while joined)
+    alloc.free(768, 256, None)
+    alloc.take(256, 256)                     # the run at 512 again
+    got = alloc.allocate(256)
+    assert (got.offset, got.deps) == (768, ())

@@ -8,7 +8,8 @@ chosen (its dependency stalls the pipeline least); ties go to the lowest offset.
 
 The maximal runs of adjacent free bytes are kept as well, with an upper bound on the longest, so
 an allocation looks only at the runs it fits in and one that cannot fit fails at once: the
-lowering asks the allocator about a million times for a large graph.
+lowering asks the allocator about a million times for a large graph. Each run's best window for
+a size is remembered until the run changes.
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ class Allocator:
         self._run_hi: list[int] = [] if empty else [end]
         self._free = max(0, end - start)
         self._max_run: int | None = None  # an upper bound on the longest run (None: unknown)
+        # run start -> {size: the run's best window for it (`_run_best`)}, dropped as the run
+        # changes
+        self._memo: dict[int, dict[int, tuple[int, int]]] = {}
 
     @property
     def free_bytes(self) -> int:
@@ -73,10 +77,11 @@ class Allocator:
 
     def allocate(self, size: int) -> Allocation | None:
         """Place `size` bytes at the start of a free segment: the placement whose newest stamp
-        is oldest, then the lowest offset. Within a run the candidate windows slide right (the
-        window of the segment at s covers segments [s, m), m never moving left); most cover one
-        segment, so each window's newest is a slice's maximum, and a window whose first stamp
-        is no older than the best so far is passed over unmeasured."""
+        is oldest, then the lowest offset: the best of each run that fits (`_run_best`),
+        remembered per run and size until the run changes (a take or a free changes one run or
+        joins two or three; a fragmented arena keeps a hundred runs, and the lowering asks for
+        the same few block sizes again and again: llama3.2-1b prefill at B=16 and 2.6 GB, its
+        allocator 1.67 -> 1.11 s a lowering, the same placements)."""
         size = aligned(max(size, 1))
         if size > self._free or (self._max_run is not None and size > self._max_run):
             return None
@@ -89,33 +94,55 @@ class Allocator:
                 return self._allocate_many(size)
         best_key, best_at = _ABOVE, -1  # no window yet
         largest = 0
+        memo = self._memo
         for run_lo, run_hi in zip(self._run_lo, self._run_hi):
             if run_hi - run_lo > largest:
                 largest = run_hi - run_lo
             if run_hi - run_lo < size:
                 continue
-            last = run_hi - size  # the last offset in the run where `size` bytes fit
-            s = m = bisect.bisect_left(lo, run_lo)
-            while s < n:
-                at = lo[s]
-                if at > last:
-                    break
-                if key[s] < best_key:
-                    end = at + size  # (m reaches past s: lo[s] < end)
-                    while m < n and lo[m] < end:
-                        m += 1
-                    newest = key[s] if m == s + 1 else max(key[s:m])
-                    if newest < best_key:
-                        # untouched bytes (-1) are the least key possible, at the lowest
-                        # offset that has it: the best
-                        if newest < 0:
-                            return self.take(at, size)
-                        best_key, best_at = newest, at
-                s += 1
+            known = memo.get(run_lo)
+            if known is None:
+                known = memo[run_lo] = {}
+            got = known.get(size)
+            if got is None:
+                got = known[size] = self._run_best(run_lo, run_hi, size)
+            if got[0] < best_key:
+                # untouched bytes (-1) are the least key possible, at the lowest offset that
+                # has it: the best
+                if got[0] < 0:
+                    return self.take(got[1], size)
+                best_key, best_at = got
         if best_at < 0:
             self._max_run = largest  # taking bytes only shrinks runs; a free updates this
             return None
         return self.take(best_at, size)
+
+    def _run_best(self, run_lo: int, run_hi: int, size: int) -> tuple[int, int]:
+        """The window of the run [run_lo, run_hi) (`size` bytes or more) whose newest stamp is
+        oldest, then the lowest: (its newest stamp, its offset). The windows slide right (the
+        window of the segment at s covers segments [s, m), m never moving left); most cover one
+        segment, so each window's newest is a slice's maximum, and a window whose first stamp
+        is no older than the best so far is passed over unmeasured."""
+        lo, key = self._lo, self._key
+        n = len(lo)
+        last = run_hi - size  # the last offset in the run where `size` bytes fit
+        best_key, best_at = _ABOVE, -1
+        s = m = bisect.bisect_left(lo, run_lo)
+        while s < n:
+            at = lo[s]
+            if at > last:
+                break
+            if key[s] < best_key:
+                end = at + size  # (m reaches past s: lo[s] < end)
+                while m < n and lo[m] < end:
+                    m += 1
+                newest = key[s] if m == s + 1 else max(key[s:m])
+                if newest < best_key:
+                    if newest < 0:  # (the least key possible)
+                        return newest, at
+                    best_key, best_at = newest, at
+            s += 1
+        return best_key, best_at
 
     def _allocate_many(self, size: int) -> Allocation | None:
         """`allocate` over many free segments, in array passes: each candidate window (a
@@ -198,6 +225,7 @@ class Allocator:
         run_lo, run_hi = self._run_lo, self._run_hi
         r = bisect.bisect_right(run_lo, at) - 1
         lo, hi = run_lo[r], run_hi[r]
+        self._memo.pop(lo, None)
         if lo < at and end < hi:
             run_hi[r] = at
             run_lo.insert(r + 1, end), run_hi.insert(r + 1, hi)
@@ -261,8 +289,10 @@ class Allocator:
         first, last = r, r
         if r > 0 and self._run_hi[r - 1] == lo:
             first, run_lo = r - 1, self._run_lo[r - 1]
+            self._memo.pop(run_lo, None)
         if r < len(self._run_lo) and self._run_lo[r] == hi:
             last, run_hi = r + 1, self._run_hi[r]
+            self._memo.pop(hi, None)
         self._run_lo[first:last] = [run_lo]
         self._run_hi[first:last] = [run_hi]
         self._free += hi - lo
