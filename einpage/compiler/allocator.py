@@ -85,9 +85,8 @@ class Allocator:
         size = aligned(max(size, 1))
         if size > self._free or (self._max_run is not None and size > self._max_run):
             return None
-        lo, key = self._lo, self._key
-        n = len(lo)
-        if n > MANY_SEGMENTS:  # the windows to slide: the segments of the runs that fit
+        lo = self._lo
+        if len(lo) > MANY_SEGMENTS:  # the windows to slide: the segments of the runs that fit
             fit = sum(bisect.bisect_left(lo, b) - bisect.bisect_left(lo, a)
                       for a, b in zip(self._run_lo, self._run_hi) if b - a >= size)
             if fit > MANY_SEGMENTS:
