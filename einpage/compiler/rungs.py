@@ -65,6 +65,14 @@ class Cut(NamedTuple):
     rung: Rung
 
 
+class _Known(NamedTuple):
+    """What `Partitions` found of a partition in an order: its needs and, where found, its
+    stream bounds' positions (`resident.stream_positions`)."""
+    order: list[int]
+    needs: PassNeeds
+    positions: list | None = None
+
+
 class Partitions:
     """The partitions of one compile, the last one kept: a rung of the bound and then the
     search may ask for the same block size (`driver._halve_blocks`), and a partition of a large pass
@@ -88,6 +96,7 @@ class Partitions:
             options, profile = self.options, self.profile
             same = next((c for k, c in self._made.items()
                          if k[:2] == key[:2] and k[4] == split), None)
+            known: _Known | None = None  # what `_gathered` found of the partition in its order
             if same is not None:
                 tg, seconds = same.tg, same.seconds
             else:
@@ -98,11 +107,12 @@ class Partitions:
                     split_weights=split[0] if split else frozenset(),
                     split_bytes=split[1] if split else None))
                 seconds = tuple(task_seconds(profile, tg))
-                gathered = self._gathered(tg, seconds)
+                gathered, known = self._gathered(tg, seconds)
                 if gathered is not tg:  # (its gathers priced on the host)
                     tg, seconds = gathered, tuple(task_seconds(profile, gathered,
                                                                on_device=seconds))
-            order = memory_aware_order(tg, by_weight)
+            order = (known.order if known is not None and not by_weight
+                     else memory_aware_order(tg, by_weight))
             rows = drained_order(tg, order, seconds, profile.d2h_bandwidth)
             if drained and rows is None:
                 return None
@@ -117,8 +127,10 @@ class Partitions:
                      for o in orders]
             tail = min(tail_seconds(tg, o, device, options.device_bytes, profile.d2h_bandwidth,
                                     w) for o, w in zip(orders, waits))
-            needs = pass_needs(tg, order)
-            positions = stream_positions(tg, order)
+            if known is None or order is not known.order:
+                known = _Known(order, pass_needs(tg, order))
+            needs = known.needs
+            positions = known.positions or stream_positions(tg, order)
             rung = Rung(block, needs.max_working_set,
                         min_stream_bytes(tg, order, options.device_bytes, positions),
                         max(sum(device), hosted),
@@ -132,26 +144,32 @@ class Partitions:
             self._made = {key: Cut(tg, order, needs, seconds, rung)}
         return self._made[key]
 
-    def _gathered(self, tg: TaskGraph, seconds: tuple[float, ...]) -> TaskGraph:
+    def _gathered(self, tg: TaskGraph, seconds: tuple[float, ...]
+                  ) -> tuple[TaskGraph, _Known | None]:
         """`tg` with its gathers on the host (`host_gather`) where the options allow it, the
         link (nearly) binds its pass (the bytes no plan of it can keep on the device take the
         link at least `host_gather.LINK_SHARE` of its compute, `seconds`), and the host budget
         holds every persistent block (a tied table only where it is larger than the room its
-        pass leaves: `host_gather.host_gathers`); else `tg`."""
+        pass leaves: `host_gather.host_gathers`); else `tg`. With it, what was found of `tg`
+        in its memory-aware order on the way (None where nothing was, or `tg` was gathered):
+        `cut` finds it again otherwise."""
         options = self.options
         persistent = sum(b.bytes for b in tg.input_blocks if b.role in PERSISTENT_ROLES)
         if not options.host_gather or (options.host_bytes is not None
                                        and persistent > options.host_bytes):
-            return tg
+            return tg, None
         order = memory_aware_order(tg)
         needs = pass_needs(tg, order)
         gathered = with_host_gathers(tg, self.profile, options.device_bytes
                                      - needs.written_back_peak - needs.max_working_set)
         if gathered is tg:
-            return tg
-        streamed = min_stream_bytes(tg, order, options.device_bytes)
+            return tg, _Known(order, needs)
+        positions = stream_positions(tg, order)
+        streamed = min_stream_bytes(tg, order, options.device_bytes, positions)
         link_s = streamed / self.profile.h2d_bandwidth
-        return gathered if link_s >= LINK_SHARE * sum(seconds) else tg
+        if link_s >= LINK_SHARE * sum(seconds):
+            return gathered, None
+        return tg, _Known(order, needs, positions)
 
     def hold(self, rung: Rung, tg: TaskGraph, order: list[int], needs: PassNeeds,
              seconds: tuple[float, ...]) -> None:
