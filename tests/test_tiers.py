@@ -290,6 +290,39 @@ def test_staging_sizes_stop_past_the_best(tiny, monkeypatch):
     assert chosen.simulation.makespan_s == 2.0
 
 
+def test_a_staging_size_whose_disk_alone_is_slower_is_not_tiered(tiny, monkeypatch):
+    """`place_tiers` stops before tiering a staging size whose disk reads alone (each block
+    read once, one at a time) take longer than the best plan so far: its choice is the best of
+    every size tiered and simulated, with fewer tierings. On a slow disk every larger arena
+    reads more and loses."""
+    from einpage.compiler import tiers
+    from einpage.compiler.tiers import tiered_seconds, with_disk_tier
+    from einpage.predict.simulator import node_seconds
+    free = tiny["free"]
+    mg, needs = free.memgraph, host_needs(free.memgraph)
+    sizes = {t: -(-mg.tensors[t].bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
+             for t in needs.streamed}
+    largest = max(sizes.values())
+    host = needs.fixed_bytes + STAGING_BLOCKS[-1] * largest + needs.streamed_bytes // 4
+    slow = with_overrides(H100, disk_bandwidth=1e6)
+    tiered = []
+    monkeypatch.setattr(tiers, "with_disk_tier",
+                        lambda *a: tiered.append(a[2]) or with_disk_tier(*a))
+    chosen = place_tiers(mg, free.simulation, host, slow)
+    every = []  # each size tiered and simulated, as `place_tiers` weighs it
+    for arena in (k * largest for k in STAGING_BLOCKS):
+        capacity = host - needs.fixed_bytes - arena
+        if capacity < 0 or arena >= needs.streamed_bytes:
+            break
+        disk = frozenset(needs.streamed) - choose_pinned(needs, sizes.__getitem__, capacity)
+        plan = with_disk_tier(mg, disk, arena)
+        sim = simulate(plan, slow, tiered_seconds(plan, node_seconds(mg, slow), slow))
+        every.append(((sim.makespan_s, sim.disk_bytes), arena))
+    assert len(every) >= 2 and chosen.choice.staging_bytes == min(every)[1]
+    # the best first: the next size, slower by its disk alone, is not tiered
+    assert min(every) == every[0] and tiered == [every[0][1]]
+
+
 def test_a_tiering_keeps_its_plans_node_seconds(tiny):
     """`tiered_seconds` gives every node of a tiering the seconds `node_seconds` prices it at:
     the plan's nodes theirs, the reads the disk's (`place_tiers` prices each plan once and

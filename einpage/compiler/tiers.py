@@ -16,8 +16,8 @@ The staging arena's size trades against the pinned bytes (every staging byte is 
 read from disk): a few sizes are lowered and simulated, smallest first, until one is slower than
 the best (the makespan falls while a larger arena lets the disk run further ahead and rises once
 the bytes it takes from the pinned set dominate: on the planner grid's disk rows it rises from
-the first or second size on), and the plan of least predicted makespan is kept (ties: fewer
-disk bytes).
+the first or second size on; a size whose disk reads alone take longer than the best is not
+tiered to see it), and the plan of least predicted makespan is kept (ties: fewer disk bytes).
 
 Staging buffers are placed like device memory: exact offsets in a host arena of
 `host_arena_bytes`, aligned to `HOST_ALIGNMENT`, with reuse edges (a read into bytes that an
@@ -294,6 +294,10 @@ def place_tiers(mg: MemGraph, simulation: Simulation, host_bytes: int | None,
             break
         pinned = choose_pinned(needs, sizes.__getitem__, capacity, by_size)
         disk = frozenset(needs.streamed) - pinned
+        if best is not None and sum(disk_seconds(profile, mg.tensors[t].bytes) for t in disk) \
+                > best.simulation.makespan_s * (1 + 1e-9):
+            break  # its disk alone, each block read once, is slower than the best: no need to
+            # tier it to see (the disk queue reads one block at a time)
         tiered = with_disk_tier(mg, disk, arena)
         sim = simulate(tiered, profile, tiered_seconds(tiered, seconds, profile), verify=False)
         here = Tiered(tiered, sim, TierChoice(host_bytes, needs.fixed_bytes,
