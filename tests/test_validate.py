@@ -211,7 +211,19 @@ def frees_apart_plan() -> MemGraph:
     return replace_node(accumulate_plan(), 6, write=Access(3, 3 * SLOT))
 
 
+def rewrite_plan() -> MemGraph:
+    """A malformed plan (the validator refuses it): b written twice with no free between, the
+    second apply freeing a: b's first instance ends where its second is made, and counts as a
+    freed one does while that apply runs."""
+    p = Plan(["a", "b"])
+    p.input(0, "device", 0)                                            # 0
+    p.apply([(0, 0)], (1, SLOT), [0], op=SCALE)                        # 1
+    p.apply([(0, 0)], (1, 2 * SLOT), [1], op=SCALE, frees=[(0, 0)])    # 2
+    return p.build([(1, "device", 2 * SLOT)])
+
+
 @pytest.mark.parametrize("make", [streaming_plan, accumulate_plan, frees_apart_plan,
+                                  rewrite_plan,
                                   lambda: stale_plan(offload_first=True),
                                   lambda: stale_plan(offload_first=False)])
 def test_live_peak_counts_every_instance(make):

@@ -484,7 +484,13 @@ class MemGraph:
                             hi = lo + tensors[n.write.tensor].bytes
                             during += nbytes - max(0, min(hi, at + nbytes) - max(lo, at))
                 if not n.accumulate and not n.on_host:
-                    now += create(n.write.tensor, n.write.offset)
+                    w = n.write
+                    gone = live.get(w.tensor) if n.frees and isinstance(w.offset, int) else None
+                    if gone is not None:  # (ended by this write, as a freed one: malformed)
+                        at, nbytes = gone
+                        hi = w.offset + tensors[w.tensor].bytes
+                        during += nbytes - max(0, min(hi, at + nbytes) - max(w.offset, at))
+                    now += create(w.tensor, w.offset)
             elif isinstance(n, ReloadNode) or (isinstance(n, InputNode) and n.at == "device"):
                 now += create(n.tensor, n.offset)
             elif isinstance(n, FreeNode):
