@@ -472,6 +472,13 @@ class MemGraph:
             live[tensor] = (offset, nbytes)
             return nbytes - (old[1] if old is not None else 0)
 
+        def beside(gone: tuple[int, int], w: Access) -> int:
+            """The bytes of an instance (offset, bytes) ended by an apply that writes `w`
+            which stay live until that write lands: those outside its bytes."""
+            (at, nbytes), lo = gone, w.offset
+            hi = lo + tensors[w.tensor].bytes
+            return nbytes - max(0, min(hi, at + nbytes) - max(lo, at))
+
         for n in self.nodes:
             during = 0  # bytes live only while the node runs
             if isinstance(n, ApplyNode):
@@ -479,17 +486,13 @@ class MemGraph:
                     gone = live.pop(a.tensor, None)
                     if gone is not None:
                         now -= gone[1]
-                        if not n.accumulate:  # live until its write lands
-                            (at, nbytes), lo = gone, n.write.offset
-                            hi = lo + tensors[n.write.tensor].bytes
-                            during += nbytes - max(0, min(hi, at + nbytes) - max(lo, at))
+                        if not n.accumulate:
+                            during += beside(gone, n.write)
                 if not n.accumulate and not n.on_host:
                     w = n.write
                     gone = live.get(w.tensor) if n.frees and isinstance(w.offset, int) else None
                     if gone is not None:  # (ended by this write, as a freed one: malformed)
-                        at, nbytes = gone
-                        hi = w.offset + tensors[w.tensor].bytes
-                        during += nbytes - max(0, min(hi, at + nbytes) - max(w.offset, at))
+                        during += beside(gone, w)
                     now += create(w.tensor, w.offset)
             elif isinstance(n, ReloadNode) or (isinstance(n, InputNode) and n.at == "device"):
                 now += create(n.tensor, n.offset)
