@@ -266,6 +266,30 @@ def test_climb_passes_over_points_that_do_not_fit(makespans, probed, stop):
     assert calls == probed
 
 
+@pytest.mark.parametrize("makespans, probed, stop", [
+    # falls towards less room: the larger room is never lowered
+    ((3.5, 3.6, 4.0, 4.5, 5.0), [2, 1, 0], 0),
+    # best at the start: the smaller room first, then the larger
+    ((5.0, 4.5, 4.0, 4.2, 4.4), [2, 1, 3], 2),
+    # better the other way: it turns, as the default order does
+    ((5.0, 4.5, 4.0, 3.5, 3.6), [2, 1, 3, 4], 3),
+    # the start does not fit: less room will not either, so more room first
+    ((None, None, None, 4.5, 4.8), [2, 3, 4], 3),
+])
+def test_climb_probes_the_side_it_is_told_first(makespans, probed, stop):
+    """`first=-1` (the tiered climb: less room keeps more weights off the disk) probes the
+    lower neighbour first and climbs on without lowering the other where that improves."""
+    from einpage.compiler.search import climb
+    calls = []
+
+    def trial_at(i):
+        calls.append(i)
+        return None if makespans[i] is None else _fake_trial(makespans[i], 1.0)
+
+    assert climb(len(makespans), 2, trial_at, first=-1) == stop
+    assert calls == probed
+
+
 def test_climb_stops_at_compute_time_unless_the_plan_spills():
     from einpage.compiler.search import climb
 

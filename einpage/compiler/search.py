@@ -208,10 +208,12 @@ def search_room(trial_at: Callable[[float], Trial | None],
 
 def climb(count: int, start: int, trial_at: Callable[[int], Trial | None],
           seen: dict[int, Trial | None] | None = None,
-          bound_at: Callable[[int], float] | None = None) -> int:
+          bound_at: Callable[[int], float] | None = None, first: int = 1) -> int:
     """Minimise the makespan over grid points 0..count-1, taken as unimodal: probe `start`; if
-    a point in `seen` (known already) beats it, climb towards it, else probe both neighbours
-    and climb to the better while that improves by more than AUTO_TOLERANCE. Stop once a plan spills nothing and runs
+    a point in `seen` (known already) beats it, climb towards it, else probe its neighbours,
+    the one at `start + first` first (1 or -1: the side the caller expects the best on), and
+    climb to the first that improves by more than AUTO_TOLERANCE while that improves; where
+    `start` does not fit, from `start + 1` (more room). Stop once a plan spills nothing and runs
     within AUTO_TOLERANCE of its compute time (the same for every point, unlike the h2d term of
     each plan's own bound, so no other point can beat it by more than the tolerance). A
     neighbour whose lower bound (`bound_at`) already misses the improvement is not probed: the
@@ -237,7 +239,7 @@ def climb(count: int, start: int, trial_at: Callable[[int], Trial | None],
         j = min(known, key=makespan)
         steps: tuple[int, ...] = (1 if j > i else -1,)
     else:
-        steps = (1, -1)
+        steps = (first, -first) if makespan(i) < math.inf else (1, -1)
     while not done(i):
         for step in steps:
             j = i + step
