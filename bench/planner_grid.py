@@ -5,7 +5,10 @@ is most) over the predicted pass (`simulation.makespan_s`), exactly as `einpage 
 reports it: each case is the flags of an `einpage compile` command, parsed by the CLI's own
 parser and built into a graph, sources, workload and host budget by the CLI's own helpers.
 The device profile is h100-pcie (the default); the host budget is unlimited unless a case names
-a `--cpu-mem`. Prints a markdown table sorted by efficiency, weakest row last, with the
+a `--cpu-mem`; applies may be placed on the host (`--host-compute auto`, the CLI's default, on
+the default host profile): where a placement wins, the row is its plan, and the bound is that
+placement's (a device-only bound does not hold for it: `driver.compile_graph`). The rows a
+placement wins are listed again with `--host-compute off`: the device-only planner's plans. Prints a markdown table sorted by efficiency, weakest row last, with the
 efficiency the issue quoted where it quoted one; cases that do not fit their budget
 (`BudgetError`) are listed below it.
 
@@ -34,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from einpage.cli.common import check_budget, host_budget, profile_from_args
+from einpage.cli.common import check_budget, host_budget, host_options, profile_from_args
 from einpage.cli.main import build_parser
 from einpage.cli.plan import graph_from_args, lookahead_options
 from einpage.compiler import CompileOptions, compile_graph
@@ -60,6 +63,20 @@ class Case:
 
 
 DECODE = "--phase decode --batch"
+#: the cases whose plan places applies on the host (on the default host profile)
+PLACED = (
+    f"llama-7b {DECODE} 16 --past 2047 --capacity 2048 --gpu-mem 16GB --cpu-mem 20GB",
+    f"llama-7b {DECODE} 4 --past 4095 --capacity 4096 --gpu-mem 3.4GB",
+    f"llama-7b {DECODE} 16 --past 511 --capacity 512 --gpu-mem 1.7GB",
+    f"llama3.2-3b {DECODE} 4 --past 8191 --gpu-mem 1.6GB",
+    f"llama3.1-8b {DECODE} 1 --past 2048 --gpu-mem 8GB",
+    f"llama3.1-70b {DECODE} 1 --past 2048 --gpu-mem 36GB",
+    f"mistral-7b {DECODE} 4 --past 8191 --gpu-mem 7GB",
+    f"qwen2.5-72b {DECODE} 16 --past 2047 --capacity 2048 --gpu-mem 36GB",
+    f"qwen3-8b {DECODE} 8 --past 1023 --gpu-mem 4GB",
+    f"mixtral-8x7b {DECODE} 16 --past 2047 --gpu-mem 24GB",
+    f"llama3.1-8b {DECODE} 16 --past 4095 --capacity 4096 --gpu-mem 8GB --cpu-mem 24GB",
+)
 CASES = (
     # the issue's rows, with the efficiency it quotes
     Case("llama3.1-8b --gpu-mem 16GB", 0.850, quick=True),
@@ -132,6 +149,9 @@ CASES = (
     Case(f"qwen2.5-72b {DECODE} 4 --past 2047 --gpu-mem 18GB --cpu-mem 96GB"),
     # a decode step whose KV store (9.7 GB) and streamed weights the host cannot both hold
     Case(f"llama-7b {DECODE} 8 --past 2048 --gpu-mem 8GB --cpu-mem 14GB"),
+    # the rows a host placement wins (attention over the KV store, or experts, on the host),
+    # device-only
+    *(Case(f"{flags} --host-compute off") for flags in PLACED),
 )
 
 
@@ -156,7 +176,7 @@ def run_case(case: Case) -> dict:
         device_bytes=device_bytes, policy=args.policy, device=profile,
         block_bytes=parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else None,
         sources=sources, workload={**workload, "host_budget": host_source},
-        host_bytes=host_bytes, **lookahead_options(args.lookahead))
+        host_bytes=host_bytes, **host_options(args), **lookahead_options(args.lookahead))
     shape = (f"S={workload['seq']}" if workload["phase"] == "prefill"
              else f"C={workload['capacity']} past={workload['past']}")
     row = {"case": f"{workload['model']} B={workload['batch']} {shape}",
