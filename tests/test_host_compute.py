@@ -132,6 +132,59 @@ def test_threads_backend_gives_the_reference_with_random_delays(llama_placed, se
     got = run_streams(mg, inputs, weights, Delayed(ThreadsBackend(poison=True), seed, 2e-3))
     _close(got.outputs, want)
     assert any(s.queue == "host" for s in got.measured.spans)
+    back = [s for s in got.measured.spans if s.queue == "h2d_host"]
+    assert back and all(s.nbytes > 0 for s in back)
+    assert got.measured.bytes("h2d") == sum(s.nbytes for s in got.measured.spans
+                                            if s.queue in ("h2d", "h2d_host"))
+
+
+def test_a_host_apply_s_block_comes_back_on_a_copy_queue_of_its_own(llama_placed):
+    """A reload of a block an apply on the host wrote runs on `h2d_host`, every other copy to
+    the device on `h2d`; the stream program orders every edge with it (`check_program`), and
+    refuses one that puts such a reload on `h2d`; a fault there stops the pass with the error."""
+    from einpage.runtime.backends.inject import Faulty, InjectedFault
+    from einpage.runtime.streams import Step, check_program, compile_streams, queues_of
+    _, weights, inputs, *_, mg, _ = llama_placed
+    written = {n.write.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host}
+    queues = queues_of(mg)
+    back = [n.id for n in mg.nodes if queues[n.id] == "h2d_host"]
+    assert back and back == [n.id for n in mg.nodes
+                             if isinstance(n, ReloadNode) and n.tensor in written]
+    assert any(q == "h2d" for q in queues)
+    program = compile_streams(mg)
+    check_program(mg, program)
+    assert any(s.queue == "h2d_host" and s.waits for s in program.steps)  # after its host apply
+    wrong = dataclasses.replace(program, steps=tuple(
+        Step(s.node, "h2d", s.waits) if s.node == back[0] else s for s in program.steps))
+    with pytest.raises(PlanError, match="expected h2d_host"):
+        check_program(mg, wrong)
+    with pytest.raises(Exception) as caught:
+        run_streams(mg, inputs, weights, Faulty(ThreadsBackend(), "h2d_host", 1))
+    assert isinstance(caught.value, InjectedFault) or isinstance(caught.value.__cause__,
+                                                                 InjectedFault)
+
+
+def test_a_host_apply_s_block_waits_for_no_prefetch_but_shares_the_link(llama_placed):
+    """Simulated, a reload of a block the host wrote starts once its deps are done and the
+    `h2d_host` queue is free, whatever the h2d queue has in flight; the link carries both
+    queues' bytes: the h2d queue's next copy starts no earlier than the link's time allows."""
+    from einpage.predict.simulator import node_seconds, simulate
+    *_, mg, _ = llama_placed
+    profile = get_device("h100-pcie")
+    seconds = node_seconds(mg, profile)
+    sim = simulate(mg, profile, seconds)
+    back = [n for n in mg.nodes if sim.engine[n.id] == "h2d_host"]
+    assert back
+    free = 0.0
+    for n in back:  # in plan order on their own queue: each at its deps' end or the queue's
+        assert sim.start[n.id] == pytest.approx(max([free, *(sim.end[d] for d in n.deps)]))
+        free = sim.end[n.id]
+    copies = [n.id for n in mg.nodes if sim.engine[n.id] in ("h2d", "h2d_host")]
+    assert sim.h2d_s == pytest.approx(sum(seconds[k] for k in copies))
+    # the link's bytes: from the first copy to the last, both queues' time fits
+    first = min(sim.start[k] for k in copies)
+    last = max(sim.end[k] for k in copies)
+    assert last - first >= sim.h2d_s * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("kind", ["experts", "kv+experts"])
@@ -156,7 +209,21 @@ def test_cupy_backend_runs_host_applies_beside_its_streams(fake_cupy, llama_plac
     backend = CupyBackend()
     backend.mg = mg  # what `open` sets: a pass with host applies is not captured
     assert not backend.can_capture()
-    _close(run_streams(mg, inputs, weights, backend).outputs, want)
+    runtime = fake_cupy.cuda.runtime
+    streams = []  # the stream of every copy to the device
+    copy = runtime.memcpyAsync
+
+    def recorded(dst, src, size, kind, stream):
+        if kind == runtime.memcpyHostToDevice:
+            streams.append(stream)
+        return copy(dst, src, size, kind, stream)
+
+    runtime.memcpyAsync = recorded
+    try:
+        _close(run_streams(mg, inputs, weights, backend).outputs, want)
+    finally:
+        runtime.memcpyAsync = copy
+    assert len(set(streams)) == 2  # the h2d stream, and h2d_host's for the host's blocks
 
 
 # ------------------------------------------------------------------ the validator's rule 10

@@ -28,8 +28,10 @@ from einpage.units import format_size
 ROLES = ("weight", "activation", "cache")
 _ROLE_ROW = {"weight": 0, "activation": 1, "cache": 2}  # anything else (temp) -> activation
 _COLORS = {"weight": "#4c72b0", "activation": "#dd8452", "cache": "#55a868"}
-_BAR_COLORS = {"compute": "#4c72b0", "h2d": "#dd8452", "d2h": "#8172b3", "disk": "#937860"}
-_BAR_LABELS = {"compute": "compute (apply)", "h2d": "h2d (reload)", "d2h": "d2h (offload)",
+_BAR_COLORS = {"compute": "#4c72b0", "h2d": "#dd8452", "h2d_host": "#c44e52",
+               "d2h": "#8172b3", "disk": "#937860"}
+_BAR_LABELS = {"compute": "compute (apply)", "h2d": "h2d (reload)",
+               "h2d_host": "h2d (a host apply's block)", "d2h": "d2h (offload)",
                "disk": "disk (read)"}
 
 
@@ -204,8 +206,8 @@ def plot_timeline(mg: MemGraph, sim, path, title: str | None = None) -> Timeline
     mem.set_axisbelow(True)
     mem.grid(True, alpha=0.3)
 
-    rows = [e for e in ("compute", "h2d", "d2h", "disk")
-            if e != "disk" or "disk" in sim.engine]
+    rows = [e for e in ("compute", "h2d", "h2d_host", "d2h", "disk")
+            if e not in ("disk", "h2d_host") or e in sim.engine]
     pixel = right / tscale / 2000  # narrower gaps than this draw as one bar
     for y, engine in enumerate(rows):
         spans = [(s * tscale, d * tscale) for s, d in _spans(sim, engine, pixel)]

@@ -15,6 +15,7 @@ import math
 from typing import Iterable
 
 from einpage.ir.memgraph import MemGraph
+from einpage.predict.simulator import COPY_ENGINES
 from einpage.runtime.streams import QUEUES
 
 _TID = {q: k + 1 for k, q in enumerate(QUEUES)}
@@ -80,7 +81,7 @@ def measured_events(passes, label: str = "measured") -> list[dict]:
 def predicted_events(mg: MemGraph, sim) -> list[dict]:
     """The simulator's timeline of `mg` (a `Simulation`)."""
     spans = [(n.id, sim.engine[n.id], sim.start[n.id], sim.end[n.id],
-              mg.tensors[n.tensor].bytes if sim.engine[n.id] in ("h2d", "d2h", "disk") else 0)
+              mg.tensors[n.tensor].bytes if sim.engine[n.id] in COPY_ENGINES else 0)
              for n in mg.nodes if sim.engine[n.id] is not None]
     return pass_events(mg, spans, 1, f"predicted ({sim.device})")
 
@@ -111,7 +112,7 @@ def ranks_predicted_events(programs, sim) -> list[dict]:
                     start = min(sent.get((n.peer, r, n.tag, m), p.end[n.id]), p.end[n.id])
                     spans.append((n.id, "recv", start, p.end[n.id], _recv_bytes(mg, n)))
                 elif engine is not None:
-                    moved = engine in ("h2d", "d2h", "disk", "peer")
+                    moved = engine in (*COPY_ENGINES, "peer")
                     spans.append((n.id, _queue(engine), p.start[n.id], p.end[n.id],
                                   mg.tensors[n.tensor].bytes if moved else 0))
             events += pass_events(mg, spans, r + 1,

@@ -1,7 +1,9 @@
 """The stream simulator: a memgraph run as the CuPy runtime runs it, in predicted seconds.
 
 Five engines, each in order: the compute stream runs `apply` nodes, the host->device copy engine
-runs `reload` nodes, the device->host copy engine runs `offload` nodes, the disk reader runs
+runs `reload` nodes (those of blocks the host's applies wrote on a second queue, `h2d_host`,
+beside it: `streams.queues_of`; the link carries both, so a copy there delays the h2d queue's
+by its own time where that queue is busy), the device->host copy engine runs `offload` nodes, the disk reader runs
 `read` nodes (disk -> host staging) and the host's CPU runs the applies placed on the host
 (priced on the profile's host, `einpage.predict.hosts`), each in the order of the node list (CUDA streams are FIFO and the runtime enqueues nodes in that order). A node starts when
 every dependency has finished and its engine is free; `input` and `free` nodes take no time (they
@@ -31,12 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph, RecvNode, SendNode
+from einpage.ir.memgraph import ApplyNode, InputNode, MemGraph, RecvNode, ReloadNode, SendNode
 from einpage.predict.cost import (apply_seconds, d2h_seconds, disk_seconds, h2d_seconds,
                                   host_apply_seconds, peer_seconds)
 from einpage.predict.devices import DeviceProfile
 
-ENGINES = ("compute", "h2d", "d2h", "disk", "host", "peer")
+ENGINES = ("compute", "h2d", "d2h", "disk", "host", "peer", "h2d_host")
+#: the engines that move a tensor's bytes (between the host and the device, or disk -> host)
+COPY_ENGINES = ("h2d", "h2d_host", "d2h", "disk")
 _ENGINE_OF = {"apply": "compute", "reload": "h2d", "offload": "d2h", "read": "disk",
               "send": "peer"}
 
@@ -188,6 +192,8 @@ class _Run:
         self.late: set[int] = set()
         self.h2d_bytes = self.d2h_bytes = self.disk_bytes = 0
         self.next = 0  # the next node to step
+        #: blocks applies on the host write: their reloads run on h2d_host (`streams.queues_of`)
+        self.back = {n.write.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host}
 
     @property
     def done(self) -> bool:
@@ -208,17 +214,23 @@ class _Run:
         if eng is None:
             self.start[n.id] = end[n.id] = ready
             return
+        if eng == "h2d" and n.tensor in self.back and isinstance(n, ReloadNode):
+            eng = "h2d_host"
         self.engine[n.id] = eng
         t0 = ready if ready > free_at[eng] else free_at[eng]
         if eng == "compute":
             wait = t0 - free_at[eng]
             if wait > 0:
                 self.stall += wait
-                if last is not None and self.engine[last] == "h2d":
+                if last is not None and self.engine[last] in ("h2d", "h2d_host"):
                     self.stall_h2d += wait
                     self.late.add(last)
         elif eng == "h2d":
             self.h2d_bytes += moved_bytes(mg, n)
+        elif eng == "h2d_host":  # beside the h2d queue, on the same link: a copy there then
+            self.h2d_bytes += moved_bytes(mg, n)  # finishes this one's bytes later
+            if free_at["h2d"] > t0:
+                free_at["h2d"] += self.dur[n.id]
         elif eng == "d2h":
             self.d2h_bytes += mg.tensors[n.tensor].bytes
         elif eng == "disk":
@@ -237,7 +249,8 @@ class _Run:
                     + len(least) * profile.copy_latency,
                     self.d2h_bytes / profile.d2h_bandwidth, disk_min / profile.disk_bandwidth)
         return Simulation(profile.name, tuple(self.start), tuple(self.end), tuple(self.engine),
-                          makespan, busy["compute"], busy["h2d"], busy["d2h"], self.stall,
+                          makespan, busy["compute"], busy["h2d"] + busy["h2d_host"], busy["d2h"],
+                          self.stall,
                           self.stall_h2d, len(self.late), round(self.h2d_bytes), h2d_min,
                           self.d2h_bytes, lower, busy["disk"], self.disk_bytes, disk_min,
                           busy["host"], busy["peer"], origin)

@@ -9,6 +9,10 @@ from typing import Sequence
 from einpage.runtime.streams import QUEUES
 
 
+#: the queues that share a link: the h2d figures count both (`streams.queues_of`)
+_LINK = {"h2d": ("h2d", "h2d_host")}
+
+
 @dataclass(frozen=True, slots=True)
 class Span:
     """One node on its queue, in seconds from the start of the pass."""
@@ -31,10 +35,14 @@ class Measured:
     captured: bool = False     # the pass was issued under capture, then launched (no spans)
 
     def busy_s(self, queue: str) -> float:
-        return sum(s.end - s.start for s in self.spans if s.queue == queue)
+        """Busy time of `queue` ("h2d": both queues that copy host->device, as the simulator
+        counts the link's)."""
+        queues = _LINK.get(queue, (queue,))
+        return sum(s.end - s.start for s in self.spans if s.queue in queues)
 
     def bytes(self, queue: str) -> int:
-        return sum(s.nbytes for s in self.spans if s.queue == queue)
+        queues = _LINK.get(queue, (queue,))
+        return sum(s.nbytes for s in self.spans if s.queue in queues)
 
     @property
     def compute_stall_s(self) -> float:
@@ -48,7 +56,8 @@ class Measured:
 
     def hidden_fraction(self, queue: str = "h2d") -> float:
         """Share of a copy queue's busy time that overlapped compute work (1.0: fully hidden)."""
-        copies = [(s.start, s.end) for s in self.spans if s.queue == queue]
+        queues = _LINK.get(queue, (queue,))
+        copies = [(s.start, s.end) for s in self.spans if s.queue in queues]
         busy = sum(b - a for a, b in copies)
         if busy <= 0:
             return 1.0

@@ -51,10 +51,10 @@ from einpage.runtime.backends.base import Backend
 from einpage.runtime.measured import Measured, Span
 from einpage.runtime.planio import PlanIO, received_inputs
 from einpage.ir.quant import quantize
-from einpage.runtime.streams import QUEUES, StreamProgram, compile_streams, queue_of
+from einpage.runtime.streams import QUEUES, StreamProgram, compile_streams, queues_of
 
 #: the queues whose nodes move a tensor's bytes (the others compute)
-_COPIES = ("h2d", "d2h", "disk")
+_COPIES = ("h2d", "h2d_host", "d2h", "disk")
 
 #: how often a blocked caller looks up from waiting on the workers (Ctrl-C is seen between looks)
 _POLL_S = 0.05
@@ -379,7 +379,8 @@ class _Crew:
         def recv(n: RecvNode) -> None:
             backend.recv(n, comm, received[n.input])
 
-        issue = {"compute": backend.run, "h2d": copy_h2d, "d2h": backend.copy_d2h,
+        issue = {"compute": backend.run, "h2d": copy_h2d, "h2d_host": copy_h2d,
+                 "d2h": backend.copy_d2h,
                  "disk": backend.read_disk, "host": backend.run_host, "send": send,
                  "recv": recv}
         self.issue = tuple(issue[q] for q in self.queues)
@@ -522,8 +523,9 @@ def _queue_steps(mg: MemGraph, program: StreamProgram,
                  queues: tuple[str, ...]) -> tuple[tuple[_Step, ...], ...]:
     """Each queue's steps, in plan order, as its worker runs them."""
     worker = {q: k for k, q in enumerate(queues)}
-    out: list[list[_Step]] = [[] for _ in queues]
+    queues = queues_of(mg)
+    out: list[list[_Step]] = [[] for _ in worker]
     for s in program.steps:
-        waits = tuple((worker[queue_of(mg.nodes[w])], w) for w in s.waits)
+        waits = tuple((worker[queues[w]], w) for w in s.waits)
         out[worker[s.queue]].append(_Step(mg.nodes[s.node], waits, s.node in program.events))
     return tuple(tuple(steps) for steps in out)

@@ -26,8 +26,8 @@ copy from asynchronously. Streamed weight blocks are pinned once per loaded mode
 by its later sessions (`pinned.PinnedWeights`). A packed (quantized) block is held, staged,
 pinned and copied as its packed bytes (`planio.stored`, `typed_view`) wherever it goes.
 
-Streams. Three `Stream(non_blocking=True)`: compute, h2d, d2h (and one carrying the disk
-queue's events); a queue's worker thread runs inside `queue_context`, which makes the device and
+Streams. Four `Stream(non_blocking=True)`: compute, h2d, h2d_host (the copies back of what the
+host's applies wrote: `streams.queues_of`), d2h (and one carrying the disk queue's events); a queue's worker thread runs inside `queue_context`, which makes the device and
 the queue's stream current (cuBLAS and every kernel run on the current stream) and, on the
 compute thread, gives its cuBLAS handle the workspace region and the compute stream (the
 executor enters each context once per session). `record` / `wait` use one
@@ -85,7 +85,7 @@ from einpage.runtime.backends.cuda_source import DEVICE_DTYPE
 from einpage.runtime.backends.pinned import PinnedWeights
 from einpage.runtime.diskread import DiskReader
 from einpage.runtime.planio import PlanIO, instance_bytes, receive_into, stored, typed_view
-from einpage.runtime.streams import host_prologue
+from einpage.runtime.streams import QUEUES, host_prologue
 
 __all__ = ["CupyBackend", "cuda_usable", "workspace_bytes"]
 
@@ -93,6 +93,9 @@ __all__ = ["CupyBackend", "cuda_usable", "workspace_bytes"]
 STAGING_SLOTS = 4
 #: pinned slots for KV rows written between passes (each as large as a resident KV block)
 ROW_SLOTS = 8
+#: the queues that copy between the host and the device on a stream of their own
+_H2D_QUEUES = ("h2d", "h2d_host")
+_COPY_QUEUES = (*_H2D_QUEUES, "d2h")
 #: the queues whose work the CPU does (a wait there blocks the CPU until the event completes)
 _CPU_QUEUES = ("disk", "host", "send", "recv")
 
@@ -179,6 +182,7 @@ class CupyBackend(DeviceApplies, Backend):
         self.hidden_bytes = 0
         self.compile_s = 0.0
         self.taken_bytes = 0         # device bytes `open` took, measured by memGetInfo
+        self._local = threading.local()  # per worker: the copy stream its h2d copies go on
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -308,8 +312,7 @@ class CupyBackend(DeviceApplies, Backend):
         # the disk queue's reads, the host queue's applies and the messages of a rank of several
         # (recv, and send after its copy out) run on the CPU: those streams carry their events
         # (recorded once the CPU work is done) and the send's copy
-        self._streams = {q: cp.cuda.Stream(non_blocking=True)
-                         for q in ("compute", "h2d", "d2h", "disk", "host", "send", "recv")}
+        self._streams = {q: cp.cuda.Stream(non_blocking=True) for q in QUEUES}
         self._at("status", 0).memset_async(0, STATUS_BYTES, self._streams["compute"])
         # an event per pinned slot, recorded after each copy out of it (one never recorded is
         # complete): a slot is reused once its event is
@@ -434,6 +437,7 @@ class CupyBackend(DeviceApplies, Backend):
     def _queue_context(self, queue: str, warm: bool = False) -> Iterator[None]:
         with self._device, self._streams[queue], self.hook:
             if queue != "compute":
+                self._local.copies = self._streams[queue] if queue in _H2D_QUEUES else None
                 yield
                 return
             if not warm:  # this thread's handle (made once per thread): the region, the stream
@@ -537,7 +541,7 @@ class CupyBackend(DeviceApplies, Backend):
             compute.begin_capture()
             fork = self._cp.cuda.Event(disable_timing=True)
             fork.record(compute)
-            for q in ("h2d", "d2h"):
+            for q in _COPY_QUEUES:
                 self._streams[q].wait_event(fork)
 
     def end_capture(self, failed: bool = False) -> None:
@@ -546,7 +550,7 @@ class CupyBackend(DeviceApplies, Backend):
         compute = self._streams["compute"]
         with self._device:
             try:
-                for q in ("h2d", "d2h"):
+                for q in _COPY_QUEUES:
                     join = self._cp.cuda.Event(disable_timing=True)
                     join.record(self._streams[q])
                     compute.wait_event(join)
@@ -620,12 +624,13 @@ class CupyBackend(DeviceApplies, Backend):
         self.reader.read(n.tensor, staging_view(arena, self.mg, n.tensor, n.host_offset))
 
     def _h2d(self, dst: Any, host_ptr: int, nbytes: int) -> None:
-        """Pinned host memory -> the device on the h2d stream. Through cudaMemcpyAsync
-        itself: CuPy's `MemoryPointer.copy_from_host_async` refuses a capturing stream
-        (CuPy 14), where CUDA captures a copy from pinned memory as a graph node."""
+        """Pinned host memory -> the device on the calling worker's copy stream (h2d, or
+        h2d_host for what the host's applies wrote: `streams.queues_of`). Through
+        cudaMemcpyAsync itself: CuPy's `MemoryPointer.copy_from_host_async` refuses a capturing
+        stream (CuPy 14), where CUDA captures a copy from pinned memory as a graph node."""
         rt = self._cp.cuda.runtime
-        rt.memcpyAsync(dst.ptr, host_ptr, nbytes, rt.memcpyHostToDevice,
-                       self._streams["h2d"].ptr)
+        stream = getattr(self._local, "copies", None) or self._streams["h2d"]
+        rt.memcpyAsync(dst.ptr, host_ptr, nbytes, rt.memcpyHostToDevice, stream.ptr)
 
     def copy_h2d(self, n: ReloadNode | InputNode) -> None:
         dst, nbytes = self._instance(n.tensor, n.offset)

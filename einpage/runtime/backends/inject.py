@@ -3,8 +3,10 @@ plan's edges must be the only ordering there is) and a failure injected at the k
 queue (every queue must stop, memory must be released, the caller must get one typed error)."""
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any, ContextManager
+from contextlib import contextmanager
+from typing import Any, ContextManager, Iterator
 
 import numpy as np
 
@@ -21,6 +23,7 @@ class Wrapped(Backend):
         self.inner = inner
         self.name = inner.name
         self.peers = inner.peers
+        self._local = threading.local()  # per worker: its queue (two queues copy h2d)
 
     def _before(self, queue: str) -> None:
         pass
@@ -29,10 +32,16 @@ class Wrapped(Backend):
         self.inner.open(mg, io)
 
     def queue_context(self, queue: str) -> ContextManager:
-        return self.inner.queue_context(queue)
+        return self._queue_context(queue)
+
+    @contextmanager
+    def _queue_context(self, queue: str) -> Iterator[None]:
+        self._local.queue = queue
+        with self.inner.queue_context(queue):
+            yield
 
     def copy_h2d(self, n) -> None:
-        self._before("h2d")
+        self._before(getattr(self._local, "queue", "h2d"))
         self.inner.copy_h2d(n)
 
     def guard_on(self, n) -> bool:
