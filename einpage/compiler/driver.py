@@ -23,6 +23,7 @@ from einpage.compiler.allocator import aligned
 from einpage.compiler.cuts import largest_reused_weight
 from einpage.compiler.drain import tail_seconds
 from einpage.compiler.lower_options import GUARDED_RELOAD_SHARE, LowerOptions
+from einpage.compiler.placement import separated_seconds
 from einpage.compiler.policies import Policy, get_policy
 from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
 from einpage.compiler.rungs import Partitions, Rung, known_bound, problem_bound
@@ -33,7 +34,7 @@ from einpage.compiler.tiers import Tiered, by_size_tiers, place_tiers
 from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.graph import Graph
-from einpage.ir.memgraph import ALIGNMENT, MemGraph
+from einpage.ir.memgraph import ALIGNMENT, ApplyNode, MemGraph
 from einpage.ir.taskgraph import TaskGraph
 from einpage.predict.devices import DeviceProfile
 from einpage.predict.simulator import Simulation
@@ -181,7 +182,8 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     if best.on_host:  # the bound of the placement it runs (a device-only bound does not hold)
         rungs = [planned.rung._replace(
             min_stream_bytes=best.simulation.h2d_min_bytes,
-            compute_s=max(best.simulation.compute_s, best.simulation.host_s), front_s=0.0,
+            compute_s=max(best.simulation.compute_s, best.simulation.host_s,
+                          _separated(tg, best)), front_s=0.0,
             tail_s=0.0, min_stream_copies=0.0)]
     tiered = place_tiers(best.memgraph, best.simulation, options.host_bytes, trials.profile)
     disk_binds = tiered.choice.disk_bytes and (
@@ -224,6 +226,16 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     return Compiled(mg, tg, tuple(trials.order),
                     PlanReport.of_plan(mg, valid, tiered.simulation, figures, trials.profile),
                     tiered.simulation)
+
+
+def _separated(tg: TaskGraph, plan: search.Trial) -> float:
+    """`placement.separated_seconds` of `plan`'s placement, each task taking what its apply
+    takes in `plan`'s simulation (a task's seconds where it runs: a guarded one its share)."""
+    sim, seconds = plan.simulation, [0.0] * len(tg.tasks)
+    for n in plan.memgraph.nodes:
+        if isinstance(n, ApplyNode) and n.task is not None:
+            seconds[n.task] = sim.end[n.id] - sim.start[n.id]
+    return separated_seconds(tg, plan.on_host, seconds)
 
 
 class _Ladder(NamedTuple):
