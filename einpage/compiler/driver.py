@@ -596,8 +596,7 @@ def _lower_options(options: CompileOptions, profile: DeviceProfile, policy: Poli
                         outputs_to_host=not fits and policy.evicts,
                         lookahead_bytes=options.lookahead_bytes, task_seconds=seconds,
                         guarded_reload_share=options.guarded_reload_share,
-                        pack_low=options.pack_low,
-                        link=(profile.h2d_bandwidth, profile.copy_latency))
+                        pack_low=options.pack_low)
 
 
 def _default_lookahead(trials: search.Trials, best: search.Trial,

@@ -31,9 +31,6 @@ class LowerOptions:
     evict_ahead: bool = False                    # reserving ahead may evict far clean blocks
     claim_share: float | None = None             # room kept for deferred writes (CLAIM_SHARE)
     pack_low: bool = True                        # blocks that stay packed from below (`_allocate`)
-    link: tuple[float, float] | None = None      # host->device bytes/s and copy latency: copies
-                                                 # that wait on the host move back in the link's
-                                                 # queue by them (`queue_order`); None: not moved
     progress: object = None                      # callable(done_tasks, total_tasks) or None
 
 

@@ -57,7 +57,6 @@ from dataclasses import dataclass, field
 
 from einpage.compiler.allocator import Allocation, Allocator, aligned
 from einpage.compiler.lower_options import LowerOptions
-from einpage.compiler.queue_order import defer_host_copies
 from einpage.compiler.order import check_order
 from einpage.compiler.writebacks import keep_idle_outputs
 from einpage.compiler.policies import Candidate, Group
@@ -673,12 +672,6 @@ class _Lowering:
     def finish(self) -> MemGraph:
         tg = self.tg
         nodes, at = keep_idle_outputs(self.nodes, self.written_back)
-        opt = self.opt
-        if self.on_host and opt.link is not None and opt.task_seconds:
-            rate, latency = opt.link
-            nodes = defer_host_copies(nodes, lambda n: opt.task_seconds[n.task],
-                                      lambda n: tg.blocks[n.tensor].bytes / rate + latency,
-                                      lambda n: n.task in tg.host_tasks)
         outputs = []
         for o in tg.outputs:
             b = o.block
