@@ -179,7 +179,8 @@ def run_case(case: Case) -> dict:
         host_bytes=host_bytes, **host_options(args), **lookahead_options(args.lookahead))
     shape = (f"S={workload['seq']}" if workload["phase"] == "prefill"
              else f"C={workload['capacity']} past={workload['past']}")
-    row = {"case": f"{workload['model']} B={workload['batch']} {shape}",
+    device_only = " device-only" if args.host_compute == "off" else ""
+    row = {"case": f"{workload['model']} B={workload['batch']} {shape}{device_only}",
            "command": shlex.join(["einpage", *case.argv]), "phase": workload["phase"],
            "budget": format_size(device_bytes),
            "host": "unlimited" if host_bytes is None else format_size(host_bytes),
