@@ -136,8 +136,8 @@ def serial_floor(mg: MemGraph, program: StreamProgram, passes: int) -> float:
     backend (each step's call, and `record` where it records): the per-node cost with no
     handoff between threads, for comparison."""
     backend = NullBackend()
-    issue = {"compute": backend.run, "h2d": backend.copy_h2d, "d2h": backend.copy_d2h,
-             "disk": backend.read_disk}
+    issue = {"compute": backend.run, "h2d": backend.copy_h2d, "h2d_host": backend.copy_h2d,
+             "d2h": backend.copy_d2h, "disk": backend.read_disk, "host": backend.run_host}
     steps = [(issue[s.queue], mg.nodes[s.node], s.queue, s.node in program.events)
              for s in program.steps]
     walls = []

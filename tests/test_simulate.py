@@ -91,6 +91,47 @@ def test_perfect_overlap_hides_transfers():
     assert sim.compute_s == pytest.approx(n)
 
 
+def test_a_host_apply_s_block_shares_the_link_beside_the_h2d_queue():
+    """The reload of a block an apply on the host wrote runs on `h2d_host`, beside the h2d
+    queue; the link carries both, so an h2d copy it meets ends its seconds later, once: one
+    in flight before it (the next copy starts later) or one that starts while it runs."""
+    def plan(weight_first: bool):
+        p = Plan([GB, GB, 3 * GB, GB, GB])
+        a = p.add(InputNode, 0, "host")
+        w = p.add(InputNode, 2, "host")
+        v = p.add(InputNode, 3, "host")
+        host = p.add(ApplyNode, (Access(0, None),), Access(1, None), False, MATMUL, (a,),
+                     (), None, "host")
+        copies = [p.add(ReloadNode, 2, 0, (w,))] if weight_first else []
+        back = p.add(ReloadNode, 1, 0, (host,))
+        copies += [] if weight_first else [p.add(ReloadNode, 2, 0, (w,))]
+        copies.append(p.add(ReloadNode, 3, 0, (v,)))
+        mg = p.build()
+        seconds = [1.0 if n.kind == "apply" else
+                   mg.tensors[n.tensor].bytes / GB if n.kind == "reload" else 0.0
+                   for n in mg.nodes]
+        return simulate(mg, UNIT, seconds, verify=False), back, copies
+
+    for weight_first in (True, False):
+        sim, back, (w, v) = plan(weight_first)
+        assert sim.engine[back] == "h2d_host" and sim.engine[w] == sim.engine[v] == "h2d"
+        assert (sim.start[back], sim.end[back]) == pytest.approx((1.0, 2.0))  # not after w
+        assert sim.start[w] == 0.0
+        # w's 3 s and back's 1 s share the link: v starts at 4 s, not 3
+        assert sim.start[v] == pytest.approx(4.0) and sim.makespan_s == pytest.approx(5.0)
+        assert sim.h2d_s == pytest.approx(5.0) and sim.h2d_bytes == 5 * GB
+    # a copy back that meets no h2d copy takes nothing from it
+    p = Plan([GB, GB, GB])
+    a = p.add(InputNode, 0, "host")
+    host = p.add(ApplyNode, (Access(0, None),), Access(1, None), False, MATMUL, (a,), (),
+                 None, "host")
+    back = p.add(ReloadNode, 1, 0, (host,))
+    w = p.add(ReloadNode, 2, 0, (back,))
+    mg = p.build()
+    sim = simulate(mg, UNIT, [0.0, 1.0, 1.0, 1.0], verify=False)
+    assert (sim.end[back], sim.start[w], sim.end[w]) == pytest.approx((2.0, 2.0, 3.0))
+
+
 def test_bandwidth_bound_plan_runs_at_link_speed():
     """Each apply needs a 2 GB reload (2 s at 1 GB/s) and computes for 0.5 s: the link is busy
     throughout, the compute stream stalls, and the lower bound is the link time."""

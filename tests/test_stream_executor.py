@@ -83,6 +83,20 @@ def test_paged_llama_on_threads_matches_reference(seed):
     assert all(a.end <= b.start + 1e-9 for a, b in zip(spans, spans[1:]))  # a queue is in order
 
 
+def test_the_link_s_figures_count_both_copy_queues_and_their_overlap_once():
+    """`Measured`'s h2d figures are the link's: bytes of both queues that copy host->device,
+    busy while either copies (an overlap once), hidden where compute runs meanwhile."""
+    from einpage.runtime.measured import Measured, Span
+    spans = (Span(0, "compute", 0.0, 10.0, 0), Span(1, "h2d", 0.0, 10.0, 100),
+             Span(2, "h2d_host", 1.0, 2.0, 10), Span(3, "h2d_host", 11.0, 12.0, 10))
+    m = Measured("threads", 12.0, 0.0, 0, spans)
+    assert m.bytes("h2d") == 120 and m.bytes("h2d_host") == 20
+    assert m.busy_s("h2d") == pytest.approx(11.0) and m.busy_s("h2d_host") == pytest.approx(2.0)
+    assert m.rate("h2d") == pytest.approx(120 / 11.0)
+    assert m.hidden_fraction("h2d") == pytest.approx(10.0 / 11.0)
+    assert m.hidden_fraction("h2d_host") == pytest.approx(0.5)
+
+
 def test_resident_weights_load_before_the_pass():
     graph, mg, inputs, weights = small_llama(50_000_000)  # everything fits
     program = compile_streams(mg, preload=True)

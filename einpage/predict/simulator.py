@@ -1,11 +1,13 @@
 """The stream simulator: a memgraph run as the CuPy runtime runs it, in predicted seconds.
 
-Five engines, each in order: the compute stream runs `apply` nodes, the host->device copy engine
+Engines, each in order: the compute stream runs `apply` nodes, the host->device copy engine
 runs `reload` nodes (those of blocks the host's applies wrote on a second queue, `h2d_host`,
-beside it: `streams.queues_of`; the link carries both, so a copy there delays the h2d queue's
-by its own time where that queue is busy), the device->host copy engine runs `offload` nodes, the disk reader runs
-`read` nodes (disk -> host staging) and the host's CPU runs the applies placed on the host
-(priced on the profile's host, `einpage.predict.hosts`), each in the order of the node list (CUDA streams are FIFO and the runtime enqueues nodes in that order). A node starts when
+beside it: `streams.queues_of`; the link carries both, so an h2d copy that meets a copy there
+ends that copy's seconds later, each such copy counted once), the device->host copy engine runs
+`offload` nodes, the disk reader runs `read` nodes (disk -> host staging) and the host's CPU
+runs the applies placed on the host (priced on the profile's host, `einpage.predict.hosts`),
+each in the order of the node list (CUDA streams are FIFO and the runtime enqueues nodes in that
+order). A node starts when
 every dependency has finished and its engine is free; `input` and `free` nodes take no time (they
 finish when their dependencies do). Durations come from `einpage.predict.cost`; a guarded reload (`ReloadGuard`)
 takes its expected share of its bytes' time, as a guarded apply its share of its op's.
@@ -18,8 +20,8 @@ block whose every reload is guarded at its expected share), the minimum copies o
 tensor, and the minimum disk bytes each tensor at disk that is read, once.
 Efficiency is lower bound / makespan.
 
-A program of one rank of several also runs its sends, in order, on a sixth engine, the link to
-its peers (`peer_seconds`: bytes over the profile's peer link, or its group link for a message
+A program of one rank of several also runs its sends, in order, on an engine of its own, the link
+to its peers (`peer_seconds`: bytes over the profile's peer link, or its group link for a message
 within a tensor-parallel group of a pipeline of them); a recv takes no time and
 finishes when its message arrives (`arrivals`: the matched send's end on the sender's clock).
 `simulate_ranks` runs the programs of a pipeline together, `micro_batches` passes of each in a
@@ -57,10 +59,10 @@ class Simulation:
     device: str
     start: tuple[float, ...]        # per node, seconds
     end: tuple[float, ...]
-    engine: tuple[str | None, ...]  # per node: compute | h2d | d2h | disk | None (instant)
+    engine: tuple[str | None, ...]  # per node: `ENGINES`' name, None (instant)
     makespan_s: float
     compute_s: float                # busy time of each engine
-    h2d_s: float
+    h2d_s: float                    # (the link's: both host->device queues)
     d2h_s: float
     stall_s: float                  # compute stream idle, waiting on dependencies
     stall_h2d_s: float              # ... of which waiting on a reload (a prefetch came late)
@@ -194,6 +196,8 @@ class _Run:
         self.next = 0  # the next node to step
         #: blocks applies on the host write: their reloads run on h2d_host (`streams.queues_of`)
         self.back = {n.write.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host}
+        #: (start, end, seconds) of h2d_host copies no h2d copy has made room for yet
+        self.beside: list[tuple[float, float, float]] = []
 
     @property
     def done(self) -> bool:
@@ -227,17 +231,42 @@ class _Run:
                     self.late.add(last)
         elif eng == "h2d":
             self.h2d_bytes += moved_bytes(mg, n)
-        elif eng == "h2d_host":  # beside the h2d queue, on the same link: a copy there then
-            self.h2d_bytes += moved_bytes(mg, n)  # finishes this one's bytes later
-            if free_at["h2d"] > t0:
-                free_at["h2d"] += self.dur[n.id]
+        elif eng == "h2d_host":
+            self.h2d_bytes += moved_bytes(mg, n)
         elif eng == "d2h":
             self.d2h_bytes += mg.tensors[n.tensor].bytes
         elif eng == "disk":
             self.disk_bytes += mg.tensors[n.tensor].bytes
         self.start[n.id], end[n.id] = t0, t0 + self.dur[n.id]
+        if eng == "h2d_host":
+            self._share_link(t0, end[n.id], self.dur[n.id])
+        elif eng == "h2d" and self.beside:
+            end[n.id] = self._shared_end(t0, end[n.id])
         free_at[eng] = end[n.id]
         self.busy[eng] += self.dur[n.id]
+
+    def _share_link(self, t0: float, t1: float, seconds: float) -> None:
+        """An h2d_host copy over [t0, t1): where an h2d copy is in flight, the link gives this
+        one `seconds` of it, and the h2d queue's next copy starts that much later; else the
+        first h2d copy to overlap it does (`_shared_end`)."""
+        if self.free_at["h2d"] > t0:
+            self.free_at["h2d"] += seconds
+        else:
+            self.beside.append((t0, t1, seconds))
+
+    def _shared_end(self, t0: float, t1: float) -> float:
+        """The end of an h2d copy over [t0, t1) at the link's full rate, later by the seconds
+        of each h2d_host copy beside it that no h2d copy has made room for."""
+        left = []
+        for a, b, seconds in self.beside:
+            if b <= t0:
+                continue  # (h2d copies start in order: no later one meets it)
+            if a < t1:
+                t1 += seconds
+            else:
+                left.append((a, b, seconds))
+        self.beside = left
+        return t1
 
     def finish(self) -> Simulation:
         mg, profile, busy, origin = self.mg, self.profile, self.busy, self.origin

@@ -35,10 +35,21 @@ class Measured:
     captured: bool = False     # the pass was issued under capture, then launched (no spans)
 
     def busy_s(self, queue: str) -> float:
-        """Busy time of `queue` ("h2d": both queues that copy host->device, as the simulator
-        counts the link's)."""
+        """Busy time of `queue` ("h2d": the link's, while either queue that copies
+        host->device copies, their overlap once)."""
+        return sum(b - a for a, b in self._busy(queue))
+
+    def _busy(self, queue: str) -> list[tuple[float, float]]:
+        """The intervals `queue` is busy (for "h2d", either of the link's queues), disjoint,
+        in order."""
         queues = _LINK.get(queue, (queue,))
-        return sum(s.end - s.start for s in self.spans if s.queue in queues)
+        out: list[tuple[float, float]] = []
+        for a, b in sorted((s.start, s.end) for s in self.spans if s.queue in queues):
+            if out and a <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], b))
+            else:
+                out.append((a, b))
+        return out
 
     def bytes(self, queue: str) -> int:
         queues = _LINK.get(queue, (queue,))
@@ -56,13 +67,11 @@ class Measured:
 
     def hidden_fraction(self, queue: str = "h2d") -> float:
         """Share of a copy queue's busy time that overlapped compute work (1.0: fully hidden)."""
-        queues = _LINK.get(queue, (queue,))
-        copies = [(s.start, s.end) for s in self.spans if s.queue in queues]
+        copies = self._busy(queue)
         busy = sum(b - a for a, b in copies)
         if busy <= 0:
             return 1.0
-        compute = sorted((s.start, s.end) for s in self.spans if s.queue == "compute")
-        return _overlap(sorted(copies), compute) / busy
+        return _overlap(copies, self._busy("compute")) / busy
 
     def to_json(self) -> dict:
         """The pass's figures; those made from spans are None for a pass timed as a whole (a

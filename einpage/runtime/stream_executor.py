@@ -523,9 +523,9 @@ def _queue_steps(mg: MemGraph, program: StreamProgram,
                  queues: tuple[str, ...]) -> tuple[tuple[_Step, ...], ...]:
     """Each queue's steps, in plan order, as its worker runs them."""
     worker = {q: k for k, q in enumerate(queues)}
-    queues = queues_of(mg)
-    out: list[list[_Step]] = [[] for _ in worker]
+    queue_of_node = queues_of(mg)
+    out: list[list[_Step]] = [[] for _ in queues]
     for s in program.steps:
-        waits = tuple((worker[queues[w]], w) for w in s.waits)
+        waits = tuple((worker[queue_of_node[w]], w) for w in s.waits)
         out[worker[s.queue]].append(_Step(mg.nodes[s.node], waits, s.node in program.events))
     return tuple(tuple(steps) for steps in out)

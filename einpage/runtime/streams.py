@@ -1,8 +1,9 @@
 """The stream program: a memgraph put on in-order queues, the way the plan was priced.
 
 Every node that does work goes on one queue: `compute` (apply), `h2d` (reload, input at device),
-`h2d_host` (a reload of a block an apply on the host wrote: `queues_of`), `d2h` (offload), `disk` (read: checkpoint file -> host staging buffer), `host` (an apply placed
-on the host: it computes on host copies, on the CPU), and in a program of one rank of several
+`h2d_host` (a reload of a block an apply on the host wrote: `queues_of`), `d2h` (offload),
+`disk` (read: checkpoint file -> host staging buffer), `host` (an apply placed on the host: it
+computes on host copies, on the CPU), and in a program of one rank of several
 `send` and `recv` (messages to and from peer ranks: a recv blocks only its own queue). `free`
 nodes and inputs at host or disk move no byte: they only order, so they fold into the nodes
 that depend on them (a node's *queue deps* are its deps with every folded node

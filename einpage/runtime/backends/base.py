@@ -4,16 +4,17 @@ which queue, the waits, stopping every queue on an error, timing, assembling out
 stream executor's (`einpage.runtime.stream_executor`), shared by every backend.
 
 The executor calls a backend from one worker thread per queue: `copy_h2d` only from the h2d
-thread, `copy_d2h` only from the d2h thread, `run` only from the compute thread, `run_host` only from the
-host thread (an apply on host copies, done on the CPU before the call returns), `read_disk` only
-from the disk thread (the reader: checkpoint file -> host staging buffer, done on the host before
-the call returns; a `wait` of the disk queue blocks the reader until the awaited node is
-complete, since the staging bytes it overwrites may still be in use). A call *issues*
-the node on its queue: the threads backend does the work before returning, the CUDA backend
-enqueues it on the queue's stream. `record(queue, node)` makes an event after what the queue has
-issued; the executor calls `wait(queue, node)` only after that node's `record` returned, and the
-wait makes later work of `queue` start after the event (a no-op where `record` is issued after
-completed work).
+and h2d_host threads (a reload of a block a host apply wrote runs on the second:
+`streams.queues_of`), `copy_d2h` only from the d2h thread, `run` only from the compute thread,
+`run_host` only from the host thread (an apply on host copies, done on the CPU before the call
+returns), `read_disk` only from the disk thread (the reader: checkpoint file -> host staging
+buffer, done on the host before the call returns; a `wait` of the disk queue blocks the reader
+until the awaited node is complete, since the staging bytes it overwrites may still be in use).
+A call *issues* the node on its queue: the threads backend does the work before returning, the
+CUDA backend enqueues it on the queue's stream. `record(queue, node)` makes an event after what the
+queue has issued; the executor calls `wait(queue, node)` only after that node's `record` returned,
+and the wait makes later work of `queue` start after the event (a no-op where `record` is issued
+after completed work).
 """
 from __future__ import annotations
 

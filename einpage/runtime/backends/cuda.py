@@ -26,13 +26,15 @@ copy from asynchronously. Streamed weight blocks are pinned once per loaded mode
 by its later sessions (`pinned.PinnedWeights`). A packed (quantized) block is held, staged,
 pinned and copied as its packed bytes (`planio.stored`, `typed_view`) wherever it goes.
 
-Streams. Four `Stream(non_blocking=True)`: compute, h2d, h2d_host (the copies back of what the
-host's applies wrote: `streams.queues_of`), d2h (and one carrying the disk queue's events); a queue's worker thread runs inside `queue_context`, which makes the device and
-the queue's stream current (cuBLAS and every kernel run on the current stream) and, on the
-compute thread, gives its cuBLAS handle the workspace region and the compute stream (the
-executor enters each context once per session). `record` / `wait` use one
-`Event(disable_timing=True)` per recorded node, recorded anew each pass; `stamp` a timing event
-on the queue's stream. Every CUDA call runs with the backend's device current.
+Streams. A `Stream(non_blocking=True)` per queue (`streams.QUEUES`): compute, h2d, h2d_host (the
+copies back of what the host's applies wrote: `streams.queues_of`), d2h, and those of the queues
+whose work the CPU does, which carry their events; a queue's worker thread runs inside
+`queue_context`, which makes the device and the queue's stream current (cuBLAS and every
+kernel run on the current stream) and, on the compute thread, gives its cuBLAS handle the
+workspace region and the compute stream (the executor enters each context once per session).
+`record` / `wait` use one `Event(disable_timing=True)` per recorded node, recorded anew each pass;
+`stamp` a timing event on the queue's stream. Every CUDA call runs with the backend's device
+current.
 
 CUDA graphs. A plan with no host work in its pass (no disk reads) can be captured
 (`begin_capture`: the copy streams fork from the compute stream, so all of the pass is in the
@@ -438,6 +440,7 @@ class CupyBackend(DeviceApplies, Backend):
         with self._device, self._streams[queue], self.hook:
             if queue != "compute":
                 self._local.copies = self._streams[queue] if queue in _H2D_QUEUES else None
+                self._local.queue = queue
                 yield
                 return
             if not warm:  # this thread's handle (made once per thread): the region, the stream

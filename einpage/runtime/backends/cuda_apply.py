@@ -101,10 +101,12 @@ class DeviceApplies:
         return bool(self._guard_values(n.reads[-1], "compute").flat[n.guard.index])
 
     def guard_on(self, n: ReloadNode) -> bool:
-        """Whether guarded reload `n` copies: its guard block copied to the host on the h2d
-        stream, which has waited for the guard's writers (the same values a guarded apply
-        reads: the validator's rule 11 gives both the same version of the block)."""
-        return bool(self._guard_values(n.guard.access, "h2d").flat[n.guard.index])
+        """Whether guarded reload `n` copies: its guard block copied to the host on the stream
+        of the copy queue that runs `n` (h2d, or h2d_host: `streams.queues_of`), which has
+        waited for the guard's writers (the same values a guarded apply reads: the validator's
+        rule 11 gives both the same version of the block)."""
+        queue = getattr(self._local, "queue", None) or "h2d"
+        return bool(self._guard_values(n.guard.access, queue).flat[n.guard.index])
 
     def _guard_values(self, access: Access, queue: str) -> np.ndarray:
         """Guard block `access` on the host, copied once per pass on `queue`'s stream."""
