@@ -133,8 +133,11 @@ def test_figures_agree_in_text_json_and_plot(capsys, tmp_path):
     assert _field(r"of the (\S+ \S+) budget", text) == format_size(r["device_bytes"])
     assert _field(r"fits in less than (\S+ \S+)", text) == format_size(r["lower_bound_bytes"])
     assert _field(r"largest task: (\S+ \S+)", text) == format_size(r["largest_task_bytes"])
-    assert float(_field(r"efficiency ([0-9.]+) \(bound", text)) == round(r["efficiency"], 3)
-    assert float(_field(r"plan efficiency ([0-9.]+)", text)) == round(r["plan_efficiency"], 3)
+    # (the text shows 3 digits of the figure, the JSON 4: each within half a unit of the last
+    # digit the text shows: 0.42553 reads 0.426 in the text and 0.4255 in the JSON)
+    for pattern, key in ((r"efficiency ([0-9.]+) \(bound", "efficiency"),
+                         (r"plan efficiency ([0-9.]+)", "plan_efficiency")):
+        assert abs(float(_field(pattern, text)) - r[key]) <= 0.0005 + 1e-9
     assert _field(r"at this budget: (\S+ s)", text) == f"{r['lower_bound_s']:.3f} s"
     assert _field(r"own bound: (\S+ s)", text) == f"{r['plan_lower_bound_s']:.3f} s"
     assert r["lower_bound_bytes"] <= r["live_peak_bytes"] <= r["arena_bytes"]
