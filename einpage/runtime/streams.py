@@ -76,7 +76,7 @@ def queues_of(mg: MemGraph) -> list[str | None]:
     late in the plan order, and a device task waits for it, while the h2d queue runs the
     prefetches the allocation horizon issued long before, in plan order; behind them, the
     host's result would wait for every weight fetched ahead (llama3.1-8b decode B=16 at 8 GB,
-    its attention on the host: 234.6 ms a step on one copy queue, 170.2 ms on two). The two
+    its attention on the host: 234.6 ms a step on one copy queue, 170.6 ms on two). The two
     queues share the link: the simulator charges each copy's bytes to it."""
     back = {n.write.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host}
     return ["h2d_host" if isinstance(n, ReloadNode) and n.tensor in back else queue_of(n)
