@@ -120,6 +120,19 @@ def test_a_host_apply_s_block_shares_the_link_beside_the_h2d_queue():
         # w's 3 s and back's 1 s share the link: v starts at 4 s, not 3
         assert sim.start[v] == pytest.approx(4.0) and sim.makespan_s == pytest.approx(5.0)
         assert sim.h2d_s == pytest.approx(5.0) and sim.h2d_bytes == 5 * GB
+    # ... nor from one queued before it that starts after it ends (waiting on its deps)
+    p = Plan([GB, GB, GB, GB, GB])
+    a = p.add(InputNode, 0, "host")
+    first = p.add(ApplyNode, (Access(0, None),), Access(1, None), False, MATMUL, (a,), (),
+                  None, "host")
+    late = p.add(ApplyNode, (Access(0, None),), Access(2, None), False, MATMUL, (first,), (),
+                 None, "host")
+    w = p.add(ReloadNode, 3, 0, (late,))
+    back = p.add(ReloadNode, 1, 0, (first,))
+    v = p.add(ReloadNode, 4, 0, ())
+    mg = p.build()
+    sim = simulate(mg, UNIT, [0.0, 1.0, 3.0, 1.0, 1.0, 1.0], verify=False)
+    assert (sim.start[back], sim.start[w], sim.start[v]) == pytest.approx((1.0, 4.0, 5.0))
     # a copy back that meets no h2d copy takes nothing from it
     p = Plan([GB, GB, GB])
     a = p.add(InputNode, 0, "host")

@@ -198,6 +198,7 @@ class _Run:
         self.back = {n.write.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host}
         #: (start, end, seconds) of h2d_host copies no h2d copy has made room for yet
         self.beside: list[tuple[float, float, float]] = []
+        self.h2d_start = start_at  # when the h2d queue's last copy so far started
 
     @property
     def done(self) -> bool:
@@ -240,19 +241,22 @@ class _Run:
         self.start[n.id], end[n.id] = t0, t0 + self.dur[n.id]
         if eng == "h2d_host":
             self._share_link(t0, end[n.id], self.dur[n.id])
-        elif eng == "h2d" and self.beside:
-            end[n.id] = self._shared_end(t0, end[n.id])
+        elif eng == "h2d":
+            self.h2d_start = t0
+            if self.beside:
+                end[n.id] = self._shared_end(t0, end[n.id])
         free_at[eng] = end[n.id]
         self.busy[eng] += self.dur[n.id]
 
     def _share_link(self, t0: float, t1: float, seconds: float) -> None:
-        """An h2d_host copy over [t0, t1): where an h2d copy is in flight, the link gives this
-        one `seconds` of it, and the h2d queue's next copy starts that much later; else the
-        first h2d copy to overlap it does (`_shared_end`)."""
-        if self.free_at["h2d"] > t0:
-            self.free_at["h2d"] += seconds
-        else:
+        """An h2d_host copy over [t0, t1): where the h2d queue's last copy so far overlaps it,
+        the link gives this one `seconds` of that copy's time, and the h2d queue's next copy
+        starts that much later; where that copy ends before t0, the first h2d copy to overlap
+        it does (`_shared_end`); where it starts after t1, none does (the queue is in order)."""
+        if self.free_at["h2d"] <= t0:
             self.beside.append((t0, t1, seconds))
+        elif self.h2d_start < t1:
+            self.free_at["h2d"] += seconds
 
     def _shared_end(self, t0: float, t1: float) -> float:
         """The end of an h2d copy over [t0, t1) at the link's full rate, later by the seconds
