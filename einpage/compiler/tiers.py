@@ -68,7 +68,7 @@ class HostNeeds:
 def host_needs(mg: MemGraph) -> HostNeeds:
     tensors = mg.tensors
     offloaded = {n.tensor for n in mg.nodes if isinstance(n, OffloadNode)}
-    offloaded |= {n.write.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host}
+    offloaded |= mg.host_written()
     host_read = {a.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host
                  for a in n.reads}
     inputs: dict[int, str] = {}

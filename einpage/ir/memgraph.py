@@ -402,6 +402,12 @@ class MemGraph:
     def moved_bytes(self, kind: str) -> int:
         return sum(self.tensors[n.tensor].bytes for n in self.nodes if n.kind == kind)
 
+    def host_written(self) -> frozenset[int]:
+        """The tensors applies on the host write (their host copies are where they are made; a
+        reload of one runs on the `h2d_host` queue: `runtime.streams.queues_of`)."""
+        return frozenset(n.write.tensor for n in self.nodes
+                         if isinstance(n, ApplyNode) and n.on_host)
+
     def host_arena_peak(self) -> int:
         """Highest byte of the host arena a `read` names (0 without a disk tier)."""
         return max((n.host_offset + self.tensors[n.tensor].bytes for n in self.nodes

@@ -195,7 +195,7 @@ class _Run:
         self.h2d_bytes = self.d2h_bytes = self.disk_bytes = 0
         self.next = 0  # the next node to step
         #: blocks applies on the host write: their reloads run on h2d_host (`streams.queues_of`)
-        self.back = {n.write.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host}
+        self.back = mg.host_written()
         #: (start, end, seconds) of h2d_host copies no h2d copy has made room for yet
         self.beside: list[tuple[float, float, float]] = []
         self.h2d_start = start_at  # when the h2d queue's last copy so far started

@@ -78,7 +78,7 @@ def queues_of(mg: MemGraph) -> list[str | None]:
     host's result would wait for every weight fetched ahead (llama3.1-8b decode B=16 at 8 GB,
     its attention on the host: 234.6 ms a step on one copy queue, 170.6 ms on two). The two
     queues share the link: the simulator charges each copy's bytes to it."""
-    back = {n.write.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host}
+    back = mg.host_written()
     return ["h2d_host" if isinstance(n, ReloadNode) and n.tensor in back else queue_of(n)
             for n in mg.nodes]
 

@@ -175,7 +175,7 @@ def host_layout(mg: MemGraph, stage_sources: bool,
     `stage_sources` every input block that a reload reads from its source (but those in
     `exclude`, which the backend keeps elsewhere), each once, in order of first use."""
     copied = {n.tensor for n in mg.nodes if isinstance(n, OffloadNode)}
-    copied |= {n.write.tensor for n in mg.nodes if isinstance(n, ApplyNode) and n.on_host}
+    copied |= mg.host_written()
     at_host = {n.tensor for n in mg.nodes if isinstance(n, InputNode) and n.at == "host"}
     streamed = {n.tensor for n in mg.nodes
                 if isinstance(n, ReloadNode) and n.tensor in at_host and n.tensor not in copied}

@@ -184,7 +184,7 @@ class CupyBackend(DeviceApplies, Backend):
         self.hidden_bytes = 0
         self.compile_s = 0.0
         self.taken_bytes = 0         # device bytes `open` took, measured by memGetInfo
-        self._local = threading.local()  # per worker: the copy stream its h2d copies go on
+        self._local = threading.local()  # per worker: its queue (`_copy_queue`)
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -439,7 +439,6 @@ class CupyBackend(DeviceApplies, Backend):
     def _queue_context(self, queue: str, warm: bool = False) -> Iterator[None]:
         with self._device, self._streams[queue], self.hook:
             if queue != "compute":
-                self._local.copies = self._streams[queue] if queue in _H2D_QUEUES else None
                 self._local.queue = queue
                 yield
                 return
@@ -632,8 +631,13 @@ class CupyBackend(DeviceApplies, Backend):
         cudaMemcpyAsync itself: CuPy's `MemoryPointer.copy_from_host_async` refuses a capturing
         stream (CuPy 14), where CUDA captures a copy from pinned memory as a graph node."""
         rt = self._cp.cuda.runtime
-        stream = getattr(self._local, "copies", None) or self._streams["h2d"]
-        rt.memcpyAsync(dst.ptr, host_ptr, nbytes, rt.memcpyHostToDevice, stream.ptr)
+        rt.memcpyAsync(dst.ptr, host_ptr, nbytes, rt.memcpyHostToDevice,
+                       self._streams[self._copy_queue()].ptr)
+
+    def _copy_queue(self) -> str:
+        """The host->device queue the calling worker runs (h2d where it runs none)."""
+        queue = getattr(self._local, "queue", None)
+        return queue if queue in _H2D_QUEUES else "h2d"
 
     def copy_h2d(self, n: ReloadNode | InputNode) -> None:
         dst, nbytes = self._instance(n.tensor, n.offset)

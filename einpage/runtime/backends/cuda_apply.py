@@ -105,8 +105,7 @@ class DeviceApplies:
         of the copy queue that runs `n` (h2d, or h2d_host: `streams.queues_of`), which has
         waited for the guard's writers (the same values a guarded apply reads: the validator's
         rule 11 gives both the same version of the block)."""
-        queue = getattr(self._local, "queue", None) or "h2d"
-        return bool(self._guard_values(n.guard.access, queue).flat[n.guard.index])
+        return bool(self._guard_values(n.guard.access, self._copy_queue()).flat[n.guard.index])
 
     def _guard_values(self, access: Access, queue: str) -> np.ndarray:
         """Guard block `access` on the host, copied once per pass on `queue`'s stream."""
