@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import sympy
 from fake_cupy import installed
-from test_host_compute import MIXTRAL, _close, _decode, _inputs_for, _placed
+from host_placed import MIXTRAL, assert_close, decode_step, inputs_for, placed_plan
 
 from einpage.compiler.partitioner import PartitionOptions, partition
 from einpage.errors import GraphError, PlanError
@@ -117,9 +117,9 @@ def test_a_guarded_op_round_trips_and_bad_ones_are_refused():
 def mixtral_decode(request):
     """Mixtral decode at B=1 (one token: exactly k experts per layer run), experts on the host."""
     hf = request.getfixturevalue("hf_fixture")
-    cfg, weights, graph, inputs = _decode(MIXTRAL, hf, batch=1)
-    tg, kept, on_host, mg = _placed(cfg, graph, "experts")
-    inputs = _inputs_for(mg, inputs)
+    cfg, weights, graph, inputs = decode_step(MIXTRAL, hf, batch=1)
+    tg, kept, on_host, mg = placed_plan(cfg, graph, "experts")
+    inputs = inputs_for(mg, inputs)
     return cfg, weights, graph, inputs, mg, reference.evaluate(graph, inputs, weights)
 
 
@@ -143,7 +143,7 @@ def _count_runs(monkeypatch):
 def test_one_token_runs_only_the_experts_its_router_picks(mixtral_decode, monkeypatch):
     cfg, weights, graph, inputs, mg, want = mixtral_decode
     ran, seen = _count_runs(monkeypatch)
-    _close(run(mg, inputs, weights, order=3), want)
+    assert_close(run(mg, inputs, weights, order=3), want)
     assert len(seen) == cfg.layers and all(len(v) == cfg.experts for v in seen.values())
     assert all(len(v) == cfg.experts_per_token for v in ran.values())
 
@@ -154,18 +154,18 @@ def test_threads_backend_skips_unchosen_experts_with_random_delays(mixtral_decod
     cfg, weights, graph, inputs, mg, want = mixtral_decode
     ran, _ = _count_runs(monkeypatch)
     got = run_streams(mg, inputs, weights, Delayed(ThreadsBackend(poison=True), seed, 2e-3))
-    _close(got.outputs, want)
+    assert_close(got.outputs, want)
     assert all(len(v) == cfg.experts_per_token for v in ran.values())
 
 
 def test_the_device_only_plan_skips_too_and_gives_the_same_answers(hf_fixture):
-    cfg, weights, graph, inputs = _decode(MIXTRAL, hf_fixture, batch=2)
-    tg, _, on_host, mg = _placed(cfg, graph, "kv", share=4)
-    inputs = _inputs_for(mg, inputs)
+    cfg, weights, graph, inputs = decode_step(MIXTRAL, hf_fixture, batch=2)
+    tg, _, on_host, mg = placed_plan(cfg, graph, "kv", share=4)
+    inputs = inputs_for(mg, inputs)
     assert any(n.guard is not None and not n.on_host for n in mg.nodes if n.kind == "apply")
     want = reference.evaluate(graph, inputs, weights)
-    _close(run(mg, inputs, weights, order=2), want)
-    _close(run_streams(mg, inputs, weights, "threads").outputs, want)
+    assert_close(run(mg, inputs, weights, order=2), want)
+    assert_close(run_streams(mg, inputs, weights, "threads").outputs, want)
 
 
 @pytest.fixture
@@ -175,9 +175,9 @@ def fake_cupy(monkeypatch, tmp_path_factory):
 
 def test_cupy_backend_skips_unchosen_experts_and_never_captures(fake_cupy, hf_fixture,
                                                                 monkeypatch):
-    cfg, weights, graph, inputs = _decode(MIXTRAL, hf_fixture, batch=1)
-    tg, _, _, mg = _placed(cfg, graph, "kv", share=4)
-    inputs = _inputs_for(mg, inputs)
+    cfg, weights, graph, inputs = decode_step(MIXTRAL, hf_fixture, batch=1)
+    tg, _, _, mg = placed_plan(cfg, graph, "kv", share=4)
+    inputs = inputs_for(mg, inputs)
     backend = CupyBackend()
     backend.mg = mg
     assert not backend.can_capture()
@@ -191,7 +191,7 @@ def test_cupy_backend_skips_unchosen_experts_and_never_captures(fake_cupy, hf_fi
         return on
     monkeypatch.setattr(CupyBackend, "_guard_on", recording)
     want = reference.evaluate(graph, inputs, weights)
-    _close(run_streams(mg, inputs, weights, backend).outputs, want)
+    assert_close(run_streams(mg, inputs, weights, backend).outputs, want)
     assert len(ran) == cfg.layers
     assert all(len(v) == cfg.experts_per_token for v in ran.values())
 
@@ -272,9 +272,9 @@ def streamed_experts(request):
     """Mixtral decode at B=1 with every block on the device side at a quarter of the weights:
     the experts stream, each reloaded only where the router chose it."""
     hf = request.getfixturevalue("hf_fixture")
-    cfg, weights, graph, inputs = _decode(MIXTRAL, hf, batch=1)
-    tg, _, _, mg = _placed(cfg, graph, "kv", share=4)
-    inputs = _inputs_for(mg, inputs)
+    cfg, weights, graph, inputs = decode_step(MIXTRAL, hf, batch=1)
+    tg, _, _, mg = placed_plan(cfg, graph, "kv", share=4)
+    inputs = inputs_for(mg, inputs)
     return cfg, weights, graph, inputs, tg, mg, reference.evaluate(graph, inputs, weights)
 
 
@@ -312,14 +312,14 @@ def test_skipped_reloads_give_the_reference_in_any_order(streamed_experts):
     *_, inputs, tg, mg, want = streamed_experts
     weights = streamed_experts[1]
     for order in ("sequential", 3, 11):
-        _close(run(mg, inputs, weights, order=order, poison_freed=True), want)
+        assert_close(run(mg, inputs, weights, order=order, poison_freed=True), want)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_threads_backend_moves_only_the_chosen_experts(streamed_experts, seed):
     cfg, weights, graph, inputs, tg, mg, want = streamed_experts
     got = run_streams(mg, inputs, weights, Delayed(ThreadsBackend(poison=True), seed, 2e-3))
-    _close(got.outputs, want)
+    assert_close(got.outputs, want)
     spans = {s.node: s.nbytes for s in got.measured.spans if s.queue == "h2d"}
     guarded = _guarded_reloads(mg)
     moved = [n for n in guarded if spans[n.id]]
@@ -345,7 +345,7 @@ def test_cupy_backend_reads_the_guard_on_its_copy_stream(fake_cupy, streamed_exp
         return on
     monkeypatch.setattr(CupyBackend, "guard_on", recording)
     backend = CupyBackend()
-    _close(run_streams(mg, inputs, weights, backend).outputs, want)
+    assert_close(run_streams(mg, inputs, weights, backend).outputs, want)
     assert sorted(k for k, _ in asked) == sorted(n.id for n in _guarded_reloads(mg))
     assert any(on for _, on in asked) and not all(on for _, on in asked)
 
