@@ -108,10 +108,13 @@ class _Lowering:
         self.n = len(order)
         self.claim = CLAIM_SHARE if opt.claim_share is None else opt.claim_share
         self.nodes: list = []
+        # the task at each position, the blocks it touches and those it reads (each once)
+        self.at = [tg.tasks[tid] for tid in order]
+        self.touched = [tg.touched[tid] for tid in order]
+        self.read_once = [tg.read_once[tid] for tid in order]
         uses: list[list[int]] = [[] for _ in tg.blocks]
-        for p, tid in enumerate(order):
-            t = tg.tasks[tid]
-            for b in {*t.reads, t.write}:
+        for p, touched in enumerate(self.touched):
+            for b in touched:
                 uses[b].append(p)
         outputs = {o.block for o in tg.outputs}
         self.blocks = [BlockState(aligned(blk.bytes), uses[blk.id], blk.id in outputs)
@@ -204,10 +207,11 @@ class _Lowering:
 
     # ------------------------------------------------------------ reservation
     def _needs(self, p: int, own: bool = True) -> list[int]:
-        t = self.tg.tasks[self.order[p]]
+        """The blocks task `p` needs placed (`own`: its reads and write not on the device; and
+        the blocks of a group the policy keeps together that starts at `p`, pinned here the
+        first time), unordered (`_by_size` orders them for placing)."""
         blocks = self.blocks
-        need = ([b for b in dict.fromkeys((*t.reads, t.write)) if blocks[b].offset is None]
-                if own else [])
+        need = [b for b in self.touched[p] if blocks[b].offset is None] if own else []
         for g in self.group_at.get(p, ()):  # a group the policy keeps together starts here
             if g.stage in self.pinned_groups:  # pinned at an earlier try to reserve `p`
                 continue
@@ -215,6 +219,13 @@ class _Lowering:
             for b in g.blocks:
                 blocks[b].pins += 1
             need += [b for b in g.blocks if blocks[b].offset is None and b not in need]
+        return need
+
+    def _by_size(self, need: list[int]) -> list[int]:
+        """`need` in the order blocks are placed: the largest first, then by id."""
+        if len(need) < 2:
+            return need
+        blocks = self.blocks
         return sorted(need, key=lambda b: (-blocks[b].size, b))
 
     def reserve(self, p: int, may_evict: bool, far: bool = False) -> int | None:
@@ -225,55 +236,55 @@ class _Lowering:
         so far. `far`: where that room is short, clean blocks not needed for more than
         FAR_SHARE of the positions left are evicted for it (`_far`). Returns the bytes
         reserved, or None (nothing changed; with `far`, the far blocks may have been let go)."""
-        t = self.tg.tasks[self.order[p]]
+        t = self.at[p]
         blocks = self.blocks
         host = t.id in self.on_host
-        if not host and any(self.host_pending.get(b) for b in t.reads):
+        if not host and self.host_pending and any(self.host_pending.get(b) for b in t.reads):
             return None  # its host writers have not run (a == e never gets here: they came first)
-        if not host and any(b in self.guard_of and blocks[b].offset is None
-                            and self.guard_ready[self.guard_of[b][0]] >= self.e for b in t.reads):
+        if not host and self.guard_of and any(
+                b in self.guard_of and blocks[b].offset is None
+                and self.guard_ready[self.guard_of[b][0]] >= self.e for b in t.reads):
             return None  # a guarded reload waits for its guard's writers (a == e: they ran)
         need = self._needs(p, own=not host)
         later = 0
         if self.defer and not host:
-            fresh = [b for b in need if self._made_later(t, b)]
-            # its own fresh write is claimed here; a read made later is its writer's claim
-            later = blocks[t.write].size if t.write in fresh and not t.accumulate else 0
-            need = [b for b in need if b not in fresh]
-            short = (sum(blocks[b].size for b in need) + self.claim * (self.deferred + later)
-                     - self.alloc.free_bytes)
+            # its own fresh write is claimed here; a read not on the device and with no
+            # current host copy (a writer before `t` has not run) is its writer's claim
+            w, fresh_write = t.write, not t.accumulate
+            now, nbytes = [], 0
+            for b in need:
+                st = blocks[b]
+                if b == w and fresh_write:
+                    later = st.size
+                elif st.host_valid:
+                    now.append(b)
+                    nbytes += st.size
+            need = now
+            short = nbytes + self.claim * (self.deferred + later) - self.alloc.free_bytes
             if not may_evict and short > 0 and far:
                 short -= self._evict_far(p, short)
             if not may_evict and short > 0:
                 return None
         for b in (*t.reads, t.write):
             blocks[b].pins += 1
-        got = self._place(p, need, may_evict, unpin=True, far=far)
+        got = self._place(p, self._by_size(need), may_evict, unpin=True, far=far)
         if got is None:
             return None
         self.later[p] = later
         self.deferred += later
         return got + later  # the look-ahead counts a deferred write where it was claimed
 
-    def _made_later(self, t, b: int) -> bool:
-        """Whether block `b` of task `t`, not on the device, is placed at `finalize`: its fresh
-        write, or a block with no current host copy (a writer before `t` has not run)."""
-        if b == t.write and not t.accumulate:
-            return True
-        return not self.blocks[b].host_valid
-
     def finalize(self, p: int, may_evict: bool) -> int | None:
         """Place what `reserve` left to the last moment for task `p`: its fresh write (a read
         made later is placed by its writer's `finalize`, and pinned by `p` since `reserve`).
         None if that does not fit without evicting."""
-        t = self.tg.tasks[self.order[p]]
+        t = self.at[p]
         blocks = self.blocks
         if t.id in self.on_host:
             got = 0
         else:
-            need = sorted((b for b in dict.fromkeys((*t.reads, t.write))
-                           if blocks[b].offset is None), key=lambda b: (-blocks[b].size, b))
-            got = self._place(p, need, may_evict, unpin=False)
+            need = [b for b in self.touched[p] if blocks[b].offset is None]
+            got = self._place(p, self._by_size(need), may_evict, unpin=False) if need else 0
             if got is None:
                 return None
         self.deferred -= self.later.pop(p, 0)
@@ -286,7 +297,7 @@ class _Lowering:
         execution horizon; they are reserved again when the horizon comes back to them."""
         blocks = self.blocks
         for p in range(start, stop):
-            t = self.tg.tasks[self.order[p]]
+            t = self.at[p]
             for b in (*t.reads, t.write):
                 blocks[b].pins -= 1
             self.deferred -= self.later.pop(p, 0)
@@ -333,7 +344,7 @@ class _Lowering:
         """Allocate `need` for task `p` (reloads, its fresh write); returns the bytes, or None
         with nothing allocated (and `p`'s pins released where `unpin`); `far`: evicting far
         blocks only (`_far`) where an allocation fails (those evictions stay)."""
-        t = self.tg.tasks[self.order[p]]
+        t = self.at[p]
         blocks = self.blocks
         got: list[tuple[int, Allocation]] = []
         for b in need:
@@ -468,7 +479,7 @@ class _Lowering:
     def _compact(self, p: int, need: list[int]) -> list[tuple[int, Allocation]]:
         """Last resort at the execution horizon: evict everything not pinned, then the task's own
         blocks too, and place its working set from scratch. A policy that never evicts fails."""
-        t = self.tg.tasks[self.order[p]]
+        t = self.at[p]
         blocks = self.blocks
         if not self.policy.evicts:
             live = sum(blocks[b].size for b in self.live)
@@ -575,7 +586,7 @@ class _Lowering:
         self.host_pending[w] -= 1
 
     def execute(self, p: int) -> None:
-        t = self.tg.tasks[self.order[p]]
+        t = self.at[p]
         blocks = self.blocks
         if t.id in self.on_host:
             self._host_apply(t)
@@ -588,12 +599,13 @@ class _Lowering:
             deps.update(ws.since_write)
         else:
             deps.update(self.pending.pop(w).deps)
-        reads = tuple(Access(b, blocks[b].offset) for b in t.reads)
-        nid = self.emit(ApplyNode(self._next_id(), reads, Access(w, ws.offset),
+        reads = tuple([Access(b, blocks[b].offset) for b in t.reads])
+        nid = self.emit(ApplyNode(len(self.nodes), reads, Access(w, ws.offset),
                                   t.accumulate, t.op, tuple(sorted(deps)), task=t.id))
-        for b in dict.fromkeys(t.reads):
-            blocks[b].accesses.append(nid)
-            blocks[b].since_write.append(nid)
+        for b in self.read_once[p]:
+            st = blocks[b]
+            st.accesses.append(nid)
+            st.since_write.append(nid)
         if t.accumulate:
             ws.accesses.append(nid)
         else:
@@ -608,15 +620,17 @@ class _Lowering:
         and free the device instances it used for the last time."""
         blocks, w = self.blocks, t.write
         for b in (*t.reads, w):
-            blocks[b].pins -= 1
-            blocks[b].last_touch = p
+            st = blocks[b]
+            st.pins -= 1
+            st.last_touch = p
         for g in self.group_until.get(p, ()):  # a group the policy kept together ends here
             for b in g.blocks:  # pinned when its first task was reserved, before this one ran
                 blocks[b].pins -= 1
-        for b in dict.fromkeys((*t.reads, w)):
+        resident = self.opt.resident
+        for b in self.touched[p]:
             st = blocks[b]
-            if (st.uses[-1] == p and b not in self.opt.resident
-                    and st.offset is not None and st.pins == 0):
+            if (st.uses[-1] == p and st.offset is not None and st.pins == 0
+                    and b not in resident):
                 if not st.is_output:
                     self._free(b, st.accesses)
                 elif self.opt.outputs_to_host:

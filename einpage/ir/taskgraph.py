@@ -79,6 +79,16 @@ class TaskGraph:
         return tuple(tuple(w) for w in out)
 
     @cached_property
+    def touched(self) -> tuple[tuple[int, ...], ...]:
+        """The blocks each task touches: its reads, then its write, each once."""
+        return tuple(tuple(dict.fromkeys((*t.reads, t.write))) for t in self.tasks)
+
+    @cached_property
+    def read_once(self) -> tuple[tuple[int, ...], ...]:
+        """The blocks each task reads, each once, in the order it reads them."""
+        return tuple(tuple(dict.fromkeys(t.reads)) for t in self.tasks)
+
+    @cached_property
     def deps(self) -> tuple[tuple[int, ...], ...]:
         """Task edges: every writer of each read block, and the previous writer of an
         accumulated block."""
