@@ -188,12 +188,11 @@ class Allocator:
         size = aligned(max(size, 1))
         if size > self._free or (self._max_run is not None and size > self._max_run):
             return None
-        largest = 0
         for run_lo, run_hi in zip(self._run_lo, self._run_hi):
             if run_hi - run_lo >= size:
                 return self.take(run_lo, size)
-            largest = max(largest, run_hi - run_lo)
-        self._max_run = largest  # taking bytes only shrinks runs; a free updates this
+        # taking bytes only shrinks runs; a free updates this
+        self._max_run = max((hi - lo for lo, hi in zip(self._run_lo, self._run_hi)), default=0)
         return None
 
     def take(self, at: int, size: int) -> Allocation:
