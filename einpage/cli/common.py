@@ -2,7 +2,6 @@
 flags, and writing a text output."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -233,41 +232,11 @@ def available_host_memory() -> int | None:
 
 
 def host_options(args) -> dict:
-    """The compile options the host's flags set: `--host-compute auto` weighs applies placed on
-    the host and gathers a pass's embedding rows there where it does not fit
-    (`compiler.host_gather`), `off` runs every task on the device; `--jobs`, the lowerings the
-    search runs at once on the host's cores (`compiler.ahead`; auto: as many as it may use, at
-    most four)."""
+    """The compile options `--host-compute` sets: `auto` weighs applies placed on the host and
+    gathers a pass's embedding rows there where it does not fit (`compiler.host_gather`);
+    `off` runs every task on the device."""
     auto = args.host_compute == "auto"
-    return {"host_compute": auto, "host_gather": auto, "jobs": jobs_of(args)}
-
-
-def jobs_of(args) -> int:
-    """`--jobs` as a count (auto, or absent: `compiler.ahead.auto_jobs`)."""
-    from einpage.compiler.ahead import auto_jobs
-    text = getattr(args, "jobs", None)
-    if text is None or text == "auto":
-        return auto_jobs()
-    return int(text)
-
-
-def add_jobs_arg(parser) -> None:
-    """`--jobs`: lowerings at once while the compiler searches."""
-    parser.add_argument("--jobs", type=jobs_arg, default="auto",
-                        help="lowerings the compiler's search runs at once, each in a process "
-                             "of its own (default auto: the cores it may use, at most 4; 1: "
-                             "one at a time); the plan is the same whatever the count")
-
-
-def jobs_arg(text: str) -> str:
-    if text != "auto":
-        try:
-            if int(text) >= 1:
-                return text
-        except ValueError:
-            pass
-        raise argparse.ArgumentTypeError(f"expected auto or a count of at least 1, got {text!r}")
-    return text
+    return {"host_compute": auto, "host_gather": auto}
 
 
 def host_budget(args) -> tuple[int | None, str]:

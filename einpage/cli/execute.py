@@ -10,10 +10,9 @@ from typing import TextIO
 
 import numpy as np
 
-from einpage.cli.common import (POLICY_HELP, add_host_args, add_jobs_arg, add_parallel_arg,
-                                add_quantize_arg, check_budget, check_context, host_budget,
-                                host_options, input_from_args, load_plan, report_logits,
-                                write_text)
+from einpage.cli.common import (POLICY_HELP, add_host_args, add_parallel_arg, add_quantize_arg,
+                                check_budget, check_context, host_budget, host_options,
+                                input_from_args, load_plan, report_logits, write_text)
 from einpage.cli.draft import draft_from_args, draft_tokens
 from einpage.cli.outputs import Deferred, OutputPath
 from einpage.cli.ranks import quiet_rank
@@ -97,7 +96,6 @@ def _add_run_args(p: argparse.ArgumentParser, host_profile: bool = True) -> None
                                            "--host-out)")
     else:
         p.set_defaults(host=None, host_file=None)
-    add_jobs_arg(p)
     p.add_argument("--host-compute", choices=("auto", "off"), default="auto",
                    help="auto (default): run applies on the host where the plan's simulated "
                         "pass is faster; off: every apply on the device")

@@ -5,9 +5,9 @@ import json
 import re
 import sys
 
-from einpage.cli.common import (POLICY_HELP, add_device_args, add_host_args, add_jobs_arg,
-                                add_parallel_arg, add_quantize_arg, check_budget, host_budget,
-                                host_options, load_plan, profile_from_args, write_text)
+from einpage.cli.common import (POLICY_HELP, add_device_args, add_host_args, add_parallel_arg,
+                                add_quantize_arg, check_budget, host_budget, host_options,
+                                load_plan, profile_from_args, write_text)
 from einpage.cli.outputs import Deferred, OutputPath
 from einpage.cli.report import print_report
 from einpage.errors import EinpageError, InputError
@@ -76,7 +76,6 @@ def add_commands(sub) -> None:
                    help="write the predicted pass as a Chrome trace (Perfetto)")
     add_host_args(c)
     add_device_args(c)
-    add_jobs_arg(c)
     c.add_argument("--host-compute", choices=("auto", "off"), default="auto",
                    help="auto (default): place applies on the host where the simulated pass is "
                         "faster (a decode step's attention over a KV store in host memory, "

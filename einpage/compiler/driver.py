@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Callable, Mapping, NamedTuple
 
 from einpage import collector
-from einpage.compiler import ahead, rooms, search
+from einpage.compiler import rooms, search
 from einpage.compiler.host_search import place
 from einpage.compiler.allocator import aligned
 from einpage.compiler.cuts import largest_reused_weight
@@ -29,7 +29,7 @@ from einpage.compiler.report import CompileFigures, PlanReport, TrialSummary
 from einpage.compiler.rungs import Partitions, Rung, known_bound, problem_bound
 from einpage.compiler.resident import (PassNeeds, everything_fits, kept_bytes,
                                        memory_lower_bound)
-from einpage.compiler.tier_room import weights_first_tiered
+from einpage.compiler.tier_room import weights_first_tiered, with_plan
 from einpage.compiler.tiers import Tiered, by_size_tiers, place_tiers
 from einpage.ir.validator import validate, vouch
 from einpage.errors import BudgetError, PlanError
@@ -67,9 +67,6 @@ class CompileOptions:
     host_gather: bool = True            # a pass that does not fit gathers its embedding rows on
                                         # the host (`compiler.host_gather`; the CLI's
                                         # --host-compute off clears it)
-    jobs: int = 1                       # lowerings at once: the search's next probes lowered
-                                        # ahead in forked processes (`compiler.ahead`; the
-                                        # same plan whatever the count)
 
 
 @dataclass(frozen=True)
@@ -117,7 +114,7 @@ def compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     ladder where its activations are small (`LADDER_GATE`), its blocks halved where they are
     not (`_halve_blocks`). The cyclic garbage collector is paused meanwhile
     (`collector.paused`)."""
-    with collector.paused(), ahead.lowering_ahead(options.jobs):
+    with collector.paused():
         return _compile_graph(graph, options)
 
 
@@ -180,7 +177,7 @@ def _compile_graph(graph: Graph, options: CompileOptions) -> Compiled:
     if not planned.fits:  # (after the placement, which starts from what the device keeps)
         planned = rooms.by_size_trials(planned, options, known_bound(rungs, parts.profile))
     tg, trials = planned.tg, planned.trials
-    best = trials.best_plan()
+    best = trials.best()
     device_rungs = rungs
     if best.on_host:  # the bound of the placement it runs (a device-only bound does not hold)
         rungs = [planned.rung._replace(
@@ -280,7 +277,7 @@ def _finer_tiered(parts: Partitions, chosen: tuple[rooms.Planned, search.Trial, 
             break
         finest, step = finer.rung.block, step + 1
         rungs.extend(r for r in finer.tried if r not in rungs)
-        plan = finer.trials.best_plan()
+        plan = finer.trials.best()
         if plan.on_host or not finer.paced:
             break
         try:
@@ -308,7 +305,7 @@ def _climb_device(planned: rooms.Planned, best: search.Trial, tiered: Tiered,
     device = [t for t in planned.trials.items if not t.on_host]
     if not device:
         return None
-    plan = planned.trials.plan_of(search.best(device))
+    plan = with_plan(planned.trials, search.best(device))
     if plan is not best:
         try:
             tiered = place_tiers(plan.memgraph, plan.simulation, options.host_bytes,

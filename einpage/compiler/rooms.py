@@ -98,7 +98,7 @@ def search_resident(trials: search.Trials, options: CompileOptions, needs: PassN
             trials.try_run(everything, windows[0])
         # Paced resident sets (the streaming spread over the compute, the first blocks and
         # the large ones resident) leaving the pass a share of the budget beside its peak.
-        probes.search()
+        search.search_room(paced, probes.bound)
     return _finish(trials, windows, shares)
 
 
@@ -146,20 +146,6 @@ class _Probes:
         return max(self.compute, streamed_bytes(self.trials.tg, self.set(at), self.guarded)
                    / self.trials.profile.h2d_bandwidth)
 
-    def ahead(self, shares: list[float]) -> None:
-        """The trials of `shares`' sets, lowered ahead where that runs (`Trials.ahead`)."""
-        self.trials.ahead([(self.set(at), self.window, self.knobs) for at in shares])
-
-    def search(self, start: float = search.ROOM_START,
-               shares: tuple[float, ...] = search.ROOM_SHARES) -> float:
-        """`search.search_room` over these probes from `start` on `shares`, the next probes
-        lowered ahead meanwhile (those it did not reach stopped after)."""
-        try:
-            return search.search_room(self.run, self.bound, start=start, shares=shares,
-                                      ahead_at=self.ahead)
-        finally:
-            self.trials.end_ahead()
-
 
 def refine_room(planned: Planned, options: CompileOptions, bound_s: float,
                  best_s: float = math.inf) -> Planned:
@@ -202,7 +188,8 @@ def refine_room(planned: Planned, options: CompileOptions, bound_s: float,
     for knobs in (search.DEFAULT_KNOBS, search.STAMPED) if trials.base.pack_low else (
             search.STAMPED,):
         probes = _Probes(trials, needs, options, best.window, True, knobs, sets)
-        probes.search(start, search.FINE_ROOM_SHARES)
+        search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES,
+                           start=start)
         shares = {**probes.shares, **shares}
     return _fine_winner(planned, best, shares, options.device_bytes)
 
@@ -283,8 +270,8 @@ def climb_tiers(planned: Planned, best: search.Trial, tiered: Tiered,
     slowest unclimbed in every disk row, never won."""
     tiers = []
     for rival in rivals:
-        plan = rival.trials.best_plan()
-        if rival.paced and not plan.on_host:
+        plan = rival.trials.best()
+        if rival.paced and not plan.on_host and plan.memgraph is not None:
             try:
                 tiers.append((place_tiers(plan.memgraph, plan.simulation, options.host_bytes,
                                           rival.trials.profile), rival, plan))
@@ -401,7 +388,7 @@ def by_size_trials(planned: Planned, options: CompileOptions, bound_s: float) ->
     # what the outputs take: qwen2.5-7b at 3.8 GB won at 0.05, kept as 0, read back as 0.1)
     start = _room_share(needs, kept_bytes(planned.tg, best.resident), budget)
     probes = _Probes(trials, needs, options, best.window, True, best.knobs, by_size=True)
-    probes.search(start, search.FINE_ROOM_SHARES)
+    search.search_room(probes.run, probes.bound, shares=search.FINE_ROOM_SHARES, start=start)
     return _fine_winner(planned, best, probes.shares, budget)
 
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
-from einpage.compiler import ahead
 from einpage.compiler.lower_options import LowerOptions
 from einpage.compiler.lowering import lower
 from einpage.compiler.report import Traffic
@@ -76,8 +75,6 @@ class Trial:
     live_peak: int
     on_host: frozenset = frozenset()  # the tasks it runs on the host (`compiler.placement`)
     knobs: Knobs = DEFAULT_KNOBS      # lowered with these options
-    # ... from this base (its trials' `base`): what lowers its plan again where it has none
-    base: LowerOptions | None = field(default=None, compare=False, repr=False)
 
 
 class Trials:
@@ -90,8 +87,6 @@ class Trials:
         self.progress = progress
         self.items: list[Trial] = []
         self._tried: dict[tuple, Trial | None] = {}
-        self._planned: tuple[Trial, Trial] | None = None  # (best, with its plan: `best_plan`)
-        self._ahead = ahead.Speculation(len(tg.tasks))  # trials lowered ahead (`ahead`)
 
     def run(self, resident: frozenset, window: float | None, exact: bool = False,
             knobs: Knobs = DEFAULT_KNOBS) -> Trial:
@@ -102,77 +97,36 @@ class Trials:
         set halved is no neighbour of it. A resident set and window tried before are not
         lowered again (paced sets of several room shares are often the same set: all empty
         where no weight fits beside the pass): that trial is returned, and `items` keeps it
-        once. `knobs`: lowered with those `LowerOptions`. A trial lowered ahead (`ahead`)
-        is taken as it is, without its plan (`best_plan` lowers the winner's again)."""
-        key = self._key(resident, window, exact, knobs)
+        once. `knobs`: lowered with those `LowerOptions`."""
+        knobs = Knobs(knobs.evict_ahead or self.base.evict_ahead,  # what it is lowered with
+                      knobs.claim_share, knobs.pack_low and self.base.pack_low)
+        key = (resident, window, exact, knobs)
         if key in self._tried:
             if self._tried[key] is None:
                 raise BudgetError(f"{len(resident)} resident blocks leave the pass too little "
                                   "room (tried before)", 0, self.base.device_bytes)
             return self._tried[key]
-        trial = self._ahead.take(key)
-        if trial is None:  # (a child found that it does not fit: only exact keys go ahead)
-            self._tried[key] = None
-            raise BudgetError(f"{len(resident)} resident blocks leave the pass too little room",
-                              0, self.base.device_bytes)
-        if ahead.taken(trial):
-            trial = replace(trial, base=self.base)
-        else:
-            progress = None
-            if self.progress is not None:
-                progress = functools.partial(self.progress, f"lowering {len(self.items) + 1}")
-            try:
-                trial = self._lower(key, progress)
-            except BudgetError:
-                if exact:
-                    self._tried[key] = None
-                raise
-        self.items.append(trial)
+        progress = None
+        if self.progress is not None:
+            progress = functools.partial(self.progress, f"lowering {len(self.items) + 1}")
+        opts = knobs.lower_options(replace(self.base, resident=resident,
+                                           lookahead_seconds=window, progress=progress))
+        try:
+            mg, kept = ((lower(self.tg, self.order, opts), resident) if exact
+                        else lower_shrinking(self.tg, self.order, opts))
+        except BudgetError:
+            if exact:
+                self._tried[key] = None
+            raise
+        sim = simulate(mg, self.profile,
+                       node_seconds(mg, self.profile, self.base.task_seconds or None),
+                       verify=False)
+        self.items.append(Trial(window, kept, mg, sim, Traffic.of(mg).offload_bytes,
+                                mg.live_peak(), self.base.on_host, knobs))
         self._drop_losers()
         trial = self.items[-1]  # kept without its plan and timelines (`items` keeps those)
         self._tried[key] = without_plan(trial)
         return self._tried[key]
-
-    def _key(self, resident: frozenset, window: float | None, exact: bool,
-             knobs: Knobs) -> tuple:
-        knobs = Knobs(knobs.evict_ahead or self.base.evict_ahead,  # what it is lowered with
-                      knobs.claim_share, knobs.pack_low and self.base.pack_low)
-        return (resident, window, exact, knobs)
-
-    def _lower(self, key: tuple, progress=None, base: LowerOptions | None = None) -> Trial:
-        """The trial of `key` (`_key`) lowered from `base` (these trials' own by default) and
-        simulated; changes nothing."""
-        resident, window, exact, knobs = key
-        base = base or self.base
-        opts = knobs.lower_options(replace(base, resident=resident, lookahead_seconds=window,
-                                           progress=progress))
-        mg, kept = ((lower(self.tg, self.order, opts), resident) if exact
-                    else lower_shrinking(self.tg, self.order, opts))
-        sim = simulate(mg, self.profile, node_seconds(mg, self.profile, base.task_seconds or None),
-                       verify=False)
-        return Trial(window, kept, mg, sim, Traffic.of(mg).offload_bytes, mg.live_peak(),
-                     base.on_host, knobs, base)
-
-    def ahead(self, points: list[tuple[frozenset, float | None, Knobs]]) -> None:
-        """Exact trials (resident set, window, knobs) the search asks for next, and those it
-        may ask for after, the likeliest first: lowered in child processes where
-        `compiler.ahead` is under way (`run` takes them in the order it is asked for them, as
-        if lowered then); those named before and not now are stopped."""
-        keys = [k for k in (self._key(r, w, True, kn) for r, w, kn in points)
-                if k not in self._tried]
-        self._ahead.want([(k, functools.partial(self._figures, k)) for k in keys])
-
-    def end_ahead(self) -> None:
-        """The trials lowered ahead that the search did not ask for: their children stopped."""
-        self._ahead.stop()
-
-    def _figures(self, key: tuple) -> Trial | None:
-        """`key`'s trial without its plan, or None where its set does not fit (what a child
-        sends: its `base` is the parent's)."""
-        try:
-            return replace(without_plan(self._lower(key)), base=None)
-        except BudgetError:
-            return None
 
     def reference(self, resident: frozenset,
                   knobs: Knobs = DEFAULT_KNOBS) -> Simulation | None:
@@ -206,26 +160,7 @@ class Trials:
                       else without_plan(t) for t in self.items]
 
     def best(self) -> Trial:
-        """The best trial; without its plan where it was lowered ahead (`best_plan`)."""
         return best(self.items)
-
-    def best_plan(self) -> Trial:
-        """The best trial with its plan: lowered again, the same, where it was lowered ahead
-        (`items` keeps it as it is: the search compares trials by identity)."""
-        won = self.best()
-        if won.memgraph is None:
-            if self._planned is None or self._planned[0] is not won:
-                self._planned = (won, self.plan_of(won))
-            return self._planned[1]
-        return won
-
-    def plan_of(self, trial: Trial) -> Trial:
-        """`trial` (one of these, lowered from its `base`) with its plan: lowered and
-        simulated again as it was (the same plan and figures), where its plan was dropped (a
-        faster trial had won) or it was lowered ahead."""
-        if trial.memgraph is not None:
-            return trial
-        return self._lower((trial.resident, trial.window, True, trial.knobs), base=trial.base)
 
 
 def stamped_trials(trials: Trials, bound_s: float) -> None:
@@ -256,33 +191,24 @@ def without_plan(trial: Trial) -> Trial:
 def search_room(trial_at: Callable[[float], Trial | None],
                 bound_at: Callable[[float], float] | None = None, start: float = ROOM_START,
                 seen: dict[float, Trial] | None = None,
-                shares: tuple[float, ...] = ROOM_SHARES,
-                ahead_at: Callable[[list[float]], None] | None = None) -> float:
+                shares: tuple[float, ...] = ROOM_SHARES) -> float:
     """Search the room a paced resident set leaves for the pass beside its activation peak
     (`resident.paced_at`: counting its outputs or not), as a share of the budget on the grid
     `shares` (`resident.paced_resident`): little room streams the fewest bytes but leaves the
     prefetch none to work ahead in; much room the reverse. Unimodal like the resident share:
     start at `start` and `climb` (`bound_at`: a lower bound on a share's makespan, to skip
-    probes that cannot move the climb; `seen`: the shares probed already; `ahead_at`: told
-    the shares the climb may probe next, the likeliest first). Returns the best share
-    probed."""
+    probes that cannot move the climb; `seen`: the shares probed already). Returns the best
+    share probed."""
     best = climb(len(shares), shares.index(start),
                  lambda i: trial_at(shares[i]),
                  {shares.index(at): t for at, t in (seen or {}).items()},
-                 None if bound_at is None else lambda i: bound_at(shares[i]),
-                 ahead=None if ahead_at is None else lambda points: ahead_at(
-                     [shares[i] for i in points]))
+                 None if bound_at is None else lambda i: bound_at(shares[i]))
     return shares[best]
-
-
-#: The points a climb names before each probe (`climb`'s `ahead`): that one and those after
-AHEAD_POINTS = 4
 
 
 def climb(count: int, start: int, trial_at: Callable[[int], Trial | None],
           seen: dict[int, Trial | None] | None = None,
-          bound_at: Callable[[int], float] | None = None, first: int = 1,
-          ahead: Callable[[list[int]], None] | None = None) -> int:
+          bound_at: Callable[[int], float] | None = None, first: int = 1) -> int:
     """Minimise the makespan over grid points 0..count-1, taken as unimodal: probe `start`; if
     a point in `seen` (known already) beats it, climb towards it, else probe its neighbours,
     the one at `start + first` first (1 or -1: the side the caller expects the best on), and
@@ -293,9 +219,7 @@ def climb(count: int, start: int, trial_at: Callable[[int], Trial | None],
     neighbour whose lower bound (`bound_at`) already misses the improvement is not probed: the
     climb takes the same path with fewer lowerings. Returns the point it stopped at: the best
     it probed on its way. A point whose trial is None (its plan does not fit) counts as
-    infinitely slow. `ahead`: told, before each probe, the points the climb would probe after
-    it (the next on its way if that probe improves, then the other side), so that they can be
-    lowered meanwhile (`Trials.ahead`); the points probed and the result are the same."""
+    infinitely slow."""
     seen = dict(seen or {})
 
     def makespan(i: int) -> float:
@@ -308,13 +232,7 @@ def climb(count: int, start: int, trial_at: Callable[[int], Trial | None],
         return (t is not None and t.spill_bytes == 0
                 and t.simulation.makespan_s <= (1 + AUTO_TOLERANCE) * t.simulation.compute_s)
 
-    def tell(points: list[int]) -> None:
-        if ahead is not None:
-            ahead([j for j in dict.fromkeys(points) if 0 <= j < count and j not in seen]
-                  [:AHEAD_POINTS])
-
     i = start
-    tell([start, start + first, start + 2 * first, start - first])
     makespan(i)
     known = [j for j in seen if j != i and makespan(j) < makespan(i)]
     if known:  # a point known already beats the start: the best lies towards it
@@ -323,14 +241,13 @@ def climb(count: int, start: int, trial_at: Callable[[int], Trial | None],
     else:
         steps = (first, -first) if makespan(i) < math.inf else (1, -1)
     while not done(i):
-        for k, step in enumerate(steps):
+        for step in steps:
             j = i + step
             if not 0 <= j < count:
                 continue
             goal = makespan(i) * (1 - AUTO_TOLERANCE)
             if j not in seen and bound_at is not None and bound_at(j) >= goal:
                 continue
-            tell([j, j + step, j + 2 * step, *(i + s for s in steps[k + 1:])])
             if makespan(j) < goal:
                 i, steps = j, (step,)  # unimodal: keep going this way
                 break

@@ -21,11 +21,10 @@ tiering each, a quarter of the climbs' probes).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 from typing import Callable
 
-from einpage.compiler import ahead, search
+from einpage.compiler import search
 from einpage.compiler.lower_options import LowerOptions
 from einpage.compiler.lowering import lower
 from einpage.compiler.report import Traffic
@@ -50,38 +49,16 @@ def climb_tiered(trials: search.Trials, best: search.Trial, tiered: Tiered, star
     profile = trials.profile
     opts = _options_of(trials, best)
     shares = search.FINE_ROOM_SHARES
-    # the fastest so far: (its tiering, its trial) with their plans, or (where a child weighed
-    # it: `compiler.ahead`) its figures and resident set, lowered and tiered again at the end
-    chosen: list = [(tiered, best)]
+    chosen = [(tiered, best)]  # the fastest so far; only it keeps its plan
     seen: dict[frozenset, search.Trial | None] = {best.resident: _light(best, tiered)}
-    speculation = ahead.Speculation(len(trials.tg.tasks))
-
-    def weigh(resident: frozenset) -> tuple[Tiered, search.Trial]:
-        mg = lower(trials.tg, trials.order, replace(opts, resident=resident))
-        return _tiered(trials, opts, best, resident, mg, host_bytes)
-
-    def figures(resident: frozenset) -> search.Trial | None:
-        """What a child sends: the trial as the climb weighs it (None: it does not fit)."""
-        try:
-            other, plan = weigh(resident)
-        except BudgetError:
-            return None
-        return replace(_light(plan, other), base=None)
 
     def trial_at(i: int) -> search.Trial | None:
         resident = set_at(shares[i])
         if resident not in seen:
             seen[resident] = None
-            got = speculation.take(resident)
-            if ahead.taken(got):
-                if got is None:
-                    return None
-                seen[resident] = got
-                if got.simulation.makespan_s < chosen[0][0].simulation.makespan_s:
-                    chosen[0] = (got, resident)
-                return got
             try:
-                other, plan = weigh(resident)
+                mg = lower(trials.tg, trials.order, replace(opts, resident=resident))
+                other, plan = _tiered(trials, opts, best, resident, mg, host_bytes)
             except BudgetError:  # too little room for the pass, or for its host needs
                 return None
             seen[resident] = _light(plan, other)
@@ -92,20 +69,10 @@ def climb_tiered(trials: search.Trials, best: search.Trial, tiered: Tiered, star
     def bound(i: int) -> float:
         return max(0, streamed_at(shares[i]) - host_bytes) / profile.disk_bandwidth
 
-    def lower_ahead(points: list[int]) -> None:
-        sets = dict.fromkeys(set_at(shares[i]) for i in points)
-        speculation.want([(r, functools.partial(figures, r)) for r in sets if r not in seen])
-
-    try:
-        search.climb(len(shares), shares.index(start), trial_at, bound_at=bound, first=-1,
-                     ahead=lower_ahead)
-    finally:
-        speculation.stop()
+    search.climb(len(shares), shares.index(start), trial_at, bound_at=bound, first=-1)
     other, plan = chosen[0]
     if other.simulation.makespan_s >= tiered.simulation.makespan_s * (1 - search.AUTO_TOLERANCE):
         return tiered, best
-    if isinstance(plan, frozenset):  # weighed by a child: its plan and tiering made here
-        return weigh(plan)
     return other, plan
 
 
@@ -130,6 +97,18 @@ def weights_first_tiered(trials: search.Trials, best: search.Trial, tiered: Tier
     if other.simulation.makespan_s >= tiered.simulation.makespan_s:
         return tiered, best
     return other, plan
+
+
+def with_plan(trials: search.Trials, trial: search.Trial) -> search.Trial:
+    """`trial` with its plan: lowered and simulated again, as it was, where its plan was
+    dropped (a faster trial had won)."""
+    if trial.memgraph is not None:
+        return trial
+    opts = _options_of(trials, trial)
+    mg = lower(trials.tg, trials.order, replace(opts, resident=trial.resident))
+    sim = simulate(mg, trials.profile, node_seconds(mg, trials.profile, opts.task_seconds),
+                   verify=False)
+    return replace(trial, memgraph=mg, simulation=sim)
 
 
 def _options_of(trials: search.Trials, best: search.Trial) -> LowerOptions:
@@ -158,4 +137,4 @@ def _light(plan: search.Trial, tiered: Tiered) -> search.Trial:
     return search.without_plan(replace(plan, simulation=tiered.simulation))
 
 
-__all__ = ["climb_tiered", "weights_first_tiered"]
+__all__ = ["climb_tiered", "weights_first_tiered", "with_plan"]
