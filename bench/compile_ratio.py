@@ -10,6 +10,7 @@ the working tree, alternating, `--repeats` rounds), and reports the compiler's o
     python bench/compile_ratio.py --base 2f898f6               # every case, one round
     python bench/compile_ratio.py --base 2f898f6 --repeats 3 --only "llama-13b"
     python bench/compile_ratio.py --base 2f898f6 --json rows.json
+    python bench/compile_ratio.py --base HEAD --flags="--policy lru"   # a flag, side by side
 
 The base commit is checked out into a temporary git worktree and run from there (its own CLI, its
 own options); the case list is this tree's. A case the base cannot run (a model or flag it did not
@@ -53,6 +54,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=1, help="rounds per case (median taken)")
     ap.add_argument("--only", help="only the cases whose flags contain this text")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--base-flags", default="", help="more flags for the base's runs")
+    ap.add_argument("--flags", default="", help="more flags for this tree's runs")
     args = ap.parse_args(argv)
     cases = [c for c in CASES if args.only is None or args.only in c.flags]
     rows = []
@@ -65,8 +68,9 @@ def main(argv=None) -> None:
                 times: dict[str, list[float]] = {"base": [], "now": []}
                 error = None
                 for _ in range(args.repeats):
-                    for name, tree in (("base", base), ("now", ROOT)):
-                        s, err = compile_seconds(tree, case.argv)
+                    for name, tree, more in (("base", base, args.base_flags),
+                                             ("now", ROOT, args.flags)):
+                        s, err = compile_seconds(tree, [*case.argv, *more.split()])
                         if s is None:
                             error = error or f"{name}: {err}"
                         else:
@@ -82,8 +86,8 @@ def main(argv=None) -> None:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
                            capture_output=True)
     done = sorted((r for r in rows if "ratio" in r), key=lambda r: r["ratio"])
-    print(f"compile seconds: base {args.base} against this tree, side by side, median of "
-          f"{args.repeats} round(s)\n")
+    print(f"compile seconds: base {args.base} {args.base_flags} against this tree "
+          f"{args.flags}, side by side, median of {args.repeats} round(s)\n")
     print("| case | base s | now s | ratio |")
     print("|---|---|---|---|")
     for r in done:
