@@ -43,6 +43,18 @@ def test_the_valid_taskgraph_has_the_shape_the_corruptions_assume():
     assert tg.deps == ((), (0,), (), (2,), (0, 1, 2, 3), (4,))
 
 
+def test_the_blocks_each_task_touches_and_reads_each_once_in_order():
+    """`TaskGraph.touched` (reads, then the write) and `read_once` (the reads), each block
+    once, in the order the task names them: what the lowering walks per task."""
+    tg = _valid_taskgraph()
+    assert tg.touched == ((2, 6, 0), (3, 7, 0), (4, 6, 1), (5, 7, 1), (0, 1, 9), (9, 8))
+    assert tg.read_once == tuple(t.reads for t in tg.tasks)
+    # a task reading one block twice (x * x), and one accumulating into a block it reads
+    twice = _tasks(tg, t5=dict(reads=(9, 9)), t1=dict(reads=(0, 3, 0)))
+    assert twice.touched[5] == (9, 8) and twice.read_once[5] == (9,)
+    assert twice.touched[1] == (0, 3) and twice.read_once[1] == (0, 3)
+
+
 def _tasks(tg: TaskGraph, **changes: dict) -> TaskGraph:
     """`_tasks(tg, t3=dict(write=0))`: tg with task 3 replaced by one with those fields."""
     tasks = list(tg.tasks)
