@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -54,8 +55,10 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=1, help="rounds per case (median taken)")
     ap.add_argument("--only", help="only the cases whose flags contain this text")
     ap.add_argument("--json", help="also write the rows here")
-    ap.add_argument("--base-flags", default="", help="more flags for the base's runs")
-    ap.add_argument("--flags", default="", help="more flags for this tree's runs")
+    ap.add_argument("--base-flags", default="",
+                    help='more flags for the base\'s runs (--base-flags="--policy lru")')
+    ap.add_argument("--flags", default="",
+                    help='more flags for this tree\'s runs (--flags="--policy lru")')
     args = ap.parse_args(argv)
     cases = [c for c in CASES if args.only is None or args.only in c.flags]
     rows = []
@@ -70,7 +73,7 @@ def main(argv=None) -> None:
                 for _ in range(args.repeats):
                     for name, tree, more in (("base", base, args.base_flags),
                                              ("now", ROOT, args.flags)):
-                        s, err = compile_seconds(tree, [*case.argv, *more.split()])
+                        s, err = compile_seconds(tree, [*case.argv, *shlex.split(more)])
                         if s is None:
                             error = error or f"{name}: {err}"
                         else:
@@ -86,8 +89,10 @@ def main(argv=None) -> None:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
                            capture_output=True)
     done = sorted((r for r in rows if "ratio" in r), key=lambda r: r["ratio"])
-    print(f"compile seconds: base {args.base} {args.base_flags} against this tree "
-          f"{args.flags}, side by side, median of {args.repeats} round(s)\n")
+    base_text = " ".join([args.base, *shlex.split(args.base_flags)])
+    now_text = " ".join(["this tree", *shlex.split(args.flags)])
+    print(f"compile seconds: base {base_text} against {now_text}, side by side, median of "
+          f"{args.repeats} round(s)\n")
     print("| case | base s | now s | ratio |")
     print("|---|---|---|---|")
     for r in done:

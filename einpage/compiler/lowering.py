@@ -207,9 +207,10 @@ class _Lowering:
 
     # ------------------------------------------------------------ reservation
     def _needs(self, p: int, own: bool = True) -> list[int]:
-        """The blocks task `p` needs placed (`own`: its reads and write not on the device; and
-        the blocks of a group the policy keeps together that starts at `p`, pinned here the
-        first time), unordered (`_by_size` orders them for placing)."""
+        """The blocks task `p` needs placed: (`own`) its reads and write not on the device,
+        then, the first time `p` is asked for, the blocks not on the device of a group the
+        policy keeps together that starts at `p` (the group pinned then). Not sorted:
+        `_by_size` orders them for placing."""
         blocks = self.blocks
         need = [b for b in self.touched[p] if blocks[b].offset is None] if own else []
         for g in self.group_at.get(p, ()):  # a group the policy keeps together starts here
@@ -492,7 +493,7 @@ class _Lowering:
         for b in sorted(self.live):
             if blocks[b].pins == 0:
                 self._evict(b)
-        own = list(dict.fromkeys((*t.reads, t.write)))
+        own = self.touched[p]
         got = self._try_all(need)
         if got is None:
             for b in own:
@@ -600,7 +601,7 @@ class _Lowering:
         else:
             deps.update(self.pending.pop(w).deps)
         reads = tuple([Access(b, blocks[b].offset) for b in t.reads])
-        nid = self.emit(ApplyNode(len(self.nodes), reads, Access(w, ws.offset),
+        nid = self.emit(ApplyNode(self._next_id(), reads, Access(w, ws.offset),
                                   t.accumulate, t.op, tuple(sorted(deps)), task=t.id))
         for b in self.read_once[p]:
             st = blocks[b]
