@@ -53,6 +53,7 @@ waits until every host writer of the block has run). Every writer of a block run
 from __future__ import annotations
 
 import bisect
+import weakref
 from dataclasses import dataclass, field
 
 from einpage.compiler.allocator import Allocation, Allocator, aligned
@@ -585,6 +586,8 @@ class _Lowering:
                                   tuple(sorted(deps)), task=t.id, on="host"))
         ws.host_node, ws.host_valid = nid, True
         self.host_pending[w] -= 1
+        if not self.host_pending[w]:  # (once every host task ran, reservations ask nothing)
+            del self.host_pending[w]
 
     def execute(self, p: int) -> None:
         t = self.at[p]
@@ -695,10 +698,25 @@ class _Lowering:
                 outputs.append(OutputRef(b, "device", offset, o.name, o.origin))
             else:
                 outputs.append(OutputRef(b, "host", None, o.name, o.origin))
-        tensors = tuple(TensorInfo(b.id, b.bytes, b.dtype, b.shape, b.name, b.role, b.source,
-                                   block=b.id, storage=b.storage) for b in tg.blocks)
-        return MemGraph(self.opt.device_bytes, tensors, tuple(nodes), tuple(outputs),
+        return MemGraph(self.opt.device_bytes, _tensors(tg), tuple(nodes), tuple(outputs),
                         tg.inputs, tg.results, graph=tg)
+
+
+#: id(taskgraph) -> the tensors its memgraphs list (a search lowers one taskgraph dozens of
+#: times; dropped with the taskgraph)
+_TENSORS: dict[int, tuple[TensorInfo, ...]] = {}
+
+
+def _tensors(tg: TaskGraph) -> tuple[TensorInfo, ...]:
+    """The tensors a memgraph of `tg` lists: one per block, the same tuple for every lowering
+    of `tg`."""
+    got = _TENSORS.get(id(tg))
+    if got is None:
+        got = _TENSORS[id(tg)] = tuple(
+            TensorInfo(b.id, b.bytes, b.dtype, b.shape, b.name, b.role, b.source, block=b.id,
+                       storage=b.storage) for b in tg.blocks)
+        weakref.finalize(tg, _TENSORS.pop, id(tg), None)
+    return got
 
 
 def lower(tg: TaskGraph, order: list[int], options: LowerOptions) -> MemGraph:
