@@ -53,17 +53,17 @@ waits until every host writer of the block has run). Every writer of a block run
 from __future__ import annotations
 
 import bisect
-import weakref
 from dataclasses import dataclass, field
 
 from einpage.compiler.allocator import Allocation, Allocator, aligned
+from einpage.compiler.evict_window import cheapest_window
 from einpage.compiler.lower_options import LowerOptions
 from einpage.compiler.order import check_order
 from einpage.compiler.writebacks import keep_idle_outputs
 from einpage.compiler.policies import Candidate, Group
 from einpage.errors import BudgetError, PlanError
 from einpage.ir.memgraph import (ALIGNMENT, Access, ApplyNode, FreeNode, InputNode, MemGraph,
-                                 OffloadNode, OutputRef, ReloadGuard, ReloadNode, TensorInfo)
+                                 OffloadNode, OutputRef, ReloadGuard, ReloadNode, block_tensors)
 from einpage.ir.ops import op_text
 from einpage.ir.taskgraph import TaskGraph, reload_guards
 from einpage.ir.tensors import PERSISTENT_ROLES
@@ -410,13 +410,10 @@ class _Lowering:
         return items
 
     def _make_room(self, block: int, p: int, far: bool = False) -> Allocation | None:
-        """Evict the cheapest contiguous window that frees `blocks[block].size` bytes: over the
-        arena's items by offset (free segments, and blocks none of the tasks reserved pins),
-        each window from an item to the first item past which it spans the size, the least
-        (combined cost of its blocks, offset). Two pointers walk each run of adjacent such
-        items (a window's right end never moves left as its left end moves right), and each
-        window's costs are a slice of one list, combined in order, so the choice is that of
-        trying every window. `far`: of the blocks, only far ones (`_far`: reserving ahead)."""
+        """Evict the cheapest contiguous window that frees `blocks[block].size` bytes
+        (`evict_window.cheapest_window`: over the arena's free segments and the blocks none of
+        the tasks reserved pins, each priced by the policy's `score`), and place the block
+        there. `far`: of the blocks, only far ones (`_far`: reserving ahead)."""
         if not self.policy.evicts:
             return None
         blocks = self.blocks
@@ -439,33 +436,10 @@ class _Lowering:
                 else:
                     ok[k] = False
             before[k + 1] = len(costs)
-        best = None
-        combine = self.policy.combine
-        left = 0
-        while left < n:
-            if not ok[left]:
-                left += 1
-                continue
-            end = left  # the run of adjacent evictable items from `left`: [left, end]
-            while end + 1 < n and ok[end + 1] and items[end + 1][0] == items[end][1]:
-                end += 1
-            right = left
-            for lo in range(left, end + 1):
-                start = items[lo][0]
-                if right < lo:
-                    right = lo
-                while right <= end and items[right][1] - start < need:
-                    right += 1
-                if right > end:
-                    break  # later windows of the run start higher: none spans the size
-                window = costs[before[lo]:before[right + 1]]
-                key = (combine(window) if window else 0.0, start)
-                if best is None or key < best[0]:
-                    best = (key, lo, right)
-            left = end + 1
-        if best is None:
+        window = cheapest_window(items, ok, costs, before, need, self.policy.combine)
+        if window is None:
             return None
-        _, left, right = best
+        left, right = window
         for _, _, b in items[left:right + 1]:
             if b is not None:
                 self._evict(b)
@@ -698,25 +672,8 @@ class _Lowering:
                 outputs.append(OutputRef(b, "device", offset, o.name, o.origin))
             else:
                 outputs.append(OutputRef(b, "host", None, o.name, o.origin))
-        return MemGraph(self.opt.device_bytes, _tensors(tg), tuple(nodes), tuple(outputs),
+        return MemGraph(self.opt.device_bytes, block_tensors(tg), tuple(nodes), tuple(outputs),
                         tg.inputs, tg.results, graph=tg)
-
-
-#: id(taskgraph) -> the tensors its memgraphs list (a search lowers one taskgraph dozens of
-#: times; dropped with the taskgraph)
-_TENSORS: dict[int, tuple[TensorInfo, ...]] = {}
-
-
-def _tensors(tg: TaskGraph) -> tuple[TensorInfo, ...]:
-    """The tensors a memgraph of `tg` lists: one per block, the same tuple for every lowering
-    of `tg`."""
-    got = _TENSORS.get(id(tg))
-    if got is None:
-        got = _TENSORS[id(tg)] = tuple(
-            TensorInfo(b.id, b.bytes, b.dtype, b.shape, b.name, b.role, b.source, block=b.id,
-                       storage=b.storage) for b in tg.blocks)
-        weakref.finalize(tg, _TENSORS.pop, id(tg), None)
-    return got
 
 
 def lower(tg: TaskGraph, order: list[int], options: LowerOptions) -> MemGraph:

@@ -20,6 +20,7 @@ copy, which the input blocks of it then read) carry the tensors that cross ranks
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -55,6 +56,23 @@ class TensorInfo:
     source: Source | None = None
     block: int | None = None  # provenance: the block of the plan's graph this tensor is
     storage: Storage | None = None  # packed weight or KV bytes (`einpage.ir.storage`)
+
+
+#: id(taskgraph) -> its `block_tensors` (a compile's search lowers one taskgraph dozens of
+#: times; dropped with the taskgraph)
+_BLOCK_TENSORS: dict[int, tuple[TensorInfo, ...]] = {}
+
+
+def block_tensors(tg: TaskGraph) -> tuple[TensorInfo, ...]:
+    """The tensors a memgraph lowered from `tg` lists: one per block, made once per taskgraph
+    (the same tuple for every plan of it)."""
+    got = _BLOCK_TENSORS.get(id(tg))
+    if got is None:
+        got = _BLOCK_TENSORS[id(tg)] = tuple(
+            TensorInfo(b.id, b.bytes, b.dtype, b.shape, b.name, b.role, b.source, block=b.id,
+                       storage=b.storage) for b in tg.blocks)
+        weakref.finalize(tg, _BLOCK_TENSORS.pop, id(tg), None)
+    return got
 
 
 @dataclass(frozen=True, slots=True)
